@@ -1,0 +1,3 @@
+from opengem.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,170 @@
+"""``opengem`` command line: one sub-command per stage, no logic of its own.
+
+    opengem generate --preset P --out DIR [--seed N] [key=value …]
+    opengem train    --recipe R --data DIR --out RUN [--resume] [key=value …]
+    opengem evaluate --run RUN --data DIR [--split test] [--json FILE]
+    opengem demo     [--out DIR]          generate demo → train demo → evaluate, prints a table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("opengem")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="opengem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quiet", action="store_true", help="no progress bars, warnings only")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="write a synthetic ads world as Parquet shards")
+    g.add_argument("--preset", default="demo")
+    g.add_argument("--out", required=True)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("overrides", nargs="*", help="world config overrides key=value")
+
+    t = sub.add_parser("train", help="train a GEM foundation model")
+    t.add_argument("--recipe", default="demo")
+    t.add_argument("--data", required=True)
+    t.add_argument("--out", required=True)
+    t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    t.add_argument("overrides", nargs="*", help="config overrides key=value (e.g. optim.lr=1e-3)")
+
+    e = sub.add_parser("evaluate", help="evaluate a run on a split")
+    e.add_argument("--run", required=True)
+    e.add_argument("--data", required=True)
+    e.add_argument("--split", default="test")
+    e.add_argument("--json", default=None, help="write the evaluation JSON here")
+    e.add_argument("--batch-size", type=int, default=4096)
+
+    d = sub.add_parser("demo", help="the main job: generate, train and evaluate the demo world")
+    d.add_argument("--out", default="./opengem-demo")
+    d.add_argument("--preset", default="demo", help="world preset and recipe (tiny for a smoke run)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("overrides", nargs="*", help="training config overrides key=value")
+    return p
+
+
+def _overrides(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise SystemExit(f"opengem: override {item!r} must look like key=value")
+        k, v = item.split("=", 1)
+        out[k] = v
+    return out
+
+
+def cmd_generate(args) -> dict:
+    from opengem.data.synthetic import generate, world_config
+
+    cfg = world_config(args.preset, seed=args.seed, **_overrides(args.overrides))
+    t0 = time.perf_counter()
+    manifest = generate(cfg, args.out, progress=not args.quiet)
+    rows = sum(f.rows for f in manifest.files)
+    log.info("wrote %d rows in %d shards to %s in %.1f s", rows, len(manifest.files), args.out, time.perf_counter() - t0)
+    return {"rows": rows, "shards": len(manifest.files), "out": args.out}
+
+
+def cmd_train(args) -> dict:
+    from opengem.config import apply_overrides
+    from opengem.recipes import recipe
+    from opengem.train.trainer import train
+
+    cfg = apply_overrides(recipe(args.recipe), list(args.overrides))
+    if args.quiet:
+        cfg.train.progress = False
+    final = train(cfg, args.data, args.out, resume=args.resume)
+    log.info("trained %d steps (%d examples) in %.1f s", final["steps"], final["examples"], final["wall_s"])
+    return final
+
+
+def cmd_evaluate(args) -> dict:
+    from opengem.evaluation.evaluate import evaluate_run
+
+    out = evaluate_run(args.run, args.data, args.split, args.batch_size, progress=not args.quiet)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2, default=_json_default))
+    print(format_table(out["metrics"]))
+    return out
+
+
+def cmd_demo(args) -> dict:
+    from opengem.config import apply_overrides
+    from opengem.data.synthetic import generate, world_config
+    from opengem.evaluation.evaluate import evaluate_run
+    from opengem.recipes import recipe
+    from opengem.train.trainer import train
+
+    out = Path(args.out)
+    data, run = out / "data", out / "run"
+    times = {}
+    t0 = time.perf_counter()
+    generate(world_config(args.preset, seed=args.seed), data, progress=not args.quiet)
+    times["generate_s"] = time.perf_counter() - t0
+    cfg = apply_overrides(recipe(args.preset), list(args.overrides))
+    cfg.train.progress = not args.quiet
+    t1 = time.perf_counter()
+    final = train(cfg, data, run)
+    times["train_s"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    ev = evaluate_run(run, data, cfg.data.eval_split, progress=not args.quiet)
+    times["evaluate_s"] = time.perf_counter() - t2
+    times["total_s"] = time.perf_counter() - t0
+    ev["train"] = {k: final[k] for k in ("steps", "examples", "examples_per_s", "parameters", "params_sha256")}
+    ev["times"] = times
+    (out / "evaluation.json").write_text(json.dumps(ev, indent=2, default=_json_default))
+    print(format_table(ev["metrics"]))
+    print(f"\nparameters {final['parameters']['total']:,} (dense {final['parameters']['dense']:,}); "
+          f"{final['examples']:,} examples at {final['examples_per_s']:,.0f}/s; "
+          + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))
+    print(f"wrote {out / 'evaluation.json'}")
+    return ev
+
+
+def _json_default(o):
+    if isinstance(o, float) and math.isnan(o):
+        return None
+    return str(o)
+
+
+def format_table(metrics: dict) -> str:
+    cols = ["ne", "auc", "gauc", "calibration", "logloss", "ne_bayes", "captured", "n"]
+    lines = [f"{'slice':<22}" + "".join(f"{c:>12}" for c in cols)]
+    for key in sorted(metrics):
+        m = metrics[key]
+        cells = []
+        for c in cols:
+            v = m.get(c)
+            cells.append(f"{'-':>12}" if v is None else (f"{v:>12,d}" if isinstance(v, int) else f"{v:>12.4f}"))
+        lines.append(f"{key:<22}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    from opengem.config import ConfigError
+    from opengem.data.parquet import DataError
+    from opengem.features.schema import SchemaError
+    from opengem.train.checkpoint import CheckpointError
+
+    try:
+        {"generate": cmd_generate, "train": cmd_train, "evaluate": cmd_evaluate, "demo": cmd_demo}[args.cmd](args)
+    except (ConfigError, DataError, SchemaError, CheckpointError, ValueError) as e:
+        print(f"opengem {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

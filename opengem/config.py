@@ -1,0 +1,191 @@
+"""One config tree of plain dataclasses, dotted overrides from the command line, validation.
+
+Module configs live beside their modules (``opengem.model.*.Config``); this file assembles the tree:
+
+    Config
+      recipe: str
+      model: GEMConfig        (opengem.model.foundation)
+      data:  DataConfig
+      optim: OptimConfig
+      train: TrainConfig
+
+``apply_overrides(cfg, ["optim.lr=3e-3", "model.wukong.num_layers=3"])`` parses values by the
+field's declared type and fails with the list of valid keys when a key is unknown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+
+from opengem.model.foundation import GEMConfig
+
+
+class ConfigError(ValueError):
+    """A config key or value is invalid; the message names it."""
+
+
+@dataclass
+class DataConfig:
+    batch_size: int = 512
+    shuffle: bool = True
+    seed: int = 0
+    train_split: str = "train"
+    eval_split: str = "test"
+    prefetch: int = 2  # batches collated ahead in a background thread (0 = synchronous)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.98)
+    warmup_steps: int = 100
+    schedule: str = "cosine"  # cosine | constant
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    sparse_lr: float = 0.05
+    sparse_eps: float = 1e-8
+
+    def validate(self) -> None:
+        if self.lr <= 0 or self.sparse_lr <= 0:
+            raise ConfigError(f"optim.lr and optim.sparse_lr must be > 0 (got {self.lr}, {self.sparse_lr})")
+        if self.schedule not in ("cosine", "constant"):
+            raise ConfigError(f"optim.schedule must be cosine or constant, got {self.schedule!r}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 1
+    max_steps: int = 0  # 0 = run the epochs through
+    stop_at: int = 0  # end early after this step, checkpointed, as if preempted; --resume continues the same schedule
+    log_every: int = 50
+    ckpt_every: int = 0  # 0 = only at the end
+    seed: int = 0
+    deterministic: bool = True
+    progress: bool = True
+    threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+
+    def validate(self) -> None:
+        if self.epochs < 1:
+            raise ConfigError(f"train.epochs must be >= 1, got {self.epochs}")
+        if self.max_steps < 0 or self.ckpt_every < 0 or self.stop_at < 0 or self.log_every < 1:
+            raise ConfigError("train.max_steps/stop_at/ckpt_every must be >= 0 and train.log_every >= 1")
+
+
+@dataclass
+class Config:
+    recipe: str = "custom"
+    model: GEMConfig = field(default_factory=GEMConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> "Config":
+        if self.data.batch_size < 1:
+            raise ConfigError(f"data.batch_size must be >= 1, got {self.data.batch_size}")
+        self.optim.validate()
+        self.train.validate()
+        self.model.validate()
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        return _from_dict(cls, d, "")
+
+
+def _from_dict(kind, d: dict, where: str):
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where or 'config'}: expected an object, got {d!r}")
+    hints = typing.get_type_hints(kind)
+    names = {f.name for f in dataclasses.fields(kind)}
+    unknown = set(d) - names
+    if unknown:
+        raise ConfigError(f"unknown config keys {sorted(where + k for k in unknown)}")
+    kwargs = {}
+    for k, v in d.items():
+        t = hints[k]
+        kwargs[k] = _from_dict(t, v, f"{where}{k}.") if dataclasses.is_dataclass(t) else _coerce(v, t, where + k)
+    return kind(**kwargs)
+
+
+def _coerce(v, t, key: str):
+    """Convert a JSON value or a command-line string to the declared type ``t``."""
+    origin = typing.get_origin(t)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        if v is None or (isinstance(v, str) and v.lower() in ("none", "null")):
+            return None
+        return _coerce(v, args[0], key)
+    if origin in (tuple, list):
+        if isinstance(v, str):
+            v = json.loads(v if v.startswith("[") else f"[{v}]")
+        args = typing.get_args(t)
+        inner = args[0] if args else str
+        out = [_coerce(x, inner, key) for x in v]
+        return tuple(out) if origin is tuple else out
+    if origin is dict:
+        if isinstance(v, str):
+            v = json.loads(v)
+        return dict(v)
+    try:
+        if t is bool:
+            if isinstance(v, str):
+                if v.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if v.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(v)
+            return bool(v)
+        if t is int:
+            if isinstance(v, float) and not v.is_integer():
+                raise ValueError(v)
+            return int(v)
+        if t is float:
+            return float(v)
+        if t is str:
+            return str(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: cannot read {v!r} as {t.__name__}") from None
+    return v
+
+
+def _keys(obj, prefix: str = "") -> list[str]:
+    out = []
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            out += _keys(v, f"{prefix}{f.name}.")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply ``key=value`` strings (dotted keys) in order; returns ``cfg`` (mutated) validated."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        obj = cfg
+        for p in parts[:-1]:
+            if not dataclasses.is_dataclass(obj) or not hasattr(obj, p):
+                raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(_keys(cfg))}")
+            obj = getattr(obj, p)
+        leaf = parts[-1]
+        if not dataclasses.is_dataclass(obj) or leaf not in {f.name for f in dataclasses.fields(obj)}:
+            raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(_keys(cfg))}")
+        if dataclasses.is_dataclass(getattr(obj, leaf)):
+            raise ConfigError(f"{key!r} is a section, not a value; set one of its fields")
+        t = typing.get_type_hints(type(obj))[leaf]
+        setattr(obj, leaf, _coerce(value.strip(), t, key))
+    return cfg.validate()

@@ -1,0 +1,211 @@
+"""Iterable, per-rank, resumable loader over a dataset's Parquet shards.
+
+Order: epoch by epoch; inside an epoch, days in order (one-pass, time-ordered training as in
+online ads training), the shards of one day in a seeded random order, and the rows of each shard
+in a seeded random permutation. Rank ``r`` of ``W`` reads shards ``r, r+W, …`` of that order, so no
+rank ever reads (or holds) another rank's shards, and only one shard is in memory at a time.
+
+``state_dict()`` is the position after the last row handed out: (epoch, shard cursor, row cursor).
+Loading it and iterating yields exactly the rows not yet yielded, in the same order and batching
+as an uninterrupted run, because every permutation is a pure function of (seed, epoch, shard).
+
+Bad rows are quarantined by ``validate_rows`` before collate: counted per reason, logged, and (if
+``quarantine_dir`` is set) written to a Parquet side file with a ``reason`` column.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from opengem.data.batch import Batch, CollateStats, collate, validate_rows
+from opengem.data.parquet import DatasetManifest, ShardInfo, read_shard
+from opengem.features.schema import FeatureSchema
+
+log = logging.getLogger(__name__)
+
+
+class ShardLoader:
+    def __init__(
+        self,
+        data_dir: str | Path,
+        split: str,
+        batch_size: int,
+        schema: FeatureSchema | None = None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        epochs: int = 1,
+        drop_last: bool = False,
+        max_seq_len: dict[str, int] | None = None,
+        quarantine_dir: str | Path | None = None,
+        prefetch: int = 0,
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, {world_size})")
+        self.data_dir = Path(data_dir)
+        self.schema = schema or FeatureSchema.load(self.data_dir)
+        self.manifest = DatasetManifest.load(self.data_dir)
+        self.split = split
+        self.files = self.manifest.split_files(split)
+        if not self.files:
+            raise ValueError(f"{data_dir}: split {split!r} has no shards")
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.shuffle, self.seed, self.epochs, self.drop_last = shuffle, seed, epochs, drop_last
+        self.max_seq_len = max_seq_len
+        self.quarantine_dir = Path(quarantine_dir) if quarantine_dir else None
+        self.prefetch = prefetch
+        self.columns = [c for c in self.schema.columns() if c]
+        self.stats = CollateStats()
+        self.quarantined: Counter = Counter()
+        self._pos = {"epoch": 0, "shard": 0, "row": 0}
+
+    # ------------------------------------------------------------------ order
+    def shard_order(self, epoch: int) -> list[ShardInfo]:
+        """This rank's shards for ``epoch``: days in order, shards of a day shuffled, then strided."""
+        out: list[ShardInfo] = []
+        days = sorted({f.day for f in self.files})
+        for day in days:
+            group = [f for f in self.files if f.day == day]
+            if self.shuffle:
+                perm = np.random.default_rng([self.seed, epoch, day]).permutation(len(group))
+                group = [group[i] for i in perm]
+            out += group
+        return out[self.rank :: self.world_size]
+
+    def _rows(self, epoch: int, shard_idx: int, n: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, epoch, shard_idx, 7919]).permutation(n)
+
+    @property
+    def rows_per_epoch(self) -> int:
+        return sum(f.rows for f in self.shard_order(0))
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {**self._pos, "seed": self.seed, "split": self.split, "rank": self.rank,
+                "world_size": self.world_size, "quarantined": dict(self.quarantined)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state.get("seed"), state.get("split")) != (self.seed, self.split):
+            raise ValueError(f"loader state is for seed/split {state.get('seed')}/{state.get('split')}, "
+                             f"this loader is {self.seed}/{self.split}")
+        self._pos = {k: int(state[k]) for k in ("epoch", "shard", "row")}
+        self.quarantined = Counter(state.get("quarantined", {}))
+
+    # ------------------------------------------------------------------ reading
+    def _read(self, info: ShardInfo) -> pa.Table:
+        table = read_shard(self.data_dir, info, self.columns)
+        keep, reasons, row_reason = validate_rows(table, self.schema)
+        if reasons:
+            for reason, n in reasons:
+                self.quarantined[reason] += n
+                log.warning("%s: quarantined %d rows: %s", info.path, n, reason)
+            self._write_quarantine(table, keep, row_reason, info)
+        # Quarantined rows are removed before the permutation, so positions stay deterministic.
+        return table.filter(pa.array(keep)) if not keep.all() else table
+
+    def _write_quarantine(self, table: pa.Table, keep: np.ndarray, row_reason: np.ndarray,
+                          info: ShardInfo) -> None:
+        if self.quarantine_dir is None:
+            return
+        self.quarantine_dir.mkdir(parents=True, exist_ok=True)
+        rows = table.filter(pa.array(~keep))
+        rows = rows.append_column("quarantine_reason", pa.array(list(row_reason[~keep]), pa.string()))
+        rows = rows.append_column("quarantine_shard", pa.array([info.path] * rows.num_rows))
+        pq.write_table(rows, self.quarantine_dir / f"{Path(info.path).stem}-rank{self.rank}.parquet")
+
+    def _batches(self) -> Iterator[tuple[pa.Table, dict]]:
+        """Yields (rows, position after them); rows of a batch may span shards."""
+        pending: list[pa.Table] = []
+        n_pending = 0
+        epoch, shard, row = self._pos["epoch"], self._pos["shard"], self._pos["row"]
+        while epoch < self.epochs:
+            order = self.shard_order(epoch)
+            while shard < len(order):
+                table = self._read(order[shard])
+                perm = self._rows(epoch, shard, table.num_rows)
+                while row < table.num_rows:
+                    take = min(self.batch_size - n_pending, table.num_rows - row)
+                    pending.append(table.take(pa.array(perm[row : row + take])))
+                    n_pending += take
+                    row += take
+                    if n_pending == self.batch_size:
+                        pos = _next_pos(epoch, shard, row, table.num_rows, len(order))
+                        yield _concat(pending), pos
+                        pending, n_pending = [], 0
+                shard, row = shard + 1, 0
+            epoch, shard = epoch + 1, 0
+        if pending and not self.drop_last:
+            yield _concat(pending), {"epoch": self.epochs, "shard": 0, "row": 0}
+
+    def __iter__(self) -> Iterator[Batch]:
+        def make(rows: pa.Table) -> Batch:
+            return collate(rows, self.schema, self.max_seq_len, self.stats)
+
+        if self.prefetch <= 0:
+            for rows, pos in self._batches():
+                batch = make(rows)
+                self._pos = pos
+                yield batch
+            return
+        yield from self._prefetched(make)
+
+    def _prefetched(self, make) -> Iterator[Batch]:
+        # Arrow and numpy release the GIL, so collating the next batch overlaps the training step.
+        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        done = object()
+
+        def work() -> None:
+            try:
+                for rows, pos in self._batches():
+                    if stop.is_set():
+                        return
+                    q.put((make(rows), pos))
+                q.put(done)
+            except BaseException as e:  # surfaced in the consumer, never swallowed
+                q.put(e)
+
+        t = threading.Thread(target=work, daemon=True)
+        t.start()
+        try:
+            while True:
+                item = q.get()
+                if item is done:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                batch, pos = item
+                self._pos = pos
+                yield batch
+        finally:
+            stop.set()
+            while t.is_alive():
+                try:
+                    q.get_nowait()
+                except queue.Empty:
+                    t.join(timeout=0.05)
+
+
+def _next_pos(epoch: int, shard: int, row: int, n_rows: int, n_shards: int) -> dict:
+    if row < n_rows:
+        return {"epoch": epoch, "shard": shard, "row": row}
+    if shard + 1 < n_shards:
+        return {"epoch": epoch, "shard": shard + 1, "row": 0}
+    return {"epoch": epoch + 1, "shard": 0, "row": 0}
+
+
+def _concat(tables: list[pa.Table]) -> pa.Table:
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)

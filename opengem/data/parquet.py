@@ -1,0 +1,130 @@
+"""Parquet shards and the dataset manifest.
+
+A dataset directory holds::
+
+    DIR/schema.json      the FeatureSchema
+    DIR/dataset.json     the manifest: files (path, day, rows), splits (day lists), source info
+    DIR/shards/*.parquet one impression per row; sequences as list<int64> columns
+
+Every producer (the synthetic world, the real-data adapters) writes this layout through
+``ShardWriter``; the loader reads it through ``DatasetManifest``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from opengem.features.schema import FeatureSchema, SchemaError
+
+MANIFEST = "dataset.json"
+
+
+class DataError(ValueError):
+    """A data file or manifest is unusable. The message names the file and the problem."""
+
+
+def list_array(values: np.ndarray, lengths: np.ndarray) -> pa.ListArray:
+    """A ``list<int64>`` (or float) Arrow column from flat values and per-row lengths, no copy of rows."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    if offsets[-1] != len(values):
+        raise ValueError(f"lengths sum to {offsets[-1]} but there are {len(values)} values")
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values))
+
+
+@dataclass
+class ShardInfo:
+    path: str  # relative to the dataset dir
+    day: int
+    rows: int
+
+
+@dataclass
+class DatasetManifest:
+    files: list[ShardInfo]
+    splits: dict[str, list[int]]
+    source: dict = field(default_factory=dict)
+
+    def split_files(self, split: str) -> list[ShardInfo]:
+        if split not in self.splits:
+            raise DataError(f"unknown split {split!r}; the manifest has {sorted(self.splits)}")
+        days = set(self.splits[split])
+        return [f for f in self.files if f.day in days]
+
+    def to_dict(self) -> dict:
+        return {"files": [vars(f) for f in self.files], "splits": self.splits, "source": self.source}
+
+    @classmethod
+    def load(cls, data_dir: str | Path) -> "DatasetManifest":
+        p = Path(data_dir) / MANIFEST
+        if not p.exists():
+            raise DataError(f"{data_dir}: no {MANIFEST} (not a dataset directory; run `opengem generate` first?)")
+        try:
+            d = json.loads(p.read_text())
+            files = [ShardInfo(**f) for f in d["files"]]
+            splits = {k: [int(x) for x in v] for k, v in d["splits"].items()}
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise DataError(f"{p}: malformed manifest ({e})") from e
+        return cls(files=files, splits=splits, source=d.get("source", {}))
+
+
+class ShardWriter:
+    """Writes shards into ``DIR/shards`` and, on ``close()``, the schema and manifest.
+
+    Shards are written to a temporary name and renamed, so a crash never leaves a truncated shard
+    under a name the manifest lists.
+    """
+
+    def __init__(self, out_dir: str | Path, schema: FeatureSchema, row_group_size: int = 16384):
+        self.out = Path(out_dir)
+        (self.out / "shards").mkdir(parents=True, exist_ok=True)
+        self.schema = schema
+        self.row_group_size = row_group_size
+        self.files: list[ShardInfo] = []
+
+    def write(self, table: pa.Table, name: str, day: int) -> ShardInfo:
+        missing = [c for c in self.schema.columns() if c not in table.column_names]
+        if missing:
+            raise SchemaError(f"shard {name}: missing columns {missing}")
+        rel = f"shards/{name}.parquet"
+        tmp = self.out / (rel + ".tmp")
+        pq.write_table(table, tmp, row_group_size=self.row_group_size, compression="zstd")
+        os.replace(tmp, self.out / rel)
+        info = ShardInfo(path=rel, day=int(day), rows=table.num_rows)
+        self.files.append(info)
+        return info
+
+    def close(self, splits: dict[str, list[int]], source: dict | None = None) -> DatasetManifest:
+        self.schema.save(self.out / "schema.json")
+        files = sorted(self.files, key=lambda f: (f.day, f.path))
+        manifest = DatasetManifest(files=files, splits=splits, source=source or {})
+        tmp = self.out / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest.to_dict(), indent=2))
+        os.replace(tmp, self.out / MANIFEST)
+        return manifest
+
+
+def read_shard(data_dir: str | Path, info: ShardInfo, columns: list[str]) -> pa.Table:
+    """Read one shard's columns; a missing, empty or truncated file is a ``DataError`` naming it."""
+    path = Path(data_dir) / info.path
+    if not path.exists():
+        raise DataError(f"{path}: listed in the manifest but missing")
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from e
+    have = set(pf.schema_arrow.names)
+    missing = [c for c in columns if c not in have]
+    if missing:
+        raise DataError(f"{path}: missing columns {missing}")
+    try:
+        return pf.read(columns=columns)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{path}: could not read ({e})") from e

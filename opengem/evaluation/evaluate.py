@@ -1,0 +1,65 @@
+"""Evaluate a training run on a split: exact metrics per (domain, task), plus the Bayes limit.
+
+NE is normalised by the *training* base rate of the same slice (He et al. 2014), read from
+``RUN/base_rates.json``. On synthetic data (true probabilities stored next to the labels) every
+slice also reports ``ne_bayes`` and ``captured = (1 − ne) / (1 − ne_bayes)``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from opengem.config import Config
+from opengem.data.loader import ShardLoader
+from opengem.evaluation.accumulator import MetricAccumulator
+from opengem.features.schema import FeatureSchema, SchemaError
+from opengem.model.build import build_gem, materialize
+from opengem.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+
+
+def load_run_model(run_dir: str | Path) -> tuple[torch.nn.Module, Config, FeatureSchema]:
+    """The trained model of a run (latest checkpoint), single process, in eval mode."""
+    run = Path(run_dir)
+    if not (run / "config.json").exists():
+        raise CheckpointError(f"{run}: no config.json (not a training run directory)")
+    cfg = Config.from_dict(json.loads((run / "config.json").read_text()))
+    schema = FeatureSchema.load(run / "schema.json")
+    ckpt = latest_checkpoint(run)
+    if ckpt is None:
+        raise CheckpointError(f"{run}: no checkpoint (did training finish?)")
+    model = materialize(build_gem(schema, cfg.model), "cpu")
+    load_checkpoint(ckpt, model, expect={"schema": schema.fingerprint()})
+    return model.eval(), cfg, schema
+
+
+@torch.no_grad()
+def evaluate_model(model, schema: FeatureSchema, data_dir: str | Path, split: str, base_rates: dict | None,
+                   batch_size: int = 4096, progress: bool = True, rank: int = 0, world_size: int = 1) -> dict:
+    loader = ShardLoader(data_dir, split, batch_size, schema, shuffle=False, epochs=1,
+                         max_seq_len=model.max_seq_len(), prefetch=2, rank=rank, world_size=world_size)
+    acc = MetricAccumulator(list(schema.domains.names), schema.task_names, base_rates)
+    n = 0
+    for batch in tqdm(loader, desc=f"evaluate {split}", unit="batch", disable=not progress):
+        probs = torch.sigmoid(model(batch).double())
+        acc.update(probs, batch.labels, batch.label_mask, batch.domain, batch.user_id, batch.true_probs)
+        n += batch.batch_size
+    acc.reduce()
+    return {"split": split, "rows": n, "metrics": acc.compute(), "quarantined": dict(loader.quarantined),
+            "repaired": loader.stats.as_dict()}
+
+
+def evaluate_run(run_dir: str | Path, data_dir: str | Path, split: str = "test", batch_size: int = 4096,
+                 progress: bool = True) -> dict:
+    model, cfg, schema = load_run_model(run_dir)
+    data_schema = FeatureSchema.load(data_dir)
+    if data_schema.fingerprint() != schema.fingerprint():
+        raise SchemaError(f"{data_dir}: its schema differs from the one run {run_dir} was trained on")
+    rates = json.loads((Path(run_dir) / "base_rates.json").read_text())
+    out = evaluate_model(model, schema, data_dir, split, rates, batch_size, progress)
+    out["run"] = str(run_dir)
+    out["recipe"] = cfg.recipe
+    return out

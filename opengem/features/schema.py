@@ -1,0 +1,286 @@
+"""FeatureSchema: the one place that says which columns exist and what they are.
+
+Data generation, the loader, the model, training, export and serving all read the schema. It is
+stored as ``schema.json`` next to the Parquet shards it describes.
+
+Column layout of a shard (one impression per row)::
+
+    user_id            int64            for gAUC grouping (also usable as a sparse feature)
+    request_ts         int64            seconds; the time of the impression
+    day                int32            simulated/logical day, used for splits
+    <domain.column>    int64            domain (surface) index in [0, len(domain.names))
+    <sparse.name>      list<int64> or int64   id(s) of a sparse feature; raw ids in [0, vocab_size)
+    <dense.name>       float32          one dense float
+    <stream>.item      list<int64>      behaviour sequence item ids, oldest → newest
+    <stream>.event     list<int64>      event type per event, in [0, num_event_types)
+    <stream>.ts        list<int64>      event timestamps (seconds), non-decreasing, all < request_ts
+    <task.label>       int8/float       0/1 label
+    <task.prob>        float            (synthetic worlds only) true probability the label was drawn with
+
+Out-of-range ids are not an error at read time: they map to the feature's OOV row (``vocab_size``)
+and are counted (see ``opengem.data.batch``). Structural problems (missing columns, wrong types,
+bad schema fields) are errors that name the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class SchemaError(ValueError):
+    """A schema, or data checked against a schema, is invalid. The message names the field."""
+
+
+@dataclass(frozen=True)
+class SparseFeature:
+    """A categorical feature. Raw ids are in ``[0, vocab_size)``; row ``vocab_size`` is the OOV row.
+
+    ``multi_hot`` features hold a list of ids per row (pooled by sum), others exactly one id.
+    ``group`` is "user", "ad" or "context": used by students, export and serving to know which
+    side of a request a feature comes from.
+    """
+
+    name: str
+    vocab_size: int
+    group: str = "user"
+    multi_hot: bool = False
+
+
+@dataclass(frozen=True)
+class DenseFeature:
+    """A float feature. NaN/inf are invalid (rejected or quarantined by the reader)."""
+
+    name: str
+    group: str = "user"
+
+
+@dataclass(frozen=True)
+class SequenceStream:
+    """One behaviour event stream (e.g. ad engagements, organic views).
+
+    Each event is (item id, event type, timestamp). ``max_len`` is the longest history the data
+    may hold; longer histories keep their most recent ``max_len`` events (counted).
+    """
+
+    name: str
+    item_vocab_size: int
+    num_event_types: int
+    max_len: int
+
+    @property
+    def item_column(self) -> str:
+        return f"{self.name}.item"
+
+    @property
+    def event_column(self) -> str:
+        return f"{self.name}.event"
+
+    @property
+    def ts_column(self) -> str:
+        return f"{self.name}.ts"
+
+
+@dataclass(frozen=True)
+class Task:
+    """A binary label. ``prob_column`` names the true probability (synthetic data only).
+
+    ``requires`` names another task whose positive label this one needs (conversion requires a
+    click); rows that break it are invalid.
+    """
+
+    name: str
+    label_column: str
+    prob_column: str | None = None
+    requires: str | None = None
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class Domains:
+    """The surfaces. ``column`` holds an index into ``names``."""
+
+    names: tuple[str, ...]
+    column: str = "domain"
+
+
+@dataclass(frozen=True)
+class FeatureSchema:
+    sparse: tuple[SparseFeature, ...]
+    dense: tuple[DenseFeature, ...]
+    sequences: tuple[SequenceStream, ...]
+    tasks: tuple[Task, ...]
+    domains: Domains
+    user_column: str = "user_id"
+    time_column: str = "request_ts"
+    day_column: str = "day"
+    version: int = SCHEMA_VERSION
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def task_names(self) -> list[str]:
+        return [t.name for t in self.tasks]
+
+    @property
+    def num_domains(self) -> int:
+        return len(self.domains.names)
+
+    def sparse_feature(self, name: str) -> SparseFeature:
+        for f in self.sparse:
+            if f.name == name:
+                return f
+        raise SchemaError(f"no sparse feature named {name!r}; have {[f.name for f in self.sparse]}")
+
+    def stream(self, name: str) -> SequenceStream:
+        for s in self.sequences:
+            if s.name == name:
+                return s
+        raise SchemaError(f"no sequence stream named {name!r}; have {[s.name for s in self.sequences]}")
+
+    def columns(self, with_probs: bool = True) -> list[str]:
+        """Every column a shard must hold (probability columns only if asked and declared)."""
+        cols = [self.user_column, self.time_column, self.day_column, self.domains.column]
+        cols += [f.name for f in self.sparse if f.name != self.user_column] + [f.name for f in self.dense]
+        for s in self.sequences:
+            cols += [s.item_column, s.event_column, s.ts_column]
+        cols += [t.label_column for t in self.tasks]
+        if with_probs:
+            cols += [t.prob_column for t in self.tasks if t.prob_column]
+        return cols
+
+    @property
+    def has_true_probs(self) -> bool:
+        return bool(self.tasks) and all(t.prob_column for t in self.tasks)
+
+    # --------------------------------------------------------------- validation
+    def validate(self) -> None:
+        names: set[str] = set()
+
+        def claim(name: str, what: str) -> None:
+            if not isinstance(name, str) or not _NAME.match(name):
+                raise SchemaError(f"{what} name {name!r} must match {_NAME.pattern}")
+            if name in names:
+                raise SchemaError(f"duplicate name {name!r} ({what})")
+            names.add(name)
+
+        for c in (self.time_column, self.day_column, self.domains.column):
+            claim(c, "reserved column")
+        if self.user_column not in {f.name for f in self.sparse}:  # the user id may double as a feature
+            claim(self.user_column, "reserved column")
+        for f in self.sparse:
+            claim(f.name, "sparse feature")
+            _positive_int(f.vocab_size, f"sparse feature {f.name!r} vocab_size")
+            if f.group not in ("user", "ad", "context"):
+                raise SchemaError(f"sparse feature {f.name!r}: group must be user/ad/context, got {f.group!r}")
+        for f in self.dense:
+            claim(f.name, "dense feature")
+            if f.group not in ("user", "ad", "context"):
+                raise SchemaError(f"dense feature {f.name!r}: group must be user/ad/context, got {f.group!r}")
+        for s in self.sequences:
+            claim(s.name, "sequence stream")
+            _positive_int(s.item_vocab_size, f"stream {s.name!r} item_vocab_size")
+            _positive_int(s.num_event_types, f"stream {s.name!r} num_event_types")
+            _positive_int(s.max_len, f"stream {s.name!r} max_len")
+        if not self.tasks:
+            raise SchemaError("schema needs at least one task")
+        task_names = {t.name for t in self.tasks}
+        for t in self.tasks:
+            claim(t.name, "task")
+            if t.label_column != t.name:
+                claim(t.label_column, f"task {t.name!r} label column")
+            if t.prob_column:
+                claim(t.prob_column, f"task {t.name!r} prob column")
+            if t.requires is not None and (t.requires not in task_names or t.requires == t.name):
+                raise SchemaError(f"task {t.name!r} requires unknown task {t.requires!r}")
+            if not (t.weight >= 0.0):
+                raise SchemaError(f"task {t.name!r} weight must be >= 0, got {t.weight}")
+        if not self.domains.names:
+            raise SchemaError("schema needs at least one domain")
+        if len(set(self.domains.names)) != len(self.domains.names):
+            raise SchemaError(f"duplicate domain names {self.domains.names}")
+        if not self.sparse and not self.dense:
+            raise SchemaError("schema needs at least one sparse or dense feature")
+        if self.version != SCHEMA_VERSION:
+            raise SchemaError(f"schema version {self.version} not supported (expected {SCHEMA_VERSION})")
+
+    # -------------------------------------------------------------- (de)serialise
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FeatureSchema":
+        if not isinstance(d, dict):
+            raise SchemaError(f"schema must be a JSON object, got {type(d).__name__}")
+        known = {"sparse", "dense", "sequences", "tasks", "domains", "user_column", "time_column",
+                 "day_column", "version", "meta"}
+        unknown = set(d) - known
+        if unknown:
+            raise SchemaError(f"unknown schema keys {sorted(unknown)}")
+        for key in ("sparse", "dense", "sequences", "tasks", "domains"):
+            if key not in d:
+                raise SchemaError(f"schema is missing {key!r}")
+        try:
+            return cls(
+                sparse=tuple(_build(SparseFeature, x, "sparse") for x in d["sparse"]),
+                dense=tuple(_build(DenseFeature, x, "dense") for x in d["dense"]),
+                sequences=tuple(_build(SequenceStream, x, "sequences") for x in d["sequences"]),
+                tasks=tuple(_build(Task, x, "tasks") for x in d["tasks"]),
+                domains=_build(Domains, {**d["domains"], "names": tuple(d["domains"]["names"])}, "domains"),
+                **{k: d[k] for k in ("user_column", "time_column", "day_column", "version", "meta") if k in d},
+            )
+        except (TypeError, KeyError) as e:
+            raise SchemaError(f"malformed schema: {e}") from e
+
+    @classmethod
+    def load(cls, path: str | Path) -> "FeatureSchema":
+        p = Path(path)
+        if p.is_dir():
+            p = p / "schema.json"
+        if not p.exists():
+            raise SchemaError(f"schema file not found: {p}")
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise SchemaError(f"{p}: not valid JSON ({e})") from e
+        return cls.from_dict(d)
+
+    def fingerprint(self) -> str:
+        """A short hash of the structural schema (not ``meta``), stored in checkpoints."""
+        import hashlib
+
+        d = self.to_dict()
+        d.pop("meta", None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _positive_int(v: object, what: str) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise SchemaError(f"{what} must be a positive integer, got {v!r}")
+
+
+def _build(kind: type, x: object, where: str):
+    if not isinstance(x, dict):
+        raise SchemaError(f"{where}: each entry must be an object, got {x!r}")
+    fields = set(kind.__dataclass_fields__)
+    unknown = set(x) - fields
+    if unknown:
+        raise SchemaError(f"{where}: unknown keys {sorted(unknown)} in {x!r}")
+    try:
+        return kind(**x)
+    except TypeError as e:
+        raise SchemaError(f"{where}: {e}") from e

@@ -1,0 +1,32 @@
+"""Build a model the way training, evaluation and teachers all do: meta → materialise → init.
+
+``opengem.parallel`` (sharding, FSDP2) slots in between ``build_gem`` and ``materialize``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opengem.features.schema import FeatureSchema
+from opengem.model.foundation import GEM, GEMConfig
+
+
+def build_gem(schema: FeatureSchema, cfg: GEMConfig) -> GEM:
+    """The model on the meta device: no memory, any size (a 1B-parameter preset builds instantly)."""
+    return GEM(schema, cfg, device="meta")
+
+
+def materialize(model: GEM, device: str | torch.device = "cpu", seed: int = 0,
+                base_rates: list[float] | None = None) -> GEM:
+    model.to_empty(device=device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.init_weights(base_rates)
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> dict[str, int]:
+    sparse = {id(p) for p in model.sparse_parameters()}
+    n_sparse = sum(p.numel() for p in model.parameters() if id(p) in sparse)
+    n_all = sum(p.numel() for p in model.parameters())
+    return {"total": n_all, "sparse": n_sparse, "dense": n_all - n_sparse}

@@ -1,0 +1,126 @@
+"""GEM: the foundation model, single-device, built from the schema and one ``GEMConfig``.
+
+Legend: B rows, n sparse features, F dense features, D dim, T tasks.
+
+    batch.sparse ─► SparseArch (EBC) ─► [B, n, D] ┐
+    batch.dense  ─► DenseArch        ─► [B, k, D] ├─ X_0 [B, n+k+1, D] ─┐
+    batch.domain ─► domain embedding ─► [B, 1, D] ┘                      ├─► InterFormer ─► Heads ─► logits [B, T]
+    batch.sequences ─► SparseArch (EC) + ages ─► per stream jagged [N, D] ┘   (Wukong ⇄ pyramid towers)
+
+Distribution never appears here: ``opengem.parallel`` (sharding) and the trainer wrap it from
+outside. Build on ``meta``, materialise with ``to_empty``, then call ``init_weights()``.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from opengem.data.batch import Batch
+from opengem.features.schema import FeatureSchema
+from opengem.model.heads import Heads, HeadsConfig
+from opengem.model.interaction_arch import WukongConfig, mlp
+from opengem.model.interformer import InterFormer, InterFormerConfig
+from opengem.model.sequence_arch import SequenceConfig
+from opengem.model.sparse_arch import SparseArch, SparseArchConfig
+
+
+@dataclass
+class GEMConfig:
+    embedding_dim: int = 32
+    dense_tokens: int = 1
+    max_seq_len: int = 0  # cap on every stream's history (most recent kept); 0 = the schema's max_len
+    use_sequences: bool = True  # False: ablation without sequence towers
+    sparse: SparseArchConfig = field(default_factory=SparseArchConfig)
+    wukong: WukongConfig = field(default_factory=WukongConfig)
+    sequence: SequenceConfig = field(default_factory=SequenceConfig)
+    interformer: InterFormerConfig = field(default_factory=InterFormerConfig)
+    heads: HeadsConfig = field(default_factory=HeadsConfig)
+
+    def validate(self) -> None:
+        if self.embedding_dim < 1 or self.dense_tokens < 1 or self.max_seq_len < 0:
+            raise ValueError("model.embedding_dim and model.dense_tokens must be >= 1, max_seq_len >= 0")
+        self.wukong.validate()
+        self.sequence.validate(self.embedding_dim)
+        self.interformer.validate()
+        self.heads.validate()
+
+
+def signed_log(x: torch.Tensor) -> torch.Tensor:
+    """sign(x)·log1p(|x|): keeps counts and standardised floats in one range (real logs vary)."""
+    return torch.sign(x) * torch.log1p(x.abs())
+
+
+class GEM(nn.Module):
+    def __init__(self, schema: FeatureSchema, cfg: GEMConfig, device: torch.device | str | None = None):
+        super().__init__()
+        cfg.validate()
+        self.schema, self.cfg = schema, cfg
+        D = cfg.embedding_dim
+        device = torch.device(device) if device is not None else None
+        with torch.device(device) if device is not None else nullcontext():
+            self.sparse_arch = SparseArch(schema, cfg.sparse, D, device)
+            F = len(schema.dense)
+            self.dense_arch = mlp([F, 4 * D, cfg.dense_tokens * D]) if F else None
+            self.domain_emb = nn.Embedding(schema.num_domains, D)
+            n_x = len(schema.sparse) + (cfg.dense_tokens if F else 0) + 1
+            self.streams = [s.name for s in schema.sequences] if cfg.use_sequences else []
+            self.interformer = InterFormer(n_x, D, len(self.streams), cfg.wukong, cfg.sequence, cfg.interformer)
+            feat = cfg.interformer.num_sum * D + len(self.streams) * cfg.interformer.tokens_per_stream * D
+            self.feature_dim = feat
+            self.heads = Heads(feat, schema, cfg.heads)
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def init_weights(self, base_rates: list[float] | None = None) -> None:
+        """(Re)initialise every parameter; call after ``to_empty`` when built on meta."""
+        for m in self.modules():
+            if m is self:
+                continue
+            if isinstance(m, nn.MultiheadAttention):
+                m._reset_parameters()
+            elif hasattr(m, "reset_parameters") and not isinstance(m, (SparseArch,)):
+                m.reset_parameters()
+        self.sparse_arch.init_weights()
+        if base_rates is not None:
+            self.heads.init_bias(base_rates)
+
+    def sparse_parameters(self) -> list[nn.Parameter]:
+        return self.sparse_arch.sparse_parameters()
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        sparse = {id(p) for p in self.sparse_parameters()}
+        return [p for p in self.parameters() if id(p) not in sparse]
+
+    # ------------------------------------------------------------------ forward
+    def max_seq_len(self) -> dict[str, int]:
+        """Per-stream history cap for ``collate`` (the loader applies it, never the model)."""
+        return {s.name: (min(self.cfg.max_seq_len, s.max_len) if self.cfg.max_seq_len else s.max_len)
+                for s in self.schema.sequences}
+
+    def features(self, batch: Batch) -> torch.Tensor:
+        """[B, feature_dim]: the representation the heads read (used for representation transfer)."""
+        B = batch.batch_size
+        tokens = [self.sparse_arch.forward_sparse(batch.sparse, B)]
+        if self.dense_arch is not None:
+            tokens.append(self.dense_arch(signed_log(batch.dense)).view(B, self.cfg.dense_tokens, -1))
+        tokens.append(self.domain_emb(batch.domain).unsqueeze(1))
+        x = torch.cat(tokens, dim=1)
+        seqs = []
+        if self.streams:
+            emb = self.sparse_arch.forward_sequences(batch.sequences)
+            ages = batch.seq_age.to_dict()
+            for tower, name in zip(self.interformer.towers, self.streams):
+                values, lengths = emb[name]
+                seqs.append((tower.embed(values, ages[name].values()), lengths))
+        x_sum, s_sum, _ = self.interformer(x, seqs)
+        parts = [x_sum.flatten(1)] + ([s_sum.flatten(1)] if s_sum is not None else [])
+        return torch.cat(parts, dim=1)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """logits [B, T] in schema task order."""
+        return self.heads(self.features(batch), batch.domain)
+

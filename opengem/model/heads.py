@@ -1,0 +1,99 @@
+"""Multi-domain × multi-task heads.
+
+Legend: B rows, F input features, T tasks, G domains (surfaces), H tower width.
+
+    trunk  : shared MLP  [B, F] → [B, H0]
+    tower_t: per-task MLP [B, H0] → [B, H]
+    output : per (domain, task) linear, selected by each row's domain → logit [B, T]
+
+The public record does not say how GEM specialises per surface (dossier §11.6). Our choice,
+``domain_mode``: ``output`` (default; shared towers, one output layer per (domain, task)),
+``shared`` (one output for all domains; the domain only enters as an input token).
+
+Conversion is rare, so by default it is trained on all impressions through the click head
+(ESMM-style, ``chain_required``): p(conversion) = p(click) · p(conversion | click). The head
+returns the logit of that product, so BCE-with-logits on conversion labels is exact and
+p(conversion) ≤ p(click) always holds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opengem.features.schema import FeatureSchema
+from opengem.model.interaction_arch import mlp
+
+
+@dataclass
+class HeadsConfig:
+    trunk_dims: tuple[int, ...] = (256, 128)
+    task_dims: tuple[int, ...] = (64,)
+    domain_mode: str = "output"  # output | shared
+    chain_required: bool = True
+    dropout: float = 0.0
+
+    def validate(self) -> None:
+        if self.domain_mode not in ("output", "shared"):
+            raise ValueError(f"model.heads.domain_mode must be output|shared, got {self.domain_mode!r}")
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 − exp(x)) for x < 0, stable at both ends."""
+    x = x.clamp(max=-1e-7)
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def chained_logit(parent_logit: torch.Tensor, cond_logit: torch.Tensor) -> torch.Tensor:
+    """logit(σ(parent) · σ(cond))."""
+    logp = F.logsigmoid(parent_logit) + F.logsigmoid(cond_logit)
+    return logp - log1mexp(logp)
+
+
+class Heads(nn.Module):
+    def __init__(self, in_dim: int, schema: FeatureSchema, cfg: HeadsConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tasks = schema.task_names
+        self.parent = [self.tasks.index(t.requires) if (t.requires and cfg.chain_required) else -1
+                       for t in schema.tasks]
+        if any(p >= t for t, p in enumerate(self.parent)):
+            raise ValueError(f"a task must come after the task it requires (tasks {self.tasks})")
+        G = schema.num_domains if cfg.domain_mode == "output" else 1
+        self.trunk = mlp([in_dim, *cfg.trunk_dims], cfg.dropout, last_act=True)
+        h0 = cfg.trunk_dims[-1] if cfg.trunk_dims else in_dim
+        self.towers = nn.ModuleList(mlp([h0, *cfg.task_dims], cfg.dropout, last_act=True) for _ in self.tasks)
+        h = cfg.task_dims[-1] if cfg.task_dims else h0
+        self.out_w = nn.Parameter(torch.empty(G, len(self.tasks), h))
+        self.out_b = nn.Parameter(torch.empty(G, len(self.tasks)))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.out_w, std=self.out_w.shape[-1] ** -0.5)
+        nn.init.zeros_(self.out_b)
+
+    def init_bias(self, base_rates: list[float]) -> None:
+        """Start each output at its task's base rate (conditional rate for chained tasks)."""
+        if len(base_rates) != len(self.tasks):
+            raise ValueError(f"got {len(base_rates)} base rates for tasks {self.tasks}")
+        with torch.no_grad():
+            for t, r in enumerate(base_rates):
+                if self.parent[t] >= 0:
+                    r = r / max(base_rates[self.parent[t]], 1e-6)
+                r = min(max(r, 1e-6), 1 - 1e-6)
+                self.out_b[:, t] = math.log(r / (1 - r))
+
+    def forward(self, feats_BF: torch.Tensor, domain_B: torch.Tensor) -> torch.Tensor:
+        h = self.trunk(feats_BF)
+        g = domain_B if self.cfg.domain_mode == "output" else torch.zeros_like(domain_B)
+        w, b = self.out_w[g], self.out_b[g]  # [B, T, H], [B, T]
+        raw = [(tower(h) * w[:, t]).sum(-1) + b[:, t] for t, tower in enumerate(self.towers)]
+        out: list[torch.Tensor] = []
+        for t, logit in enumerate(raw):
+            p = self.parent[t]
+            out.append(logit if p < 0 else chained_logit(out[p], logit))
+        return torch.stack(out, dim=1)

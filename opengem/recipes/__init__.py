@@ -1,0 +1,55 @@
+"""Named presets: the only place sizes are chosen. One dial from ``tiny`` to ``xl`` (≥ 1B params).
+
+Each recipe is a function returning a full ``Config``. The dial scales embedding dim, depth
+(Wukong/InterFormer layers), width (FM/LC tokens, FM rank, MLPs), attended tokens (recent window,
+pooled tokens) and batch size together, as Wukong's recipe suggests (grow depth first, then the rest).
+``tiny`` and ``demo`` match the synthetic world presets of the same name.
+"""
+
+from __future__ import annotations
+
+from opengem.config import Config, DataConfig, OptimConfig, TrainConfig
+from opengem.model.foundation import GEMConfig
+from opengem.model.heads import HeadsConfig
+from opengem.model.interaction_arch import WukongConfig
+from opengem.model.interformer import InterFormerConfig
+from opengem.model.sequence_arch import SequenceConfig
+from opengem.model.sparse_arch import SparseArchConfig
+
+# (D, layers, n_F=n_L, k, fmb mlp, heads, recent K, pooled M, trunk, batch, lr)
+_DIAL = {
+    "tiny": (16, 2, 4, 4, (64,), 2, 16, 2, (64, 32), 128, 3e-3),
+    "demo": (32, 2, 8, 8, (256,), 2, 32, 4, (256, 128), 512, 2e-3),
+    "small": (64, 3, 16, 16, (512, 512), 4, 64, 8, (512, 256), 1024, 1e-3),
+    "medium": (128, 4, 32, 24, (1024, 1024), 4, 128, 8, (1024, 512), 2048, 1e-3),
+    "large": (256, 6, 48, 48, (2048, 2048, 2048), 8, 256, 16, (2048, 1024), 4096, 1e-3),
+    "xl": (512, 8, 96, 96, (8192, 8192, 8192), 8, 512, 32, (4096, 2048), 8192, 5e-4),
+}
+# Tables are capped (ids hashed into this many rows) for the big presets so sparse size is explicit.
+_ROWS = {"tiny": 0, "demo": 0, "small": 0, "medium": 1_000_000, "large": 4_000_000, "xl": 8_000_000}
+
+
+def recipe(name: str) -> Config:
+    if name not in _DIAL:
+        raise ValueError(f"unknown recipe {name!r}; choose from {sorted(_DIAL)}")
+    D, layers, n, k, fmb, heads, K, M, trunk, bs, lr = _DIAL[name]
+    model = GEMConfig(
+        embedding_dim=D,
+        max_seq_len=max(4 * K, 256) if name in ("tiny", "demo") else 4096,
+        sparse=SparseArchConfig(max_rows_per_table=_ROWS[name]),
+        wukong=WukongConfig(num_layers=layers, num_fm=n, num_lc=n, fm_rank=k, mlp_dims=fmb),
+        sequence=SequenceConfig(num_heads=heads, recent_len=K, min_recent=min(8, K), num_pooled=M),
+        interformer=InterFormerConfig(),
+        heads=HeadsConfig(trunk_dims=trunk, task_dims=(max(32, trunk[-1] // 2),)),
+    )
+    return Config(
+        recipe=name,
+        model=model,
+        data=DataConfig(batch_size=bs),
+        optim=OptimConfig(lr=lr, warmup_steps=50 if name == "tiny" else 200),
+        train=TrainConfig(),
+    ).validate()
+
+
+def recipe_names() -> list[str]:
+    return list(_DIAL)

@@ -1,0 +1,64 @@
+"""Small, self-made schemas and random rows for tests and examples (no data files needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from opengem.data.parquet import list_array
+from opengem.features.schema import DenseFeature, Domains, FeatureSchema, SequenceStream, SparseFeature, Task
+
+
+def tiny_schema(num_domains: int = 2, with_probs: bool = True, streams: int = 2) -> FeatureSchema:
+    return FeatureSchema(
+        sparse=(SparseFeature("user_id", 50, "user"), SparseFeature("ad_id", 30, "ad"),
+                SparseFeature("category", 5, "ad"), SparseFeature("tags", 7, "user", multi_hot=True)),
+        dense=(DenseFeature("activity", "user"), DenseFeature("quality", "ad")),
+        sequences=tuple(SequenceStream(f"s{i}", 40, 3, 64) for i in range(streams)),
+        tasks=(Task("click", "click", "p_click" if with_probs else None),
+               Task("conversion", "conversion", "p_conversion" if with_probs else None, requires="click")),
+        domains=Domains(tuple(f"d{i}" for i in range(num_domains))),
+    )
+
+
+def random_table(schema: FeatureSchema, n: int, seed: int = 0, lengths: dict[str, np.ndarray] | None = None) -> pa.Table:
+    """``n`` valid random rows for ``schema``; ``lengths`` fixes per-stream history lengths."""
+    rng = np.random.default_rng(seed)
+    t0 = 1_700_000_000
+    req = t0 + rng.integers(0, 86400, n)
+    cols: dict[str, pa.Array] = {
+        schema.user_column: pa.array(rng.integers(0, 50, n)),
+        schema.time_column: pa.array(req),
+        schema.day_column: pa.array(np.zeros(n, dtype=np.int32)),
+        schema.domains.column: pa.array(rng.integers(0, schema.num_domains, n)),
+    }
+    for f in schema.sparse:
+        if f.multi_hot:
+            lens = rng.integers(0, 4, n)
+            cols[f.name] = list_array(rng.integers(0, f.vocab_size, int(lens.sum())), lens)
+        else:
+            cols[f.name] = pa.array(rng.integers(0, f.vocab_size, n))
+    for f in schema.dense:
+        cols[f.name] = pa.array(rng.normal(size=n).astype(np.float32))
+    for s in schema.sequences:
+        lens = lengths[s.name] if lengths and s.name in lengths else rng.integers(0, 20, n)
+        lens = np.asarray(lens, dtype=np.int64)
+        total = int(lens.sum())
+        # events strictly before the request, oldest first
+        gaps = rng.integers(1, 3600, total)
+        row = np.repeat(np.arange(n), lens)
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        rev = np.arange(total) - np.repeat(starts, lens)  # position inside row
+        age = (lens[row] - rev) * 600 + gaps % 600
+        cols[s.item_column] = list_array(rng.integers(0, s.item_vocab_size, total), lens)
+        cols[s.event_column] = list_array(rng.integers(0, s.num_event_types, total), lens)
+        cols[s.ts_column] = list_array((req[row] - age).astype(np.int64), lens)
+    p_click = rng.uniform(0.01, 0.3, n)
+    p_cvr = rng.uniform(0.0, 0.3, n)
+    click = (rng.uniform(size=n) < p_click).astype(np.int8)
+    conv = (click * (rng.uniform(size=n) < p_cvr)).astype(np.int8)
+    for t, y, p in zip(schema.tasks, [click, conv], [p_click, p_click * p_cvr]):
+        cols[t.label_column] = pa.array(y)
+        if t.prob_column:
+            cols[t.prob_column] = pa.array(p)
+    return pa.table(cols)

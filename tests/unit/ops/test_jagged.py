@@ -1,0 +1,70 @@
+import torch
+
+from opengem.ops.jagged import offsets_of, pool_attention, recent_window, row_ids, segment_softmax
+
+
+def _rows(values, lengths):
+    off = offsets_of(lengths).tolist()
+    return [values[off[b]:off[b + 1]] for b in range(len(lengths))]
+
+
+def test_row_ids_and_offsets():
+    lengths = torch.tensor([2, 0, 3])
+    assert row_ids(lengths).tolist() == [0, 0, 2, 2, 2]
+    assert offsets_of(lengths).tolist() == [0, 2, 2, 5]
+
+
+def test_segment_softmax_matches_per_row_softmax():
+    torch.manual_seed(0)
+    lengths = torch.tensor([3, 1, 0, 4])
+    scores = torch.randn(8, 2)
+    out = segment_softmax(scores, row_ids(lengths), 4)
+    for r, s in zip(_rows(out, lengths), _rows(scores, lengths)):
+        if len(s):
+            torch.testing.assert_close(r, torch.softmax(s, dim=0))
+
+
+def test_pool_attention_matches_dense_reference_values_and_grads():
+    torch.manual_seed(1)
+    B, M, D, H = 4, 3, 8, 2
+    lengths = torch.tensor([5, 0, 1, 2500])  # empty and very long rows
+    N = int(lengths.sum())
+    q = torch.randn(B, M, D, requires_grad=True)
+    k = torch.randn(N, D, requires_grad=True)
+    v = torch.randn(N, D, requires_grad=True)
+    out = pool_attention(q, k, v, lengths, H)
+    ref = []
+    for b, (kb, vb) in enumerate(zip(_rows(k, lengths), _rows(v, lengths))):
+        if len(kb) == 0:
+            ref.append(torch.zeros(M, D))
+            continue
+        qh = q[b].view(M, H, D // H).transpose(0, 1)
+        kh = kb.view(-1, H, D // H).transpose(0, 1)
+        vh = vb.view(-1, H, D // H).transpose(0, 1)
+        a = torch.softmax(qh @ kh.transpose(1, 2) / (D // H) ** 0.5, dim=-1) @ vh
+        ref.append(a.transpose(0, 1).reshape(M, D))
+    ref = torch.stack(ref)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad((out * g).sum(), (q, k, v))
+    grads_ref = torch.autograd.grad((ref * g).sum(), (q, k, v))
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_recent_window_right_aligned_and_masked():
+    lengths = torch.tensor([2, 0, 5])
+    values = torch.arange(7, dtype=torch.float32).unsqueeze(1)  # row0: 0,1  row2: 2..6
+    x, valid = recent_window(values, lengths, 3)
+    assert x.shape == (3, 3, 1)
+    assert valid.tolist() == [[False, True, True], [False, False, False], [True, True, True]]
+    assert x[0, :, 0].tolist() == [0, 0, 1]
+    assert x[2, :, 0].tolist() == [4, 5, 6]  # the three most recent, newest last
+    assert x[1].abs().sum() == 0
+
+
+def test_recent_window_never_pays_for_k_beyond_the_batch():
+    x, valid = recent_window(torch.zeros(3, 4), torch.tensor([1, 2]), 64)
+    assert x.shape == (2, 2, 4)
+    x, valid = recent_window(torch.zeros(0, 4), torch.tensor([0, 0]), 64)
+    assert x.shape == (2, 1, 4) and not valid.any()

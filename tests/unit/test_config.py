@@ -1,0 +1,42 @@
+import pytest
+
+from opengem.config import Config, ConfigError, apply_overrides
+from opengem.recipes import recipe, recipe_names
+
+
+def test_overrides_parse_by_declared_type():
+    cfg = apply_overrides(recipe("tiny"), ["optim.lr=0.01", "model.wukong.num_layers=3", "data.shuffle=false",
+                                           "model.wukong.mlp_dims=32,16", "model.wukong.cross_layer=dense"])
+    assert cfg.optim.lr == 0.01 and cfg.model.wukong.num_layers == 3 and cfg.data.shuffle is False
+    assert cfg.model.wukong.mlp_dims == (32, 16) and cfg.model.wukong.cross_layer == "dense"
+
+
+@pytest.mark.parametrize("item, message", [
+    ("optim.lrr=1", "unknown config key 'optim.lrr'"),
+    ("nonsense=1", "unknown config key 'nonsense'"),
+    ("optim=1", "unknown config key|is a section"),
+    ("model.wukong=3", "is a section"),
+    ("optim.lr", "must look like key=value"),
+    ("data.batch_size=ten", "cannot read 'ten' as int"),
+    ("data.batch_size=0", "batch_size must be >= 1"),
+    ("optim.lr=-1", "must be > 0"),
+    ("model.wukong.cross_layer=magic", "cross_layer must be"),
+    ("model.embedding_dim=15", "not divisible by"),
+    ("train.epochs=0", "epochs must be >= 1"),
+])
+def test_bad_overrides_name_the_problem(item, message):
+    with pytest.raises((ConfigError, ValueError), match=message):
+        apply_overrides(recipe("tiny"), [item])
+
+
+def test_round_trip_through_dict():
+    for name in recipe_names():
+        cfg = recipe(name)
+        assert Config.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match="unknown config keys"):
+        Config.from_dict({**recipe("tiny").to_dict(), "extra": 1})
+
+
+def test_unknown_recipe():
+    with pytest.raises(ValueError, match="unknown recipe 'huge'"):
+        recipe("huge")
