@@ -21,7 +21,7 @@ def materialize(model: GEM, device: str | torch.device = "cpu", seed: int = 0,
     model.to_empty(device=device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model.init_weights(base_rates)
+        model.init_weights(base_rates, seed)
     return model
 
 

@@ -75,7 +75,7 @@ class GEM(nn.Module):
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
-    def init_weights(self, base_rates: list[float] | None = None) -> None:
+    def init_weights(self, base_rates: list[float] | None = None, seed: int = 0) -> None:
         """(Re)initialise every parameter; call after ``to_empty`` when built on meta."""
         for m in self.modules():
             if m is self:
@@ -84,7 +84,7 @@ class GEM(nn.Module):
                 m._reset_parameters()
             elif hasattr(m, "reset_parameters") and not isinstance(m, (SparseArch,)):
                 m.reset_parameters()
-        self.sparse_arch.init_weights()
+        self.sparse_arch.init_weights(seed)
         if base_rates is not None:
             self.heads.init_bias(base_rates)
 

@@ -30,6 +30,27 @@ class SparseArchConfig:
     max_rows_per_table: int = 0  # 0 = no cap; otherwise ids are hashed (mod) into this many rows
 
 
+_INIT_BLOCK = 4096
+
+
+def table_init_slice(table: str, seed: int, std: float, r0: int, r1: int, c0: int, c1: int, dim: int) -> torch.Tensor:
+    """Rows [r0, r1) × columns [c0, c1) of table ``table``'s initial weights, N(0, std²).
+
+    Values are drawn in blocks of 4,096 rows from generators seeded by (seed, table, block), so any
+    shard (row-, column- or table-wise) computes its own slice without the whole table, and a
+    sharded model starts bit-identical to a single-process one.
+    """
+    import zlib
+
+    out = []
+    for block in range(r0 // _INIT_BLOCK, (r1 - 1) // _INIT_BLOCK + 1 if r1 > r0 else r0 // _INIT_BLOCK):
+        g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(table.encode())) * 65_537 + block)
+        vals = torch.randn(_INIT_BLOCK, dim, generator=g) * std
+        lo, hi = max(r0, block * _INIT_BLOCK), min(r1, (block + 1) * _INIT_BLOCK)
+        out.append(vals[lo - block * _INIT_BLOCK : hi - block * _INIT_BLOCK, c0:c1])
+    return torch.cat(out) if out else torch.zeros(0, c1 - c0)
+
+
 class SparseArch(nn.Module):
     def __init__(self, schema: FeatureSchema, cfg: SparseArchConfig, dim: int, device: torch.device | None = None):
         super().__init__()
@@ -64,9 +85,20 @@ class SparseArch(nn.Module):
     def num_sparse(self) -> int:
         return len(self.schema.sparse)
 
-    def init_weights(self) -> None:
-        for p in self.sparse_parameters():
-            nn.init.normal_(p, std=self.cfg.init_std)
+    def tables(self) -> dict[str, torch.Tensor]:
+        """table name → weight [rows, D] (unsharded modules only)."""
+        out = {}
+        if self.ebc is not None:
+            out.update({n: m.weight for n, m in self.ebc.embedding_bags.items()})
+        if self.ec is not None:
+            out.update({n: m.weight for n, m in self.ec.embeddings.items()})
+        return out
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic per-table init: the same values whatever the sharding (see ``table_init_slice``)."""
+        for name, w in self.tables().items():
+            w.copy_(table_init_slice(name, seed, self.cfg.init_std, 0, w.shape[0], 0, w.shape[1], w.shape[1]))
 
     def sparse_parameters(self) -> list[nn.Parameter]:
         return [p for m in (self.ebc, self.ec) if m is not None for p in m.parameters()]
