@@ -6,7 +6,8 @@ import numpy as np
 import pyarrow as pa
 
 from opengem.data.parquet import list_array
-from opengem.features.schema import DenseFeature, Domains, FeatureSchema, SequenceStream, SparseFeature, Task
+from opengem.features.schema import (DenseFeature, Domains, EventAttribute, FeatureSchema, SequenceStream, SparseFeature,
+                                     Task)
 
 
 def tiny_schema(num_domains: int = 2, with_probs: bool = True, streams: int = 2) -> FeatureSchema:
@@ -14,7 +15,8 @@ def tiny_schema(num_domains: int = 2, with_probs: bool = True, streams: int = 2)
         sparse=(SparseFeature("user_id", 50, "user"), SparseFeature("ad_id", 30, "ad"),
                 SparseFeature("category", 5, "ad"), SparseFeature("tags", 7, "user", multi_hot=True)),
         dense=(DenseFeature("activity", "user"), DenseFeature("quality", "ad")),
-        sequences=tuple(SequenceStream(f"s{i}", 40, 3, 64) for i in range(streams)),
+        sequences=tuple(SequenceStream(f"s{i}", 40, 3, 64, (EventAttribute("cat", 5),) if i == 0 else ())
+                        for i in range(streams)),
         tasks=(Task("click", "click", "p_click" if with_probs else None),
                Task("conversion", "conversion", "p_conversion" if with_probs else None, requires="click")),
         domains=Domains(tuple(f"d{i}" for i in range(num_domains))),
@@ -53,6 +55,8 @@ def random_table(schema: FeatureSchema, n: int, seed: int = 0, lengths: dict[str
         cols[s.item_column] = list_array(rng.integers(0, s.item_vocab_size, total), lens)
         cols[s.event_column] = list_array(rng.integers(0, s.num_event_types, total), lens)
         cols[s.ts_column] = list_array((req[row] - age).astype(np.int64), lens)
+        for a in s.attributes:
+            cols[s.attribute_column(a)] = list_array(rng.integers(0, a.vocab_size, total), lens)
     p_click = rng.uniform(0.01, 0.3, n)
     p_cvr = rng.uniform(0.0, 0.3, n)
     click = (rng.uniform(size=n) < p_click).astype(np.int8)

@@ -33,7 +33,7 @@ from opengem.features.schema import FeatureSchema
 class Batch:
     sparse: KeyedJaggedTensor  # keys = schema sparse names; ids in [0, vocab] (vocab = OOV row)
     dense: torch.Tensor  # [B, F] float32
-    sequences: KeyedJaggedTensor  # keys "<stream>.item", "<stream>.event"
+    sequences: KeyedJaggedTensor  # keys "<stream>.item", "<stream>.event", "<stream>.<attribute>"…
     seq_age: KeyedJaggedTensor  # keys "<stream>"; float32 seconds since each event
     domain: torch.Tensor  # [B] int64
     labels: torch.Tensor  # [B, T] float32
@@ -132,6 +132,7 @@ def collate(
         items, offs = _list_parts(table.column(s.item_column))
         events, _ = _list_parts(table.column(s.event_column))
         ts, _ = _list_parts(table.column(s.ts_column))
+        attrs = [_list_parts(table.column(s.attribute_column(a)))[0] for a in s.attributes]
         limit = min(max_seq_len.get(s.name, s.max_len), s.max_len)
         lengths = np.diff(offs)
         over = lengths > limit
@@ -140,15 +141,17 @@ def collate(
             stats.truncated_events[s.name] += int((lengths[over] - limit).sum())
             idx, lengths = keep_recent(offs, limit)
             items, events, ts = items[idx], events[idx], ts[idx]
+            attrs = [a[idx] for a in attrs]
         row = np.repeat(np.arange(B), lengths)
         age = (request_ts[row] - ts.astype(np.int64)).astype(np.float32)
         lens_t = torch.from_numpy(lengths.astype(np.int64))
-        seq_keys += [s.item_column, s.event_column]
+        seq_keys += [s.item_column, s.event_column] + [s.attribute_column(a) for a in s.attributes]
         seq_vals += [
             _ids(items.astype(np.int64, copy=False), s.item_vocab_size, s.item_column, stats),
             _ids(events.astype(np.int64, copy=False), s.num_event_types, s.event_column, stats),
-        ]
-        seq_lens += [lens_t, lens_t]
+        ] + [_ids(v.astype(np.int64, copy=False), a.vocab_size, s.attribute_column(a), stats)
+             for v, a in zip(attrs, s.attributes)]
+        seq_lens += [lens_t] * (2 + len(s.attributes))
         age_vals.append(torch.from_numpy(age))
         age_lens.append(lens_t)
     empty_i, empty_f = torch.zeros(0, dtype=torch.int64), torch.zeros(0)
@@ -229,7 +232,8 @@ def validate_rows(table: pa.Table, schema: FeatureSchema) -> tuple[np.ndarray, l
             unordered[1:] = (ts[1:] < ts[:-1]) & (row[1:] == row[:-1])
             drop(np.bincount(row[later], minlength=B) > 0, f"{s.ts_column} not before {schema.time_column}")
             drop(np.bincount(row[unordered], minlength=B) > 0, f"{s.ts_column} out of order")
-        n_items = pc.list_value_length(table.column(s.item_column)).to_numpy(zero_copy_only=False)
-        n_events = pc.list_value_length(table.column(s.event_column)).to_numpy(zero_copy_only=False)
-        drop((n_items != lens) | (n_events != lens), f"{s.name} item/event/ts lists differ in length")
+        bad_len = np.zeros(B, dtype=bool)
+        for col in [s.item_column, s.event_column] + [s.attribute_column(a) for a in s.attributes]:
+            bad_len |= pc.list_value_length(table.column(col)).to_numpy(zero_copy_only=False) != lens
+        drop(bad_len, f"{s.name} event lists (item/event/ts/attributes) differ in length")
     return keep, reasons, row_reason

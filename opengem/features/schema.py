@@ -61,17 +61,31 @@ class DenseFeature:
 
 
 @dataclass(frozen=True)
+class EventAttribute:
+    """A categorical attribute carried by every event of a stream (e.g. the item's category)."""
+
+    name: str
+    vocab_size: int
+
+
+@dataclass(frozen=True)
 class SequenceStream:
     """One behaviour event stream (e.g. ad engagements, organic views).
 
-    Each event is (item id, event type, timestamp). ``max_len`` is the longest history the data
-    may hold; longer histories keep their most recent ``max_len`` events (counted).
+    Each event is (item id, event type, timestamp, optional attributes) — Meta's event-based
+    features: an event model embeds each attribute and sums them into one event token.
+    ``max_len`` is the longest history the data may hold; longer histories keep their most recent
+    ``max_len`` events (counted).
     """
 
     name: str
     item_vocab_size: int
     num_event_types: int
     max_len: int
+    attributes: tuple[EventAttribute, ...] = ()
+
+    def attribute_column(self, attr: EventAttribute) -> str:
+        return f"{self.name}.{attr.name}"
 
     @property
     def item_column(self) -> str:
@@ -151,7 +165,7 @@ class FeatureSchema:
         cols = [self.user_column, self.time_column, self.day_column, self.domains.column]
         cols += [f.name for f in self.sparse if f.name != self.user_column] + [f.name for f in self.dense]
         for s in self.sequences:
-            cols += [s.item_column, s.event_column, s.ts_column]
+            cols += [s.item_column, s.event_column, s.ts_column] + [s.attribute_column(a) for a in s.attributes]
         cols += [t.label_column for t in self.tasks]
         if with_probs:
             cols += [t.prob_column for t in self.tasks if t.prob_column]
@@ -190,6 +204,13 @@ class FeatureSchema:
             _positive_int(s.item_vocab_size, f"stream {s.name!r} item_vocab_size")
             _positive_int(s.num_event_types, f"stream {s.name!r} num_event_types")
             _positive_int(s.max_len, f"stream {s.name!r} max_len")
+            attr_names = [a.name for a in s.attributes]
+            if len(set(attr_names)) != len(attr_names) or {"item", "event", "ts"} & set(attr_names):
+                raise SchemaError(f"stream {s.name!r}: attribute names {attr_names} must be unique and not item/event/ts")
+            for a in s.attributes:
+                if not _NAME.match(a.name):
+                    raise SchemaError(f"stream {s.name!r} attribute name {a.name!r} must match {_NAME.pattern}")
+                _positive_int(a.vocab_size, f"stream {s.name!r} attribute {a.name!r} vocab_size")
         if not self.tasks:
             raise SchemaError("schema needs at least one task")
         task_names = {t.name for t in self.tasks}
@@ -238,7 +259,7 @@ class FeatureSchema:
             return cls(
                 sparse=tuple(_build(SparseFeature, x, "sparse") for x in d["sparse"]),
                 dense=tuple(_build(DenseFeature, x, "dense") for x in d["dense"]),
-                sequences=tuple(_build(SequenceStream, x, "sequences") for x in d["sequences"]),
+                sequences=tuple(_stream(x) for x in d["sequences"]),
                 tasks=tuple(_build(Task, x, "tasks") for x in d["tasks"]),
                 domains=_build(Domains, {**d["domains"], "names": tuple(d["domains"]["names"])}, "domains"),
                 **{k: d[k] for k in ("user_column", "time_column", "day_column", "version", "meta") if k in d},
@@ -271,6 +292,15 @@ class FeatureSchema:
 def _positive_int(v: object, what: str) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise SchemaError(f"{what} must be a positive integer, got {v!r}")
+
+
+def _stream(x: object) -> SequenceStream:
+    if isinstance(x, dict) and "attributes" in x:
+        attrs = x["attributes"]
+        if not isinstance(attrs, (list, tuple)):
+            raise SchemaError(f"sequences: attributes must be a list, got {attrs!r}")
+        x = {**x, "attributes": tuple(_build(EventAttribute, a, "sequences.attributes") for a in attrs)}
+    return _build(SequenceStream, x, "sequences")
 
 
 def _build(kind: type, x: object, where: str):

@@ -77,12 +77,13 @@ class GEM(nn.Module):
     @torch.no_grad()
     def init_weights(self, base_rates: list[float] | None = None, seed: int = 0) -> None:
         """(Re)initialise every parameter; call after ``to_empty`` when built on meta."""
+        tables = {id(m) for m in self.sparse_arch.modules()}
         for m in self.modules():
-            if m is self:
+            if m is self or id(m) in tables:  # tables: seeded per table below, independent of this stream
                 continue
             if isinstance(m, nn.MultiheadAttention):
                 m._reset_parameters()
-            elif hasattr(m, "reset_parameters") and not isinstance(m, (SparseArch,)):
+            elif hasattr(m, "reset_parameters"):
                 m.reset_parameters()
         self.sparse_arch.init_weights(seed)
         if base_rates is not None:

@@ -7,8 +7,8 @@ S_l = C + M + K_l tokens a tower attends over at layer l.
 How one tower sees a row (lengths [2, 0, 3], K = 2, M = 1, C = 1)::
 
     events (jagged)   [e00 e01 | . | e20 e21 e22]        each = item + event type + time-bucket emb
-    pooled (M)        PMA over *all* of a row's events, queries keyed by X_sum (target-aware),
-                      O(N·M·D) — this is where a 2,000-event tail is summarised
+    pooled (M)        PMA over *all* of a row's events plus a learnable "nothing" slot, queries
+                      keyed by X_sum (target-aware), O(N·M·D) — where a 2,000-event tail is summarised
     recent (K)        [e00 e01] [pad pad] [e21 e22]      right-aligned, masked
     layer-1 tokens    [CLS | pooled | recent]            S_1 = C + M + K
 
@@ -118,6 +118,8 @@ class SequenceTower(nn.Module):
             self.pool_cond = nn.Linear(n_sum * dim, M * dim)
             self.pool_kv = nn.Linear(dim, 2 * dim)
             self.pool_out = nn.Linear(dim, dim)
+            self.sink_logit = nn.Parameter(torch.zeros(M, cfg.num_heads))  # "attend to nothing" slot
+            self.sink_value = nn.Parameter(torch.zeros(M, dim))
         self.layers = nn.ModuleList(SequenceLayer(n_sum, dim, cfg) for _ in range(num_layers))
         self.reset_parameters()
 
@@ -125,6 +127,8 @@ class SequenceTower(nn.Module):
         nn.init.zeros_(self.pos_emb)
         if self.cfg.num_pooled:
             nn.init.normal_(self.pool_q, std=self.dim**-0.5)
+            nn.init.zeros_(self.sink_logit)
+            nn.init.zeros_(self.sink_value)
 
     def embed(self, values_ND: torch.Tensor, ages_N: torch.Tensor) -> torch.Tensor:
         return self.in_norm(values_ND + self.time_emb(time_bucket(ages_N, self.cfg.time_buckets)))
@@ -138,9 +142,9 @@ class SequenceTower(nn.Module):
             M, D = self.cfg.num_pooled, self.dim
             q = self.pool_q + self.pool_cond(x_sum_BCD.flatten(1)).view(B, M, D)
             k, v = self.pool_kv(tok_ND).chunk(2, dim=-1)
-            pooled = pool_attention(q, k, v, lengths, self.cfg.num_heads)
+            pooled = pool_attention(q, k, v, lengths, self.cfg.num_heads, self.sink_logit, self.sink_value)
             parts.append(self.pool_out(pooled))
-            valid.append((lengths > 0).unsqueeze(1).expand(B, M))
+            valid.append(lengths.new_ones(B, M, dtype=torch.bool))  # the sink makes every row's pool defined
         recent, rvalid = recent_window(tok_ND, lengths, self.cfg.recent_len)
         recent = recent + self.pos_emb[-recent.shape[1]:]
         parts.append(recent)

@@ -4,8 +4,9 @@ Legend: B rows, n sparse features, N events of one stream (jagged), D embedding 
 
 - Non-sequence id features → one ``EmbeddingBagCollection`` (sum pooling; multi-hot allowed) →
   ``[B, n, D]`` tokens, in schema order.
-- Sequence streams → one ``EmbeddingCollection`` with an item table and an event-type table per
-  stream → jagged ``[N, D]`` (item + event type) per stream, lengths unchanged.
+- Sequence streams → one ``EmbeddingCollection`` with an item table, an event-type table and one
+  table per event attribute of each stream → jagged ``[N, D]`` (their sum: the event model of
+  Meta's event-based features) per stream, lengths unchanged.
 
 Every table has ``vocab + 1`` rows; the last is the OOV row that ``collate`` maps bad ids to.
 The tables are the only sparse parameters of the model; ``sparse_parameters()`` names them for
@@ -75,6 +76,11 @@ class SparseArch(nn.Module):
                 EmbeddingConfig(name=f"t_{s.name}_event", embedding_dim=D, num_embeddings=self.rows[s.event_column],
                                 feature_names=[s.event_column]),
             ]
+            for a in s.attributes:
+                col = s.attribute_column(a)
+                self.rows[col] = self._rows(a.vocab_size)
+                seq_tables.append(EmbeddingConfig(name=f"t_{s.name}_{a.name}", embedding_dim=D,
+                                                  num_embeddings=self.rows[col], feature_names=[col]))
         self.ec = EmbeddingCollection(tables=seq_tables, device=device) if seq_tables else None
 
     def _rows(self, vocab: int) -> int:
@@ -115,16 +121,19 @@ class SparseArch(nn.Module):
         """[B, n, D] pooled embeddings of the non-sequence id features."""
         if self.ebc is None:
             return torch.zeros(batch_size, 0, self.dim)
-        kt = self.ebc(self._hash(sparse))
-        return kt.values().view(batch_size, self.num_sparse, self.dim)
+        per_feature = self.ebc(self._hash(sparse)).to_dict()  # by name: a sharded EBC may reorder features
+        return torch.stack([per_feature[f.name] for f in self.schema.sparse], dim=1)
 
     def forward_sequences(self, sequences: KeyedJaggedTensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """stream → (values [N, D] = item + event-type embedding, lengths [B])."""
+        """stream → (values [N, D] = item + event-type + attribute embeddings, lengths [B])."""
         if self.ec is None:
             return {}
         out = self.ec(self._hash(sequences))
         res = {}
         for s in self.schema.sequences:
-            item, event = out[s.item_column], out[s.event_column]
-            res[s.name] = (item.values() + event.values(), item.lengths())
+            item = out[s.item_column]
+            values = item.values() + out[s.event_column].values()
+            for a in s.attributes:
+                values = values + out[s.attribute_column(a)].values()
+            res[s.name] = (values, item.lengths())
         return res

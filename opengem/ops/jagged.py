@@ -27,36 +27,54 @@ def offsets_of(lengths: torch.Tensor) -> torch.Tensor:
     return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
 
 
-def segment_softmax(scores: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Softmax of ``scores`` [N, ...] over the values of each row (dim 0 grouped by ``rows``)."""
+def segment_softmax(scores: torch.Tensor, rows: torch.Tensor, num_rows: int,
+                    sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Softmax of ``scores`` [N, ...] over the values of each row (dim 0 grouped by ``rows``).
+
+    ``sink`` [...] adds one extra logit to every row's softmax (an "attend to nothing" slot); its
+    weight per row [B, ...] is returned second (None without a sink).
+    """
     shape = (num_rows,) + tuple(scores.shape[1:])
     idx = rows.view(-1, *([1] * (scores.dim() - 1))).expand_as(scores)
-    row_max = scores.new_full(shape, float("-inf")).scatter_reduce(0, idx, scores, "amax", include_self=True)
-    ex = torch.exp(scores - row_max.gather(0, idx).detach())
+    init = sink.expand(shape) if sink is not None else scores.new_full(shape, float("-inf"))
+    row_max = init.scatter_reduce(0, idx, scores, "amax", include_self=True).detach()
+    ex = torch.exp(scores - row_max.gather(0, idx))
+    ex_sink = torch.exp(sink - row_max) if sink is not None else None
     denom = scores.new_zeros(shape).scatter_add(0, idx, ex)
-    return ex / denom.gather(0, idx)
+    if ex_sink is not None:
+        denom = denom + ex_sink
+        return ex / denom.gather(0, idx), ex_sink / denom
+    return ex / denom.gather(0, idx), None
 
 
 def pool_attention(
-    q_BMD: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor, lengths: torch.Tensor, num_heads: int
+    q_BMD: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor, lengths: torch.Tensor, num_heads: int,
+    sink_logit_MH: torch.Tensor | None = None, sink_value_MD: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Learnable-query (PMA-style) attention pooling over each row's events.
 
     out[b, m] = Σ_{n in row b} softmax_n(q[b, m]·k[n] / √Dh) v[n], per head.
-    Rows with no events return zeros. Returns [B, M, D].
+    With a sink (logit s[m, h], value u[m]) the softmax has one more slot: out = Σ a_n v_n + a_0 u,
+    so a row can attend to "nothing" and a decayed *fraction* Σ w·x / (1 + Σ w) is representable.
+    Rows with no events return zeros (or the sink value). Returns [B, M, D].
     """
     B, M, D = q_BMD.shape
     H, Dh = num_heads, D // num_heads
     out = q_BMD.new_zeros(B, M, H, Dh)
-    if k_ND.shape[0] == 0:
-        return out.view(B, M, D)
-    rows = row_ids(lengths)
-    q = q_BMD.view(B, M, H, Dh)[rows]  # [N, M, H, Dh]
-    k = k_ND.view(-1, 1, H, Dh)
-    scores = (q * k).sum(-1) * Dh**-0.5  # [N, M, H]
-    attn = segment_softmax(scores, rows, B)
-    weighted = attn.unsqueeze(-1) * v_ND.view(-1, 1, H, Dh)  # [N, M, H, Dh]
-    return out.index_add(0, rows, weighted).view(B, M, D)
+    sink = sink_logit_MH is not None
+    if k_ND.shape[0] > 0:
+        rows = row_ids(lengths)
+        q = q_BMD.view(B, M, H, Dh)[rows]  # [N, M, H, Dh]
+        k = k_ND.view(-1, 1, H, Dh)
+        scores = (q * k).sum(-1) * Dh**-0.5  # [N, M, H]
+        attn, a_sink = segment_softmax(scores, rows, B, sink_logit_MH if sink else None)
+        weighted = attn.unsqueeze(-1) * v_ND.view(-1, 1, H, Dh)  # [N, M, H, Dh]
+        out = out.index_add(0, rows, weighted)
+    elif sink:
+        a_sink = out.new_ones(B, M, H)
+    if sink:
+        out = out + a_sink.unsqueeze(-1) * sink_value_MD.view(1, M, H, Dh)
+    return out.view(B, M, D)
 
 
 def recent_window(values_ND: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

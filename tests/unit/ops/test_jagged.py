@@ -18,7 +18,7 @@ def test_segment_softmax_matches_per_row_softmax():
     torch.manual_seed(0)
     lengths = torch.tensor([3, 1, 0, 4])
     scores = torch.randn(8, 2)
-    out = segment_softmax(scores, row_ids(lengths), 4)
+    out, _ = segment_softmax(scores, row_ids(lengths), 4)
     for r, s in zip(_rows(out, lengths), _rows(scores, lengths)):
         if len(s):
             torch.testing.assert_close(r, torch.softmax(s, dim=0))
@@ -68,3 +68,23 @@ def test_recent_window_never_pays_for_k_beyond_the_batch():
     assert x.shape == (2, 2, 4)
     x, valid = recent_window(torch.zeros(0, 4), torch.tensor([0, 0]), 64)
     assert x.shape == (2, 1, 4) and not valid.any()
+
+
+def test_pool_attention_sink_is_one_more_softmax_slot():
+    torch.manual_seed(2)
+    B, M, D, H = 3, 2, 4, 1
+    lengths = torch.tensor([2, 0, 3])
+    q, k, v = torch.randn(B, M, D), torch.randn(5, D), torch.randn(5, D)
+    sink_logit, sink_value = torch.randn(M, H), torch.randn(M, D)
+    out = pool_attention(q, k, v, lengths, H, sink_logit, sink_value)
+    off = offsets_of(lengths).tolist()
+    for b in range(B):
+        kb, vb = k[off[b]:off[b + 1]], v[off[b]:off[b + 1]]
+        for m in range(M):
+            s = torch.cat([kb @ q[b, m] / D**0.5, sink_logit[m]])
+            a = torch.softmax(s, 0)
+            ref = (a[:-1, None] * vb).sum(0) + a[-1] * sink_value[m]
+            torch.testing.assert_close(out[b, m], ref, atol=1e-5, rtol=1e-5)
+    # no events at all: every row returns the sink value
+    out0 = pool_attention(q, k[:0], v[:0], torch.zeros(3, dtype=torch.long), H, sink_logit, sink_value)
+    torch.testing.assert_close(out0, sink_value.expand(3, M, D))
