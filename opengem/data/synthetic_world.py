@@ -1,0 +1,387 @@
+"""The latent side of the synthetic ads world: global entities, users and their behaviour
+histories, and the true click / conversion models.
+
+``opengem.data.synthetic`` turns this into impressions and Parquet shards; its docstring
+describes the whole generative process. This module holds:
+
+* ``World``: everything drawn once per seed from ``rng_for(seed, TAG_GLOBAL)``: categories,
+  content items, advertisers, campaigns, ads (with launch times and daily quality drift), user
+  segment profiles, the low-rank interaction factors and the live-ad samplers.
+* ``UserBlock``: one block of users drawn from ``rng_for(seed, TAG_BLOCK, block)``: attributes,
+  activity, drifting interests, and their organic and ads-engagement event streams over the whole
+  window (pre-history days and impression days).
+* ``click_terms`` / ``conversion_terms`` / ``probabilities``: the true models. They read only
+  what a row shows (its feature columns, its day, its stored, possibly truncated, histories) plus
+  per-entity effects keyed by ids that are themselves features, so the probabilities of a written
+  shard can be recomputed from the shard alone (the tests do exactly that).
+
+Times inside this module are seconds relative to the start of day 0 ("rel"); the written
+``request_ts`` / ``*.ts`` columns add ``cfg.start_ts``. The true models only use time differences.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+DAY = 86400
+TAG_GLOBAL, TAG_BLOCK, TAG_DAY = 0, 1, 2
+
+SURFACES = ("feed", "video", "messaging")
+FORMATS = ("image", "video", "carousel", "text")
+ORGANIC_EVENTS = ("view", "like", "share", "comment")
+ADS_EVENTS = ("click", "conversion")
+NUM_POSITIONS, NUM_HOURS = 8, 24
+NUM_AGES, NUM_GENDERS, NUM_COUNTRIES, NUM_DEVICES = 8, 3, 20, 4
+
+ORGANIC_EVENT_PROBS = np.array([0.80, 0.12, 0.04, 0.04])
+ORGANIC_EVENT_WEIGHTS = np.array([1.0, 2.0, 3.0, 2.5])  # w_type in the sequence-match term
+ADS_EVENT_WEIGHTS = np.array([1.0, 3.0])  # click, conversion in the ads-history term
+AGE_PROBS = np.array([0.06, 0.16, 0.20, 0.18, 0.15, 0.12, 0.08, 0.05])
+GENDER_PROBS = np.array([0.49, 0.49, 0.02])
+DEVICE_PROBS = np.array([0.55, 0.35, 0.07, 0.03])
+FORMAT_PROBS = np.array([0.40, 0.25, 0.20, 0.15])
+SURFACE_SHARES = np.array([0.5, 0.3, 0.2])  # mean of the per-user surface preference
+# Fixed, interpretable context effects (multiplied by their cfg.beta_* knob).
+SURFACE_BIAS = np.array([0.3, 0.0, -0.5])
+SURFACE_FORMAT = np.array([  # rows: feed, video, messaging; cols: image, video, carousel, text
+    [0.3, -0.2, 0.4, -0.3],
+    [-0.5, 1.0, -0.3, -0.8],
+    [0.0, -0.7, -0.2, 0.7],
+])
+DEVICE_BIAS = np.array([0.0, 0.1, -0.15, -0.3])
+CVR_SURFACE = np.array([0.0, -0.4, 0.4])
+HOUR_PEAK = 20.0  # hour of day with the highest CTR
+
+
+def rng_for(seed: int, *tags: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([int(seed), *[int(t) for t in tags]]))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * x))  # overflow-free and exact enough for float64
+
+
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + n)`` for each (s, n), without a Python loop."""
+    lengths = lengths.astype(np.int64)
+    excl = np.cumsum(lengths) - lengths
+    return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(excl - starts, lengths)
+
+
+class RowCategorical:
+    """Draw from many categorical distributions at once: row ``r`` of ``probs`` [R, K]."""
+
+    def __init__(self, probs: np.ndarray):
+        self.K = probs.shape[1]
+        cdf = np.cumsum(probs, axis=1, dtype=np.float64)
+        cdf /= cdf[:, -1:]
+        cdf[:, -1] = 1.0
+        cdf += np.arange(probs.shape[0], dtype=np.float64)[:, None]  # row r lives in (r, r + 1]
+        self.flat = cdf.ravel()
+
+    def sample(self, rows: np.ndarray, u: np.ndarray) -> np.ndarray:
+        idx = np.searchsorted(self.flat, rows + u, side="right") - rows * self.K
+        return np.clip(idx, 0, self.K - 1)
+
+
+class LiveAds:
+    """Uniform draw of an ad among the ads of a group (category, advertiser, ...) live at time t."""
+
+    def __init__(self, group: np.ndarray, launch: np.ndarray, n_groups: int, t_hi: int):
+        self.t_lo = int(launch.min())
+        self.span = t_hi - self.t_lo + 1
+        key = group.astype(np.int64) * self.span + (launch - self.t_lo)
+        self.order = np.argsort(key, kind="stable")
+        self.key = key[self.order]
+        self.start = np.searchsorted(self.key, np.arange(n_groups, dtype=np.int64) * self.span)
+
+    def sample(self, group: np.ndarray, t: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(ad ids, ok); ok is False where the group has no live ad at t (the id is then junk)."""
+        start = self.start[group]
+        k = np.searchsorted(self.key, group * self.span + (t - self.t_lo), side="right") - start
+        ok = k > 0
+        idx = start + np.minimum((u * k).astype(np.int64), np.maximum(k - 1, 0))
+        return self.order[np.clip(idx, 0, len(self.order) - 1)], ok
+
+
+def _unit_factors(rng: np.random.Generator, n: int, rank: int) -> np.ndarray:
+    """Rows whose pairwise inner products have unit variance."""
+    return rng.normal(0.0, rank ** -0.25, size=(n, rank))
+
+
+class World:
+    """Global entities of one seed. ``b0`` / ``c0`` (the click / conversion intercepts) are set by
+    the generator's calibration (or from a manifest, see ``synthetic.world_from_manifest``)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        rng = rng_for(cfg.seed, TAG_GLOBAL)
+        C, r = cfg.num_categories, cfg.latent_rank
+        self.window_start = -cfg.history_days * DAY
+        self.window_end = cfg.num_days * DAY
+        self.window_days = cfg.history_days + cfg.num_days
+
+        # Categories: popularity (log weights) and content items with Zipf popularity inside each.
+        self.category_logpop = -cfg.category_pop_slope * np.log1p(rng.permutation(C).astype(np.float64))
+        cat_p = softmax(self.category_logpop)
+        item_cat = np.concatenate([np.arange(C), rng.choice(C, cfg.num_content_items - C, p=cat_p)])
+        self.item_category = item_cat[rng.permutation(cfg.num_content_items)].astype(np.int64)
+        order = np.argsort(self.item_category, kind="stable")  # items grouped by category, random rank
+        cats_sorted = self.item_category[order]
+        cat_start = np.searchsorted(cats_sorted, np.arange(C))
+        rank = np.arange(len(order)) - cat_start[cats_sorted]
+        w = (rank + 1.0) ** -cfg.content_zipf
+        cat_end = np.r_[cat_start[1:], len(order)]
+        cum = np.cumsum(w)
+        before = np.r_[0.0, cum][cat_start]  # cumulative weight before each category
+        within = (cum - before[cats_sorted]) / (cum[cat_end - 1] - before)[cats_sorted]
+        within[cat_end - 1] = 1.0
+        self._item_flat = cats_sorted + within  # category c's items live in (c, c + 1]
+        self._item_order = order
+        self._cat_start, self._cat_end = cat_start, cat_end
+
+        # Advertisers → campaigns → ads.
+        A, M = cfg.num_advertisers, cfg.num_campaigns
+        self.advertiser_category = rng.choice(C, A, p=cat_p)
+        self.advertiser_cluster = rng.integers(0, cfg.num_advertiser_clusters, A)
+        self.advertiser_effect = rng.normal(0, cfg.advertiser_sigma, A)
+        self.advertiser_cvr = rng.normal(0, cfg.cvr_advertiser_sigma, A)
+        camp_adv = np.concatenate([np.arange(A), rng.integers(0, A, M - A)])[rng.permutation(M)]
+        main = rng.random(M) < cfg.campaign_main_category_prob
+        self.campaign_advertiser = camp_adv
+        self.campaign_category = np.where(main, self.advertiser_category[camp_adv], rng.choice(C, M, p=cat_p))
+        self.campaign_effect = rng.normal(0, cfg.campaign_sigma, M)
+
+        n_new = cfg.new_ads_per_day * (cfg.num_days - 1)
+        self.num_ads = n_ads = cfg.initial_ads + n_new
+        self.ad_campaign = rng.integers(0, M, n_ads)
+        self.ad_advertiser = camp_adv[self.ad_campaign]
+        self.ad_category = self.campaign_category[self.ad_campaign]
+        self.ad_format = rng.choice(len(FORMATS), n_ads, p=FORMAT_PROBS)
+        self.ad_quality = (self.advertiser_effect[self.ad_advertiser] + self.campaign_effect[self.ad_campaign]
+                           + rng.normal(0, cfg.ad_sigma, n_ads))
+        self.ad_quality_observed = (self.ad_quality + rng.normal(0, cfg.ad_quality_obs_noise, n_ads)).astype(np.float32)
+        first = self.window_start - cfg.initial_ad_span_days * DAY
+        launch = np.empty(n_ads, dtype=np.int64)
+        launch[: cfg.initial_ads] = rng.integers(first, 0, cfg.initial_ads)
+        launch[0] = self.window_start - DAY  # at least one ad is live over the whole window
+        new_day = np.repeat(np.arange(1, cfg.num_days), cfg.new_ads_per_day)
+        launch[cfg.initial_ads:] = new_day * DAY + rng.integers(0, DAY, n_new)
+        self.ad_launch = launch
+        self.ad_launch_day = np.floor_divide(launch, DAY)
+        # Daily random-walk drift of ad and advertiser quality (0 on day 0).
+        D = cfg.num_days
+        steps = rng.normal(0, cfg.ad_drift, (n_ads, D))
+        steps[:, 0] = 0
+        self.ad_drift = np.cumsum(steps, axis=1)
+        steps = rng.normal(0, cfg.advertiser_drift, (A, D))
+        steps[:, 0] = 0
+        self.advertiser_drift = np.cumsum(steps, axis=1)
+
+        # Users: attribute distributions and segment interest profiles (peaked on a few categories).
+        S = cfg.num_segments
+        self.segment_p = softmax(-0.8 * np.log1p(rng.permutation(S).astype(np.float64)))
+        self.country_p = softmax(-1.1 * np.log1p(np.arange(NUM_COUNTRIES, dtype=np.float64)))
+        prof = self.category_logpop[None, :] + rng.normal(0, 0.3, (S, C))
+        for j in range(cfg.segment_peaks):
+            peak = rng.choice(C, S, p=cat_p)
+            prof[np.arange(S), peak] += cfg.segment_peak_height * (1.0 - 0.2 * j)
+        self.segment_interest = prof
+
+        # Low-rank interaction factors (inner products have unit variance before the beta scale).
+        self.seg_f, self.cat_f = _unit_factors(rng, S, r), _unit_factors(rng, C, r)
+        self.age_f, self.fmt_f = _unit_factors(rng, NUM_AGES, r), _unit_factors(rng, len(FORMATS), r)
+        self.country_f = _unit_factors(rng, NUM_COUNTRIES, r)
+        self.cluster_f = _unit_factors(rng, cfg.num_advertiser_clusters, r)
+        self.seg_g, self.cat_g = _unit_factors(rng, S, r), _unit_factors(rng, C, r)
+
+        self.live_by_category = LiveAds(self.ad_category, launch, C, self.window_end)
+        self.live_by_advertiser = LiveAds(self.ad_advertiser, launch, A, self.window_end)
+        self.live_any = LiveAds(np.zeros(n_ads, dtype=np.int64), launch, 1, self.window_end)
+        self.b0: float | None = None
+        self.c0: float | None = None
+
+    def sample_items(self, cat: np.ndarray, u: np.ndarray) -> np.ndarray:
+        idx = np.searchsorted(self._item_flat, cat + u, side="right")
+        idx = np.clip(idx, self._cat_start[cat], self._cat_end[cat] - 1)
+        return self._item_order[idx]
+
+    def sample_live_ads(self, cat: np.ndarray, t: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """A live ad of category ``cat`` at t, or any live ad when the category has none yet."""
+        ad, ok = self.live_by_category.sample(cat, t, u)
+        if not ok.all():
+            anyad, _ = self.live_any.sample(np.zeros(len(t), dtype=np.int64), t, u)
+            ad = np.where(ok, ad, anyad)
+        return ad
+
+
+class UserBlock:
+    """Users ``[first, first + n)`` with their organic and ads-engagement streams (rel seconds).
+
+    Each stream is stored flat, grouped by user and sorted by time: ``<s>_key`` = local user ×
+    window span + (ts − window start) is sorted, so a row's history before t is one searchsorted.
+    """
+
+    def __init__(self, world: World, block: int):
+        cfg = world.cfg
+        rng = rng_for(cfg.seed, TAG_BLOCK, block)
+        self.first = block * cfg.users_per_block
+        U = self.n = min(cfg.users_per_block, cfg.num_users - self.first)
+        W, C = world.window_days, cfg.num_categories
+        self.span = W * DAY
+        self.ws = world.window_start
+
+        self.segment = rng.choice(cfg.num_segments, U, p=world.segment_p)
+        self.age = rng.choice(NUM_AGES, U, p=AGE_PROBS)
+        self.gender = rng.choice(NUM_GENDERS, U, p=GENDER_PROBS)
+        self.country = rng.choice(NUM_COUNTRIES, U, p=world.country_p)
+        self.device = rng.choice(NUM_DEVICES, U, p=DEVICE_PROBS)
+        self.activity = np.exp(rng.normal(np.log(cfg.activity_median), cfg.activity_sigma, U))
+        rel = np.minimum((self.activity / cfg.activity_median) ** cfg.impression_activity_exp, 6.0)
+        norm = np.exp((cfg.impression_activity_exp * cfg.activity_sigma) ** 2 / 2)  # E[rel] without the cap
+        self.impression_rate = cfg.impressions_per_day * rel / norm
+        pref = rng.dirichlet(cfg.surface_concentration * SURFACE_SHARES, U)
+        self.surface_cum = np.cumsum(pref, axis=1)[:, :2]
+
+        # Interest over categories, one distribution per (user, window day): segment profile + user
+        # noise + a per-day random walk. Row index = local user * W + window day.
+        base = world.segment_interest[self.segment] + rng.normal(0, cfg.interest_noise, (U, C))
+        walk = np.cumsum(rng.normal(0, cfg.interest_drift, (U, W, C)).astype(np.float32), axis=1)
+        theta = base[:, None, :].astype(np.float32) + walk
+        del walk
+        theta -= theta.max(axis=2, keepdims=True)
+        self.interest = RowCategorical(np.exp(theta).reshape(U * W, C))
+        del theta
+
+        n_org = np.minimum(rng.poisson(self.activity * W), cfg.max_events)
+        self.org_key, self.org_off, org_user, org_ts = self._times(rng, n_org)
+        cat = self.interest.sample(org_user * W + (org_ts - self.ws) // DAY, rng.random(len(org_ts)))
+        self.org_item = world.sample_items(cat, rng.random(len(org_ts)))
+        self.org_event = np.searchsorted(np.cumsum(ORGANIC_EVENT_PROBS)[:-1], rng.random(len(org_ts)), side="right")
+        self.org_ts = org_ts
+
+        n_ads = np.minimum(rng.poisson(self.activity * W * cfg.ads_events_per_organic), cfg.ads_max_events)
+        self.ads_key, self.ads_off, ads_user, ads_ts = self._times(rng, n_ads)
+        cat = self.interest.sample(ads_user * W + (ads_ts - self.ws) // DAY, rng.random(len(ads_ts)))
+        self.ads_item = world.sample_live_ads(cat, ads_ts, rng.random(len(ads_ts)))
+        self.ads_event = (rng.random(len(ads_ts)) < cfg.conversion_event_prob).astype(np.int64)
+        self.ads_ts = ads_ts
+
+    def _times(self, rng, counts):
+        user = np.repeat(np.arange(self.n, dtype=np.int64), counts)
+        key = np.sort(user * self.span + rng.integers(0, self.span, len(user)))
+        ts = key - user * self.span + self.ws
+        off = np.zeros(self.n + 1, dtype=np.int64)
+        np.cumsum(counts, out=off[1:])
+        return key, off, user, ts
+
+    def history(self, stream: str, user: np.ndarray, t: np.ndarray, max_len: int):
+        """(count before t, stored start index, stored length) for local users at rel times t."""
+        key, off = (self.org_key, self.org_off) if stream == "organic" else (self.ads_key, self.ads_off)
+        end = np.searchsorted(key, user * self.span + (t - self.ws), side="left")  # strictly before t
+        count = end - off[user]
+        length = np.minimum(count, max_len)
+        return count, end - length, length
+
+
+# ------------------------------------------------------------------------------ the true models
+def _row_of(lengths: np.ndarray) -> np.ndarray:
+    return np.repeat(np.arange(len(lengths)), lengths)
+
+
+def sequence_match(world: World, items, events, ts, lengths, request_ts, ad_category) -> np.ndarray:
+    """m = Σ w·decay·[cat(item) = cat(ad)] / (1 + Σ w·decay) over the row's stored organic events,
+    with w = ORGANIC_EVENT_WEIGHTS[event] and decay = exp(−(request_ts − ts) / tau)."""
+    row = _row_of(lengths)
+    w = ORGANIC_EVENT_WEIGHTS[events] * np.exp(-(request_ts[row] - ts) / (world.cfg.seq_tau_hours * 3600.0))
+    match = world.item_category[items] == ad_category[row]
+    n = len(lengths)
+    return np.bincount(row, w * match, minlength=n) / (1.0 + np.bincount(row, w, minlength=n))
+
+
+def ads_affinity(world: World, items, events, ts, lengths, request_ts, advertiser) -> np.ndarray:
+    """Σ w·decay over the row's stored ads events with the same advertiser as the row's ad."""
+    row = _row_of(lengths)
+    w = ADS_EVENT_WEIGHTS[events] * np.exp(-(request_ts[row] - ts) / (world.cfg.ads_tau_hours * 3600.0))
+    same = world.ad_advertiser[items] == advertiser[row]
+    return np.bincount(row, w * same, minlength=len(lengths))
+
+
+def history_signals(world: World, c: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(m, A): the sequence match and the ads-history affinity of rows ``c`` (see above)."""
+    t = c["request_ts"]
+    (oi, ol), (oe, _), (ot, _) = c["organic.item"], c["organic.event"], c["organic.ts"]
+    (ai, al), (ae, _), (at, _) = c["ads.item"], c["ads.event"], c["ads.ts"]
+    return (sequence_match(world, oi, oe, ot, ol, t, c["category"]),
+            ads_affinity(world, ai, ae, at, al, t, c["advertiser_id"]))
+
+
+def click_terms(world: World, c: dict, m: np.ndarray, a: np.ndarray) -> dict[str, np.ndarray]:
+    """The additive terms of the click logit (without b0). ``c`` maps column names to numpy arrays
+    (list columns to (flat values, lengths)); ``m, a = history_signals(world, c)``. Only the row's
+    own columns are read, plus per-entity effects keyed by the row's ids."""
+    cfg = world.cfg
+    ad, adv, cat, fmt = c["ad_id"], c["advertiser_id"], c["category"], c["format"]
+    surface, day = c["domain"], c["day"]
+    hs, hc = c["hour_sin"].astype(np.float64), c["hour_cos"].astype(np.float64)
+    ph = 2 * np.pi * HOUR_PEAK / 24
+
+    def dot(x, y):
+        return np.einsum("ij,ij->i", x, y)
+
+    return {
+        "surface": cfg.beta_surface * SURFACE_BIAS[surface],
+        "position": -cfg.beta_position * np.log1p(c["position"]),
+        "hour": cfg.beta_hour * (hc * np.cos(ph) + hs * np.sin(ph)),
+        "ad_quality": world.ad_quality[ad],
+        "ad_drift": world.ad_drift[ad, day] + world.advertiser_drift[adv, day],
+        "ad_novelty": cfg.beta_novelty * np.exp(-c["ad_age"].astype(np.float64)),
+        "surface_format": cfg.beta_surface_format * SURFACE_FORMAT[surface, fmt],
+        "segment_category": cfg.beta_segment_category * dot(world.seg_f[c["segment"]], world.cat_f[cat]),
+        "age_format": cfg.beta_age_format * dot(world.age_f[c["age"]], world.fmt_f[fmt]),
+        "country_cluster": cfg.beta_country_cluster * dot(
+            world.country_f[c["country"]], world.cluster_f[world.advertiser_cluster[adv]]),
+        "sequence": cfg.beta_seq * m,
+        "ads_history": cfg.beta_ads * np.log1p(a),
+        "user": cfg.beta_activity * c["user_activity"].astype(np.float64) + cfg.beta_device * DEVICE_BIAS[c["device"]],
+    }
+
+
+def conversion_terms(world: World, c: dict, m: np.ndarray) -> dict[str, np.ndarray]:
+    """Terms of the conversion-given-click logit (without c0)."""
+    cfg = world.cfg
+    return {
+        "advertiser": world.advertiser_cvr[c["advertiser_id"]],
+        "segment_category": cfg.cvr_beta_segment_category * np.einsum(
+            "ij,ij->i", world.seg_g[c["segment"]], world.cat_g[c["category"]]),
+        "sequence": cfg.cvr_beta_seq * m,
+        "surface": cfg.cvr_beta_surface * CVR_SURFACE[c["domain"]],
+    }
+
+
+def probabilities(world: World, c: dict, b0: float | None = None, c0: float | None = None):
+    """(p_click, p_conversion_given_click, click terms, conversion terms) for rows ``c``.
+
+    Intercepts default to the world's calibrated ``b0`` / ``c0``."""
+    b0 = world.b0 if b0 is None else b0
+    c0 = world.c0 if c0 is None else c0
+    if b0 is None or c0 is None:
+        raise ValueError("world intercepts are not calibrated (b0/c0 unset)")
+    m, a = history_signals(world, c)
+    ct, vt = click_terms(world, c, m, a), conversion_terms(world, c, m)
+    return sigmoid(b0 + sum(ct.values())), sigmoid(c0 + sum(vt.values())), ct, vt
+
+
+def solve_intercept(z: np.ndarray, target: float, weights: np.ndarray | None = None) -> float:
+    """b such that the (weighted) mean of sigmoid(b + z) equals target (bisection)."""
+    lo, hi = -30.0, 30.0
+    for _ in range(80):
+        mid = 0.5 * (lo + hi)
+        m = np.average(sigmoid(mid + z), weights=weights)
+        lo, hi = (mid, hi) if m < target else (lo, mid)
+    return 0.5 * (lo + hi)
