@@ -8,9 +8,11 @@ Module configs live beside their modules (``opengem.model.*.Config``); this file
       data:  DataConfig
       optim: OptimConfig
       train: TrainConfig
+      parallel: ParallelConfig (opengem.parallel.dims; used only under torchrun)
 
 ``apply_overrides(cfg, ["optim.lr=3e-3", "model.wukong.num_layers=3"])`` parses values by the
-field's declared type and fails with the list of valid keys when a key is unknown.
+field's declared type and fails with the list of valid keys when a key is unknown. Dict fields take
+JSON: ``'parallel.sharding={"t_user_id": "row_wise"}'``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import typing
 from dataclasses import dataclass, field
 
 from opengem.model.foundation import GEMConfig
+from opengem.parallel.dims import ParallelConfig, ParallelConfigError
 
 
 class ConfigError(ValueError):
@@ -70,12 +73,18 @@ class TrainConfig:
     deterministic: bool = True
     progress: bool = True
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    # --resume at another world size (docs/distributed.md): "exact" resumes only where the saved
+    # per-rank data positions meet at a shard boundary and refuses otherwise; "rewind" restarts
+    # the data at the last boundary all ranks had passed (no row lost, rows read after it repeated).
+    resume_reshard: str = "exact"
 
     def validate(self) -> None:
         if self.epochs < 1:
             raise ConfigError(f"train.epochs must be >= 1, got {self.epochs}")
         if self.max_steps < 0 or self.ckpt_every < 0 or self.stop_at < 0 or self.log_every < 1:
             raise ConfigError("train.max_steps/stop_at/ckpt_every must be >= 0 and train.log_every >= 1")
+        if self.resume_reshard not in ("exact", "rewind"):
+            raise ConfigError(f"train.resume_reshard must be exact or rewind, got {self.resume_reshard!r}")
 
 
 @dataclass
@@ -85,6 +94,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> "Config":
         if self.data.batch_size < 1:
@@ -92,6 +102,12 @@ class Config:
         self.optim.validate()
         self.train.validate()
         self.model.validate()
+        if not isinstance(self.parallel.sharding, dict):
+            raise ConfigError(f"parallel.sharding must map table → sharding type, got {self.parallel.sharding!r}")
+        try:
+            self.parallel.validate()
+        except ParallelConfigError as e:
+            raise ConfigError(str(e)) from None
         return self
 
     def to_dict(self) -> dict:
@@ -133,8 +149,12 @@ def _coerce(v, t, key: str):
         out = [_coerce(x, inner, key) for x in v]
         return tuple(out) if origin is tuple else out
     if origin is dict:
-        if isinstance(v, str):
-            v = json.loads(v)
+        try:
+            v = json.loads(v) if isinstance(v, str) else v
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{key}: cannot read {v!r} as a JSON object ({e})") from None
+        if not isinstance(v, dict):
+            raise ConfigError(f"{key}: expected a JSON object, got {v!r}")
         return dict(v)
     try:
         if t is bool:

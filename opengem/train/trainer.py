@@ -1,66 +1,105 @@
 """The training entry point: one function from (config, data, run dir) to a trained run.
 
+One loop serves both launches::
+
+    opengem train …                                    one process: the plain model, CPU
+    torchrun --nproc-per-node N -m opengem train …     N ranks: TorchRec tables + FSDP2 dense
+                                                       (``parallel.*`` overrides; docs/distributed.md)
+
+Files (written by rank 0; checkpoints by every rank)::
+
     RUN/config.json       the full config (recipe + overrides) — evaluation rebuilds the model from it
     RUN/schema.json       the data's schema
     RUN/base_rates.json   training base rate per task and per domain/task (NE's normaliser)
-    RUN/metrics.jsonl     one line per logging step: loss (per domain/task), lr, examples/s
-    RUN/checkpoints/      DCP checkpoints (see ``checkpoint.py``)
-    RUN/final.json        steps, examples seen, params_sha256, parameters, wall time, examples/s
+    RUN/metrics.jsonl     one line per logging step: loss (per domain/task) of the global batch, lr, examples/s
+    RUN/checkpoints/      DCP checkpoints (see ``checkpoint.py``); loader position and RNG per rank
+    RUN/final.json        steps, examples seen (all ranks), params_sha256, parameters, wall time,
+                          examples/s, world size, peak RSS per rank
 
-Distribution stays out of this file's model code path: the model is single-device; a later
-``opengem.parallel.parallelize`` wraps it between build and materialise.
+Distributed rules (the loop is the same; ``opengem.parallel.train_step`` makes it exact):
+
+- every rank runs the same number of steps: the planned total is the minimum over ranks (each
+  reads its own shards, so row counts differ), and a step only starts once every rank has a batch;
+- ``schedule.set(step)`` comes before the forward: the fused CPU table kernel reads the lr then;
+- the loss is scaled so the mean over ranks is the global-batch loss; that mean is what is logged.
+
+Resume (``--resume``) at the same world size is exact: each rank continues its own shard stream.
+At another world size the data position is re-derived from every rank's saved position (see
+``shared_data_boundary``): exact where they meet at a shard boundary, else refused, or with
+``train.resume_reshard=rewind`` restarted at the last shared boundary (rows after it repeat).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
+import resource
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from opengem.config import Config
+from opengem.data.batch import Batch
 from opengem.data.loader import ShardLoader
 from opengem.data.parquet import DatasetManifest, read_shard
 from opengem.evaluation.accumulator import RateCounter
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, materialize
-from opengem.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from opengem.train.losses import masked_bce
+from opengem.parallel import ParallelDims, SparseOptimizerSpec, build_parallel_gem, train_step
+from opengem.parallel.launch import DistInfo, destroy_distributed, init_distributed
+from opengem.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from opengem.train.optim import Schedule, build_optimizers
 
 log = logging.getLogger(__name__)
+
+# Above this many parameters final.json skips params_sha256 in distributed runs: hashing needs every
+# full table on every rank at once.
+HASH_LIMIT = 200_000_000
 
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. the loss became NaN); the message says where."""
 
 
-def train_base_rates(data_dir: str | Path, schema: FeatureSchema, split: str) -> dict[str, float]:
-    """Label means of the training split per task and per domain/task, reading only label columns."""
+def train_base_rates(data_dir: str | Path, schema: FeatureSchema, split: str,
+                     rank: int = 0, world_size: int = 1) -> dict[str, float]:
+    """Label means of the training split per task and per domain/task, reading only label columns.
+
+    Rank r reads files r, r+W, …; the counts are summed over ranks (exact: they are integers)."""
     manifest = DatasetManifest.load(data_dir)
     counter = RateCounter(list(schema.domains.names), schema.task_names)
     cols = [schema.domains.column] + [t.label_column for t in schema.tasks]
-    for info in manifest.split_files(split):
+    for info in manifest.split_files(split)[rank::world_size]:
         table = read_shard(data_dir, info, cols)
         labels = np.stack([table.column(t.label_column).to_numpy(zero_copy_only=False).astype(np.float64)
                            for t in schema.tasks], 1)
         mask = ~np.isnan(labels) & ((labels == 0) | (labels == 1))
         counter.update(np.nan_to_num(labels), mask, table.column(schema.domains.column).to_numpy())
+    if world_size > 1:
+        counter.reduce()
     return counter.rates()
 
 
-def params_sha256(model: torch.nn.Module) -> str:
+def state_sha256(state: dict[str, torch.Tensor]) -> str:
+    """The parameter fingerprint: names and bytes in sorted name order (any world size, same format)."""
     h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
+    for name, t in sorted(state.items()):
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def params_sha256(model: torch.nn.Module) -> str:
+    return state_sha256(model.state_dict())
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -69,99 +108,209 @@ def _write_json(path: Path, obj: dict) -> None:
     tmp.replace(path)
 
 
+@dataclass
+class _Run:
+    """One training run's parts and counters (one process: ``sparse`` is None)."""
+
+    cfg: Config
+    schema: FeatureSchema
+    run: Path
+    info: DistInfo
+    model: torch.nn.Module
+    optimizers: list
+    sparse: object | None  # opengem.parallel.SparseSharding
+    loader: ShardLoader
+    schedule: Schedule
+    total: int
+    step: int = 0
+    examples: int = 0
+    start_examples: int = 0
+    resumed: dict = field(default_factory=dict)
+
+    @property
+    def distributed(self) -> bool:
+        return self.sparse is not None
+
+    def trainer_state(self) -> dict:
+        return {"schema": self.schema.fingerprint(), "step": self.step, "examples": self.examples,
+                "loader": self.loader.state_dict(), "rng": torch.get_rng_state()}
+
+
 def train(cfg: Config, data_dir: str | Path, run_dir: str | Path, resume: bool = False) -> dict:
+    """Train from ``cfg``; under torchrun every rank calls this. Returns final.json's content."""
     cfg.validate()
-    data_dir, run = Path(data_dir), Path(run_dir)
+    owned = not (dist.is_available() and dist.is_initialized())
+    info = init_distributed(cfg.parallel.backend)
+    try:
+        final = _train(cfg, Path(data_dir), Path(run_dir), resume, info)
+    except BaseException:
+        if owned and info.backend is not None:  # no barrier: the other ranks may be gone already
+            dist.destroy_process_group()
+        raise
+    if owned:
+        destroy_distributed()
+    return final
+
+
+def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo) -> dict:
     run.mkdir(parents=True, exist_ok=True)
     schema = FeatureSchema.load(data_dir)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.manual_seed(cfg.train.seed)
-
-    rates = train_base_rates(data_dir, schema, cfg.data.train_split)
-    _write_json(run / "config.json", cfg.to_dict())
-    schema.save(run / "schema.json")
-    _write_json(run / "base_rates.json", rates)
-
-    model = materialize(build_gem(schema, cfg.model), "cpu", cfg.train.seed,
-                        [rates.get(t, 0.5) for t in schema.task_names])
-    loader = ShardLoader(data_dir, cfg.data.train_split, cfg.data.batch_size, schema,
-                         shuffle=cfg.data.shuffle, seed=cfg.data.seed, epochs=cfg.train.epochs,
-                         max_seq_len=model.max_seq_len(), quarantine_dir=run / "quarantine",
-                         prefetch=cfg.data.prefetch)
-    steps_per_epoch = math.ceil(loader.rows_per_epoch / cfg.data.batch_size)
-    total = min(cfg.train.max_steps or 10**18, steps_per_epoch * cfg.train.epochs)
-    dense_opt, sparse_opt = build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim)
-    optimizers = [dense_opt, sparse_opt]
+    torch.manual_seed(cfg.train.seed + info.rank)
+    rates = train_base_rates(data_dir, schema, cfg.data.train_split, info.rank, info.world_size)
+    if info.is_main:
+        _write_json(run / "config.json", cfg.to_dict())
+        schema.save(run / "schema.json")
+        _write_json(run / "base_rates.json", rates)
+    model, optimizers, sparse = _build(cfg, schema, [rates.get(t, 0.5) for t in schema.task_names], info)
+    loader = ShardLoader(data_dir, cfg.data.train_split, cfg.data.batch_size, schema, rank=info.rank,
+                         world_size=info.world_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
+                         epochs=cfg.train.epochs, drop_last=info.world_size > 1, max_seq_len=model.max_seq_len(),
+                         quarantine_dir=run / "quarantine", prefetch=cfg.data.prefetch)
+    total = _planned_steps(cfg, loader, sparse is not None)
+    # Built before a checkpoint is loaded: Schedule keeps the config's base lrs.
     schedule = Schedule(optimizers, total, cfg.optim)
-    expect = {"schema": schema.fingerprint()}
-
-    step, examples = 0, 0
+    r = _Run(cfg, schema, run, info, model, optimizers, sparse, loader, schedule, total)
     ckpt = latest_checkpoint(run) if resume else None
     if ckpt is not None:
-        state = load_checkpoint(ckpt, model, optimizers, expect=expect)
-        step, examples = state["step"], state["examples"]
-        loader.load_state_dict(state["loader"])
-        torch.set_rng_state(state["rng"])
-        log.info("resumed from %s at step %d", ckpt, step)
+        _resume(r, ckpt)
+    t_start = time.perf_counter()
+    _loop(r)
+    return _finish(r, time.perf_counter() - t_start)
 
-    def trainer_state() -> dict:
-        return {**expect, "step": step, "examples": examples, "loader": loader.state_dict(),
-                "rng": torch.get_rng_state()}
 
-    task_w = torch.tensor([t.weight for t in schema.tasks])
-    dense_params = model.dense_parameters()
-    t_start, t_log, ex_log = time.perf_counter(), time.perf_counter(), examples
-    bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=not cfg.train.progress, smoothing=0.05)
-    model.train()
-    with open(run / "metrics.jsonl", "a") as mlog:
-        stop = min(total, cfg.train.stop_at or total)
-        for batch in loader if step < stop else ():
-            lr_f = schedule.set(step)
-            logits = model(batch)
-            loss, table = masked_bce(logits, batch.labels, batch.label_mask, batch.weights, task_w,
-                                     batch.domain, schema.num_domains)
-            if not torch.isfinite(loss):
-                raise TrainingError(f"loss is {loss.item()} at step {step}; last checkpoint: {latest_checkpoint(run)}")
-            for o in optimizers:
-                if o is not None:
-                    o.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.optim.grad_clip:
-                torch.nn.utils.clip_grad_norm_(dense_params, cfg.optim.grad_clip)
-            for o in optimizers:
-                if o is not None:
-                    o.step()
-            step += 1
-            examples += batch.batch_size
-            bar.update(1)
-            if step % cfg.train.log_every == 0 or step == total:
-                now = time.perf_counter()
-                eps = (examples - ex_log) / max(now - t_log, 1e-9)
-                t_log, ex_log = now, examples
-                rec = {"step": step, "examples": examples, "loss": loss.item(), "lr_factor": lr_f,
-                       "examples_per_s": eps, "loss_by_domain_task": _table(table, schema)}
-                mlog.write(json.dumps(rec) + "\n")
-                mlog.flush()
-                bar.set_postfix(loss=f"{loss.item():.4f}", eps=f"{eps:,.0f}")
-            if step >= stop:  # checked before the loader hands out (and counts) another batch
-                break
-            if cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0:
-                save_checkpoint(run, step, model, optimizers, trainer_state())
-    bar.close()
-    wall = time.perf_counter() - t_start
-    save_checkpoint(run, step, model, optimizers, trainer_state())
-    final = {
-        "steps": step, "examples": examples, "params_sha256": params_sha256(model),
-        "parameters": count_parameters(model), "wall_s": wall,
-        "examples_per_s": (examples - (state["examples"] if ckpt is not None else 0)) / max(wall, 1e-9),
-        "recipe": cfg.recipe, "schema": schema.fingerprint(), "checkpoint": str(latest_checkpoint(run).name),
-        "quarantined": dict(loader.quarantined), "repaired": loader.stats.as_dict(),
-    }
-    _write_json(run / "final.json", final)
-    return final
+def _build(cfg: Config, schema: FeatureSchema, base_rates: list[float], info: DistInfo):
+    """(model, optimizers, sparse sharding or None): the plain model on one process, else the parallel one."""
+    if info.backend is None:
+        model = materialize(build_gem(schema, cfg.model), "cpu", cfg.train.seed, base_rates)
+        dense, sparse_opt = build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim)
+        return model, [o for o in (dense, sparse_opt) if o is not None], None
+    dims = ParallelDims.from_config(cfg.parallel, info.world_size)
+    if info.is_main:
+        log.info("%s", dims.describe())
+    model, sparse = build_parallel_gem(schema, cfg.model, dims, cfg.parallel, SparseOptimizerSpec.from_optim(cfg.optim),
+                                       info.device, cfg.train.seed, base_rates)  # logs the sparse plan on rank 0
+    dense = build_optimizers(model.dense_parameters(), [], cfg.optim)[0]
+    return model, [dense, sparse.optimizer], sparse
+
+
+def _min_over_ranks(value: int, distributed: bool, device: torch.device) -> int:
+    if not distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def _planned_steps(cfg: Config, loader: ShardLoader, distributed: bool) -> int:
+    """Length of the lr schedule: this rank's batches, the minimum over ranks, capped by max_steps.
+
+    Ranks drop their last partial batch (``drop_last``): every step has the same rows on every
+    rank, which row-wise sharded sequence tables need (their all-gathers take equal sizes)."""
+    B = cfg.data.batch_size
+    rows = [sum(f.rows for f in loader.shard_order(e)) for e in range(cfg.train.epochs)]
+    mine = sum(rows) // B if loader.drop_last else sum(math.ceil(n / B) for n in rows)
+    return _min_over_ranks(min(cfg.train.max_steps or 10**15, mine), distributed, _comm_device())
+
+
+def _comm_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------- the loop
+def _loop(r: _Run) -> None:
+    cfg = r.cfg
+    stop = min(r.total, cfg.train.stop_at or r.total)
+    task_w = torch.tensor([t.weight for t in r.schema.tasks], device=r.info.device)
+    dense_params = list(r.model.dense_parameters())
+    bar = tqdm(total=r.total, initial=r.step, desc="train", unit="step", smoothing=0.05,
+               disable=not (cfg.train.progress and r.info.is_main))
+    clock = [time.perf_counter(), r.examples]
+    batches = iter(r.loader)
+    r.model.train()
+    try:
+        with open(r.run / "metrics.jsonl", "a") if r.info.is_main else contextlib.nullcontext() as mlog:
+            while r.step < stop:  # checked before the loader hands out (and counts) another batch
+                batch, rows = _next_batch(batches, r)
+                if batch is None:
+                    break
+                loss, table, lr_f = _step(r, batch, task_w, dense_params)
+                r.step += 1
+                r.examples += rows
+                bar.update(1)
+                if r.step % cfg.train.log_every == 0 or r.step == r.total:
+                    _log(r, mlog, bar, clock, {"loss": loss, "lr_factor": lr_f}, _global_table(r, table, batch))
+                if r.step < stop and cfg.train.ckpt_every and r.step % cfg.train.ckpt_every == 0:
+                    save_checkpoint(r.run, r.step, r.model, r.optimizers, r.trainer_state())
+    finally:
+        batches.close()
+        bar.close()
+
+
+def _next_batch(batches, r: _Run) -> tuple[Batch | None, int]:
+    """This rank's next batch and the rows of the whole step (all ranks); (None, 0) as soon as any
+    rank has run out, so that every rank stops at the same step (a collective)."""
+    batch = next(batches, None)
+    rows = 0 if batch is None else batch.batch_size
+    if not r.distributed:
+        return batch, rows
+    t = torch.tensor([float(batch is not None), float(rows)], dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t)
+    if int(t[0].item()) < r.info.world_size:
+        return None, 0
+    if r.info.device.type != "cpu":
+        batch = batch.to(r.info.device, non_blocking=True)
+    return batch, int(t[1].item())
+
+
+def _step(r: _Run, batch: Batch, task_w: torch.Tensor, dense_params: list) -> tuple[float, torch.Tensor, float]:
+    """One optimizer step; returns (loss of the global batch, this rank's per-(domain, task) table, lr factor)."""
+    lr_f = r.schedule.set(r.step)  # before the forward: the fused CPU table kernel takes its lr there
+    logits = r.model(batch)
+    loss, table = train_step.global_masked_bce(logits, batch.labels, batch.label_mask, batch.weights, task_w,
+                                               batch.domain, r.schema.num_domains)
+    value = train_step.global_mean(loss).item()
+    if not math.isfinite(value):
+        raise TrainingError(f"loss is {value} at step {r.step}; last checkpoint: {latest_checkpoint(r.run)}")
+    for o in r.optimizers:
+        o.zero_grad(set_to_none=True)
+    loss.backward()
+    if r.cfg.optim.grad_clip:
+        train_step.clip_grad_norm_(dense_params, r.cfg.optim.grad_clip)
+    for o in r.optimizers:
+        o.step()  # the table optimizer's step also averages the 2-D table copies when due
+    return value, table, lr_f
+
+
+def _global_table(r: _Run, table: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """The per-(domain, task) loss table of the global batch (a collective when distributed)."""
+    if not r.distributed:
+        return table
+    dom = batch.domain if batch.domain is not None else torch.zeros(batch.batch_size, dtype=torch.long)
+    w = batch.label_mask.to(table.dtype) * batch.weights.unsqueeze(1)
+    den = table.new_zeros(table.shape).index_add_(0, dom.to(table.device), w)
+    both = torch.stack([torch.nan_to_num(table) * den, den]).to(_comm_device())
+    dist.all_reduce(both)
+    num, den = both.cpu()
+    return torch.where(den > 0, num / den.clamp(min=1e-12), torch.full_like(num, float("nan")))
+
+
+def _log(r: _Run, mlog, bar, clock: list, values: dict, table: torch.Tensor) -> None:
+    if not r.info.is_main:
+        return
+    now = time.perf_counter()
+    eps = (r.examples - clock[1]) / max(now - clock[0], 1e-9)
+    clock[:] = [now, r.examples]
+    rec = {"step": r.step, "examples": r.examples, **values, "examples_per_s": eps,
+           "loss_by_domain_task": _table(table, r.schema)}
+    mlog.write(json.dumps(rec) + "\n")
+    mlog.flush()
+    bar.set_postfix(loss=f"{values['loss']:.4f}", eps=f"{eps:,.0f}")
 
 
 def _table(table: torch.Tensor, schema: FeatureSchema) -> dict[str, float]:
@@ -172,3 +321,151 @@ def _table(table: torch.Tensor, schema: FeatureSchema) -> dict[str, float]:
             if not math.isnan(v):
                 out[f"{dname}/{tname}"] = round(v, 6)
     return out
+
+
+# ---------------------------------------------------------------------------------- resume
+def _resume(r: _Run, ckpt: Path) -> None:
+    state = load_checkpoint(ckpt, r.model, r.optimizers, expect={"schema": r.schema.fingerprint()})
+    r.step, r.examples = state["step"], state["examples"]
+    r.start_examples = r.examples
+    torch.set_rng_state(state["rng"])
+    saved_world = int(state["loader"].get("world_size", 1))
+    if saved_world == r.info.world_size:
+        r.loader.load_state_dict(state["loader"])
+    else:
+        _reshard_data(r, ckpt, saved_world)
+    if r.info.is_main:
+        _truncate_metrics(r.run / "metrics.jsonl", r.step)
+    log.info("resumed from %s at step %d", ckpt, r.step)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop log lines past the checkpoint (a run killed between checkpoints logged steps that are redone)."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    keep = [x for x in lines if x.strip() and json.loads(x).get("step", 0) <= step]
+    if len(keep) != len(lines):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(keep))
+        tmp.replace(path)
+
+
+def shared_data_boundary(positions: list[dict], n_shards: int, epochs: int) -> tuple[int, list[tuple]]:
+    """Where the loader positions of ``W = len(positions)`` ranks meet in the global shard order.
+
+    Rank r of W reads shards r, r+W, … of each epoch's order, so its position (epoch e, local shard
+    s, row k) means it has read: every shard ≡ r (mod W) of epochs before e, shards r + W·j (j < s)
+    of epoch e, and k rows of shard r + W·s. Units are (epoch, global shard) pairs in order.
+
+    Returns (m, past): the first m units were all read completely, and ``past`` lists what was read
+    after them, ``(epoch, global shard, rows or None for the whole shard)``. ``past`` empty means the
+    ranks together read exactly the first m units: any world size can continue there exactly.
+    """
+    W = len(positions)
+    done = np.zeros((epochs + 1) * n_shards, dtype=bool)  # + 1: a finished rank sits at (epochs, 0, 0)
+    partial = []
+    for r, p in enumerate(positions):
+        e, s, k = int(p["epoch"]), int(p["shard"]), int(p["row"])
+        for ep in range(min(e, epochs)):
+            done[ep * n_shards + r:(ep + 1) * n_shards:W] = True
+        done[e * n_shards + r:e * n_shards + min(r + W * s, n_shards):W] = True
+        if k:
+            partial.append((e, r + W * s, k))
+    m = int(np.argmin(done)) if not done.all() else done.size
+    past = [(int(i) // n_shards, int(i) % n_shards, None) for i in np.flatnonzero(done[m:]) + m]
+    return m, past + sorted(partial)
+
+
+def position_after(m: int, n_shards: int, rank: int, world_size: int) -> dict:
+    """Loader position of ``rank`` of ``world_size`` that starts right after the first m units."""
+    epoch, first = divmod(m, n_shards)
+    return {"epoch": epoch, "shard": max(0, -(-(first - rank) // world_size)), "row": 0}
+
+
+def _reshard_data(r: _Run, ckpt: Path, saved_world: int) -> None:
+    """Continue the data of a checkpoint written by ``saved_world`` ranks on this world size."""
+    old = [torch.load(ckpt / f"trainer_state-rank{i}.pt", weights_only=False)["loader"] for i in range(saved_world)]
+    n_shards = len(r.loader.files)
+    m, past = shared_data_boundary(old, n_shards, r.loader.epochs)
+    one = ShardLoader(r.loader.data_dir, r.loader.split, r.loader.batch_size, r.schema, shuffle=r.loader.shuffle,
+                      seed=r.loader.seed, epochs=r.loader.epochs)  # world size 1: the global shard order
+    repeated = sum(rows if rows is not None else one.shard_order(e)[s].rows for e, s, rows in past)
+    if past and r.cfg.train.resume_reshard != "rewind":
+        raise CheckpointError(
+            f"{ckpt} was written by {saved_world} ranks; resuming on {r.info.world_size} cannot continue the data "
+            f"exactly: the ranks' positions do not meet at a shard boundary ({repeated} rows were read past the "
+            f"last shared one). Resume with {saved_world} processes (torchrun --nproc-per-node {saved_world}), or "
+            "pass train.resume_reshard=rewind to restart at that boundary (those rows are then seen twice).")
+    pos = position_after(m, n_shards, r.info.rank, r.info.world_size)
+    quarantined = sum((Counter(s.get("quarantined", {})) for s in old), Counter()) if r.info.is_main else {}
+    r.loader.load_state_dict({**pos, "seed": r.loader.seed, "split": r.loader.split, "quarantined": dict(quarantined)})
+    left = sum(f.rows for e in range(pos["epoch"], r.loader.epochs)
+               for f in r.loader.shard_order(e)[pos["shard"] if e == pos["epoch"] else 0:])
+    B = r.cfg.data.batch_size
+    mine = left // B if r.loader.drop_last else math.ceil(left / B)
+    steps_left = _min_over_ranks(mine, r.distributed, _comm_device())
+    r.total = min(r.cfg.train.max_steps or 10**15, r.step + steps_left)
+    r.schedule.total = r.total
+    r.resumed = {"from_world_size": saved_world, "rows_repeated": repeated, "units_done": m, "total_steps": r.total}
+    log.warning("resharded the data from %d to %d ranks at %d of %d (epoch, shard) units; %d rows repeat; "
+                "the lr schedule now ends at step %d", saved_world, r.info.world_size, m,
+                n_shards * r.loader.epochs, repeated, r.total)
+
+
+# ---------------------------------------------------------------------------------- summary
+def _finish(r: _Run, wall: float) -> dict:
+    """Final checkpoint, final.json (rank 0); every rank returns the same summary."""
+    save_checkpoint(r.run, r.step, r.model, r.optimizers, r.trainer_state())
+    quarantined, repaired, rss = _gather_counts(r)
+    parameters = count_parameters(build_gem(r.schema, r.cfg.model))  # on meta: no memory
+    sha, why = _fingerprint(r, parameters["total"])
+    final = {
+        "steps": r.step, "examples": r.examples, "params_sha256": sha, "parameters": parameters, "wall_s": wall,
+        "examples_per_s": (r.examples - r.start_examples) / max(wall, 1e-9), "recipe": r.cfg.recipe,
+        "schema": r.schema.fingerprint(), "checkpoint": str(latest_checkpoint(r.run).name),
+        "quarantined": quarantined, "repaired": repaired, "world_size": r.info.world_size, "peak_rss_mb": rss,
+    }
+    if why:
+        final["params_sha256_skipped"] = why
+    if r.resumed:
+        final["resharded"] = r.resumed
+    if r.distributed:
+        final["parallel"] = {"dims": r.sparse.dims.describe(), "sparse_plan": r.sparse.describe().splitlines()}
+    if r.info.is_main:
+        _write_json(r.run / "final.json", final)
+    if r.distributed:
+        box = [final]
+        dist.broadcast_object_list(box, src=0)
+        final = box[0]
+    return final
+
+
+def _gather_counts(r: _Run) -> tuple[dict, dict, list[float]]:
+    """Quarantined rows and repairs summed over ranks; peak RSS (MB) per rank."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    mine = (dict(r.loader.quarantined), r.loader.stats.as_dict(), round(rss, 1))
+    every = [mine]
+    if r.distributed:
+        every = [None] * r.info.world_size
+        dist.all_gather_object(every, mine)
+    quarantined = sum((Counter(q) for q, _, _ in every), Counter())
+    return dict(quarantined), _sum_nested([s for _, s, _ in every]), [x for _, _, x in every]
+
+
+def _sum_nested(dicts: list[dict]) -> dict:
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = _sum_nested([out.get(k, {}), v]) if isinstance(v, dict) else out.get(k, 0) + v
+    return out
+
+
+def _fingerprint(r: _Run, n_params: int) -> tuple[str | None, str | None]:
+    """params_sha256 over the full parameters, keyed as on one process (a collective when distributed)."""
+    if not r.distributed:
+        return params_sha256(r.model), None
+    if n_params > HASH_LIMIT:
+        return None, f"{n_params:,} parameters > {HASH_LIMIT:,}: hashing would gather every full table on every rank"
+    full = train_step.gather_full_state_dict(r.model, r.sparse.sharding_pg)
+    return (state_sha256(full) if r.info.is_main else None), None
