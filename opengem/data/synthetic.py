@@ -24,7 +24,8 @@ Generative process (latent parts in ``opengem.data.synthetic_world``; every knob
    of an interest category; click, or conversion with ``conversion_event_prob``). The ads stream is
    exogenous (engagements elsewhere): generated impression clicks are not fed back into it.
    With ``event_attributes`` each event also carries ``organic.category`` (the item's category)
-   / ``ads.advertiser`` (the engaged ad's advertiser), as a real event log would.
+   / ``ads.advertiser_id`` (the engaged ad's advertiser), as a real event log would. Attributes are
+   named after the sparse feature whose ids they hold, so a model may share those embeddings.
 4. Impressions on days 0..num_days-1, from ``rng(seed, day-tag, block, day)``: per user per day
    Poisson(rate ∝ activity^0.25), uniform time, surface from a per-user Dirichlet preference,
    position truncated-geometric in 0..7, hour from the time. The ad is a live ad: targeted
@@ -109,7 +110,7 @@ class WorldConfig:
     ads_max_events: int = 600
     conversion_event_prob: float = 0.12  # share of ads-stream events that are conversions
     organic_max_len: int = 4096  # stored history limits (most recent kept)
-    event_attributes: bool = True  # streams carry per-event attributes: organic.category, ads.advertiser
+    event_attributes: bool = True  # per-event attribute columns organic.category, ads.advertiser_id
     ads_max_len: int = 512
     # --- impressions
     impressions_per_day: float = 2.3  # mean per user per day
@@ -249,7 +250,7 @@ def build_schema(cfg: WorldConfig) -> FeatureSchema:
         from opengem.features.schema import EventAttribute
 
         org_attrs = {"attributes": (EventAttribute("category", cfg.num_categories),)}
-        ads_attrs = {"attributes": (EventAttribute("advertiser", cfg.num_advertisers),)}
+        ads_attrs = {"attributes": (EventAttribute("advertiser_id", cfg.num_advertisers),)}
     seqs = [SequenceStream("organic", cfg.num_content_items, len(ORGANIC_EVENTS), cfg.organic_max_len, **org_attrs),
             SequenceStream("ads", n_ads, len(ADS_EVENTS), cfg.ads_max_len, **ads_attrs)]
     tasks = [Task("click", "click", "p_click"), Task("conversion", "conversion", "p_conversion", requires="click")]
@@ -324,7 +325,7 @@ def _impressions(world: World, ub: UserBlock, day: int, block: int) -> dict:
     }
     if cfg.event_attributes:
         c["organic.category"] = (world.item_category[c["organic.item"][0]], org_len)
-        c["ads.advertiser"] = (world.ad_advertiser[c["ads.item"][0]], ads_len)
+        c["ads.advertiser_id"] = (world.ad_advertiser[c["ads.item"][0]], ads_len)
     for k, v in c.items():  # ids int64 everywhere (the reserved day column is int32)
         if isinstance(v, tuple):
             c[k] = (v[0].astype(np.int64, copy=False), v[1].astype(np.int64, copy=False))

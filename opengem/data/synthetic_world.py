@@ -190,7 +190,7 @@ class World:
         prof = self.category_logpop[None, :] + rng.normal(0, 0.3, (S, C))
         for j in range(cfg.segment_peaks):
             peak = rng.choice(C, S, p=cat_p)
-            prof[np.arange(S), peak] += cfg.segment_peak_height * (1.0 - 0.2 * j)
+            prof[np.arange(S), peak] += cfg.segment_peak_height * max(1.0 - 0.2 * j, 0.2)
         self.segment_interest = prof
 
         # Low-rank interaction factors (inner products have unit variance before the beta scale).

@@ -208,7 +208,7 @@ def test_schema_round_trip_and_column_types(tiny):
         "user_id": pa.int64(), "request_ts": pa.int64(), "day": pa.int32(), "domain": pa.int64(),
         **{f.name: pa.int64() for f in schema.sparse}, **{f.name: pa.float32() for f in schema.dense},
         **{c: pa.list_(pa.int64()) for s in schema.sequences for c in (s.item_column, s.event_column, s.ts_column)},
-        "organic.category": pa.list_(pa.int64()), "ads.advertiser": pa.list_(pa.int64()),
+        "organic.category": pa.list_(pa.int64()), "ads.advertiser_id": pa.list_(pa.int64()),
         "click": pa.int8(), "conversion": pa.int8(), "p_click": pa.float64(), "p_conversion": pa.float64(),
     }
     assert set(schema.columns()) == set(t.column_names) == set(types)
@@ -217,11 +217,11 @@ def test_schema_round_trip_and_column_types(tiny):
     # event attributes are the item's category / the engaged ad's advertiser
     world = World(cfg)
     assert (_lists(t, "organic.category")[0] == world.item_category[_lists(t, "organic.item")[0]]).all()
-    assert (_lists(t, "ads.advertiser")[0] == world.ad_advertiser[_lists(t, "ads.item")[0]]).all()
+    assert (_lists(t, "ads.advertiser_id")[0] == world.ad_advertiser[_lists(t, "ads.item")[0]]).all()
     assert (_lists(t, "organic.category")[1] == _lists(t, "organic.item")[1]).all()
     plain = build_schema(world_config("tiny", event_attributes=False))
     assert all(not s.attributes for s in plain.sequences)
-    assert not {"organic.category", "ads.advertiser"} & set(plain.columns())
+    assert not {"organic.category", "ads.advertiser_id"} & set(plain.columns())
     for f in schema.sparse:
         v = _read(path, m)[f.name].to_numpy()
         assert v.min() >= 0 and v.max() < f.vocab_size, f.name
