@@ -51,8 +51,11 @@ Everything the true models read is in the row: ``synthetic_world.probabilities(w
 recomputes the probability columns from a shard (``columns_from_table``) and the calibrated world
 (``world_from_manifest``). Shards: one per (user block, day), ``d{day:03d}-b{block:05d}``, rows in
 time order; output is bit-reproducible for a seed. The manifest's ``source.stats`` holds rows,
-CTR/CVR (observed and true), Bayes NE per split, sequence-length quantiles and the share of the
-logit variance of each term.
+CTR/CVR (observed and true means), Bayes NE per split (``bayes_ne``: the true probabilities'
+log loss on the drawn labels over the entropy of the split's own label rate;
+``bayes_ne_expected``: the same in expectation), the share of rows showing ads launched after the
+last train day, stored sequence-length quantiles, the share of the logit variance of each term
+(Var(term) / Var(logit); covariances make them not sum to 1) and the calibrated intercepts.
 """
 
 from __future__ import annotations
@@ -221,7 +224,8 @@ PRESETS: dict[str, Callable[[], WorldConfig]] = {
 
 
 def world_config(preset: str, seed: int | None = None, **overrides) -> WorldConfig:
-    """A preset's config with ``seed`` and field overrides applied, validated."""
+    """A preset's config with ``seed`` and field overrides applied, validated. String override
+    values (from a command line) are parsed as the field's type."""
     if preset not in PRESETS:
         raise ValueError(f"unknown synthetic preset {preset!r}; choose from {sorted(PRESETS)}")
     names = {f.name for f in fields(WorldConfig)}
@@ -229,9 +233,29 @@ def world_config(preset: str, seed: int | None = None, **overrides) -> WorldConf
     if unknown:
         raise ValueError(f"unknown WorldConfig keys {unknown}; valid keys: {sorted(names)}")
     cfg = PRESETS[preset]()
+    types = {f.name: f.type for f in fields(WorldConfig)}
+    overrides = {k: _parse(k, v, types[k]) if isinstance(v, str) else v for k, v in overrides.items()}
     if seed is not None:
         overrides["seed"] = seed
     return dataclasses.replace(cfg, **overrides).validate()
+
+
+def _parse(key: str, text: str, kind) -> int | float | bool:
+    """A command-line override value (``num_users=5000``) as the field's type."""
+    kind = getattr(kind, "__name__", kind)
+    try:
+        if kind == "bool":
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return text.lower() in ("true", "1", "yes")
+        if kind == "int":
+            v = float(text)
+            if not v.is_integer():
+                raise ValueError
+            return int(text) if text.lstrip("+-").isdigit() else int(v)
+        return float(text)
+    except ValueError:
+        raise ValueError(f"WorldConfig.{key}: cannot parse {text!r} as {kind}") from None
 
 
 def build_schema(cfg: WorldConfig) -> FeatureSchema:
@@ -284,7 +308,7 @@ def _impressions(world: World, ub: UserBlock, day: int, block: int) -> dict:
     pos_p = cfg.position_decay ** np.arange(NUM_POSITIONS)
     position = np.searchsorted(np.cumsum(pos_p / pos_p.sum())[:-1], r[1], side="right").astype(np.int64)
     n_org, org_lo, org_len = ub.history("organic", user, t, cfg.organic_max_len)
-    _, ads_lo, ads_len = ub.history("ads", user, t, cfg.ads_max_len)
+    n_ads, ads_lo, ads_len = ub.history("ads", user, t, cfg.ads_max_len)
 
     # Ad choice: targeted (interest category that day), retargeted (stored ads history), random.
     cat = ub.interest.sample(user * world.window_days + (day + cfg.history_days), r[2])
@@ -332,7 +356,7 @@ def _impressions(world: World, ub: UserBlock, day: int, block: int) -> dict:
         elif k != "day" and v.dtype.kind in "iu":
             c[k] = v.astype(np.int64, copy=False)
     u = rng.random((2, n))  # label draws, used once the intercepts are known
-    c["_u_click"], c["_u_conv"], c["_n_org"] = u[0], u[1], n_org
+    c["_u_click"], c["_u_conv"], c["_n_organic"], c["_n_ads"] = u[0], u[1], n_org, n_ads
     return c
 
 
@@ -340,7 +364,8 @@ def _table(schema: FeatureSchema, c: dict, p_click, p_cvr) -> pa.Table:
     click = c["_u_click"] < p_click
     conv = click & (c["_u_conv"] < p_cvr)
     out = {}
-    for name in schema.columns(with_probs=False)[: -len(schema.tasks)]:  # all but the labels
+    labels = {t.label_column for t in schema.tasks}
+    for name in (col for col in schema.columns(with_probs=False) if col not in labels):
         v = c[name]
         out[name] = list_array(*v) if isinstance(v, tuple) else pa.array(v)
     out.update(click=pa.array(click.astype(np.int8)), conversion=pa.array(conv.astype(np.int8)),
@@ -371,7 +396,7 @@ class _Stats:
         for st in ("organic", "ads"):
             lens = c[f"{st}.item"][1]
             self.len_hist[st] += np.bincount(lens, minlength=len(self.len_hist[st]))
-        self.truncated["organic"] += int((c["_n_org"] > c["organic.item"][1]).sum())
+            self.truncated[st] += int((c[f"_n_{st}"] > lens).sum())
         for kind, terms in (("click", ct), ("conversion", vt)):
             terms = {**terms, "_total": sum(terms.values())}
             for k, v in terms.items():
@@ -397,8 +422,7 @@ class _Stats:
             out["seq_len"][st] = {"mean": float((h * np.arange(len(h))).sum() / max(h.sum(), 1)),
                                   "median": int(np.searchsorted(cdf, 0.5)), "p99": int(np.searchsorted(cdf, 0.99)),
                                   "max": int(np.nonzero(h)[0].max()) if h.any() else 0,
-                                  "rows_at_max_len": int(h[-1])}
-        out["seq_len"]["organic"]["truncated_rows"] = self.truncated["organic"]
+                                  "truncated_rows": self.truncated[st]}
         for kind in ("click", "conversion"):
             var = {k: a[2] / a[0] - (a[1] / a[0]) ** 2 for k, a in self.terms[kind].items()}
             tot = var.pop("_total")
@@ -422,7 +446,7 @@ def _plain(x):
     if isinstance(x, dict):
         return {k: _plain(v) for k, v in x.items()}
     if isinstance(x, (np.floating, float)):
-        return round(float(x), 6)
+        return round(float(x), 6) if np.isfinite(x) else None
     if isinstance(x, np.integer):
         return int(x)
     return x

@@ -114,6 +114,9 @@ def test_histories_well_formed_and_truncated_to_most_recent(tmp_path):
         assert (lens == np.minimum(lens_f, s.max_len)).all()
         keep = np.arange(len(items_f)) >= np.repeat(ends - lens, lens_f)
         assert (items_f[keep] == items).all() and (ts_f[keep] == ts).all()
+    for st in ("organic", "ads"):
+        assert m.source["stats"]["seq_len"][st]["truncated_rows"] > 0
+        assert m_full.source["stats"]["seq_len"][st]["truncated_rows"] == 0
     org_len = _lists(t_full, "organic.item")[1]
     assert np.median(org_len) < np.quantile(org_len, 0.99) / 2  # long tail
 
@@ -276,6 +279,15 @@ def test_bad_config(kwargs, match, tmp_path):
         world_config("tiny", **kwargs)
     with pytest.raises(ValueError, match=match):
         generate(WorldConfig(**{**vars(PRESETS["tiny"]()), **kwargs}), tmp_path, progress=False)
+
+
+def test_string_overrides_are_parsed():
+    cfg = world_config("tiny", num_users="250", target_ctr="0.05", event_attributes="false", max_events="1e3")
+    assert (cfg.num_users, cfg.target_ctr, cfg.event_attributes, cfg.max_events) == (250, 0.05, False, 1000)
+    with pytest.raises(ValueError, match="num_users"):
+        world_config("tiny", num_users="2.5")
+    with pytest.raises(ValueError, match="event_attributes"):
+        world_config("tiny", event_attributes="maybe")
 
 
 def test_unknown_preset_and_key():
