@@ -15,7 +15,7 @@ def tiny_schema(num_domains: int = 2, with_probs: bool = True, streams: int = 2)
         sparse=(SparseFeature("user_id", 50, "user"), SparseFeature("ad_id", 30, "ad"),
                 SparseFeature("category", 5, "ad"), SparseFeature("tags", 7, "user", multi_hot=True)),
         dense=(DenseFeature("activity", "user"), DenseFeature("quality", "ad")),
-        sequences=tuple(SequenceStream(f"s{i}", 40, 3, 64, (EventAttribute("cat", 5),) if i == 0 else ())
+        sequences=tuple(SequenceStream(f"s{i}", 40, 3, 64, (EventAttribute("category", 5),) if i == 0 else ())
                         for i in range(streams)),
         tasks=(Task("click", "click", "p_click" if with_probs else None),
                Task("conversion", "conversion", "p_conversion" if with_probs else None, requires="click")),

@@ -21,7 +21,7 @@ from torch import nn
 
 from opengem.data.batch import Batch
 from opengem.features.schema import FeatureSchema
-from opengem.model.heads import Heads, HeadsConfig
+from opengem.model.heads import Heads, HeadsConfig, LowOrderShortcut
 from opengem.model.interaction_arch import WukongConfig, mlp
 from opengem.model.interformer import InterFormer, InterFormerConfig
 from opengem.model.sequence_arch import SequenceConfig
@@ -34,6 +34,8 @@ class GEMConfig:
     dense_tokens: int = 1
     max_seq_len: int = 0  # cap on every stream's history (most recent kept); 0 = the schema's max_len
     use_sequences: bool = True  # False: ablation without sequence towers
+    shortcut: str = "fwfm"  # fwfm | linear | none: low-order logits from X_0 (heads.LowOrderShortcut)
+    target_match: bool = True  # flag events whose attribute equals the candidate's feature of that name
     sparse: SparseArchConfig = field(default_factory=SparseArchConfig)
     wukong: WukongConfig = field(default_factory=WukongConfig)
     sequence: SequenceConfig = field(default_factory=SequenceConfig)
@@ -43,10 +45,31 @@ class GEMConfig:
     def validate(self) -> None:
         if self.embedding_dim < 1 or self.dense_tokens < 1 or self.max_seq_len < 0:
             raise ValueError("model.embedding_dim and model.dense_tokens must be >= 1, max_seq_len >= 0")
+        if self.shortcut not in ("fwfm", "linear", "none"):
+            raise ValueError(f"model.shortcut must be fwfm|linear|none, got {self.shortcut!r}")
         self.wukong.validate()
         self.sequence.validate(self.embedding_dim)
         self.interformer.validate()
         self.heads.validate()
+
+
+def match_attributes(schema: FeatureSchema, stream: str) -> list[tuple[str, str, int]]:
+    """(attribute column, sparse feature, OOV id) for each attribute of ``stream`` named after a
+    single-valued sparse feature with the same vocabulary.
+
+    Target match (a choice; the public record is silent, dossier §11): each event token gets a
+    learned vector per attribute equal to the candidate's own id — "this organic event is in the ad's
+    category", "this ads engagement was with the same advertiser" — SIM's hard search as a token
+    feature. With the towers' attention sink, a time-decayed share of matching events is one
+    attention read. ``model.target_match=false`` turns it off.
+    """
+    feats = {f.name: f for f in schema.sparse}
+    out = []
+    for a in schema.stream(stream).attributes:
+        f = feats.get(a.name)
+        if f is not None and not f.multi_hot and f.vocab_size == a.vocab_size:
+            out.append((schema.stream(stream).attribute_column(a), f.name, f.vocab_size))
+    return out
 
 
 def signed_log(x: torch.Tensor) -> torch.Tensor:
@@ -68,10 +91,16 @@ class GEM(nn.Module):
             self.domain_emb = nn.Embedding(schema.num_domains, D)
             n_x = len(schema.sparse) + (cfg.dense_tokens if F else 0) + 1
             self.streams = [s.name for s in schema.sequences] if cfg.use_sequences else []
+            self.match_pairs = {name: match_attributes(schema, name) if cfg.target_match else []
+                                for name in self.streams}
+            self.target_match = nn.ModuleDict({name: nn.Linear(len(cols), D, bias=False)
+                                               for name, cols in self.match_pairs.items() if cols})
             self.interformer = InterFormer(n_x, D, len(self.streams), cfg.wukong, cfg.sequence, cfg.interformer)
             feat = cfg.interformer.num_sum * D + len(self.streams) * cfg.interformer.tokens_per_stream * D
             self.feature_dim = feat
             self.heads = Heads(feat, schema, cfg.heads)
+            self.shortcut = (LowOrderShortcut(n_x, D, len(schema.tasks), cfg.shortcut)
+                             if cfg.shortcut != "none" else None)
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
@@ -102,26 +131,45 @@ class GEM(nn.Module):
         return {s.name: (min(self.cfg.max_seq_len, s.max_len) if self.cfg.max_seq_len else s.max_len)
                 for s in self.schema.sequences}
 
-    def features(self, batch: Batch) -> torch.Tensor:
-        """[B, feature_dim]: the representation the heads read (used for representation transfer)."""
+    def inputs(self, batch: Batch) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """X_0 [B, n_x, D] (sparse, dense and domain tokens) and per stream (tokens [N, D], lengths [B])."""
         B = batch.batch_size
         tokens = [self.sparse_arch.forward_sparse(batch.sparse, B)]
         if self.dense_arch is not None:
             tokens.append(self.dense_arch(signed_log(batch.dense)).view(B, self.cfg.dense_tokens, -1))
         tokens.append(self.domain_emb(batch.domain).unsqueeze(1))
-        x = torch.cat(tokens, dim=1)
         seqs = []
         if self.streams:
             emb = self.sparse_arch.forward_sequences(batch.sequences)
             ages = batch.seq_age.to_dict()
             for tower, name in zip(self.interformer.towers, self.streams):
                 values, lengths = emb[name]
+                if name in self.target_match:
+                    values = values + self.target_match[name](self._match_flags(batch, name, lengths))
                 seqs.append((tower.embed(values, ages[name].values()), lengths))
-        x_sum, s_sum, _ = self.interformer(x, seqs)
+        return torch.cat(tokens, dim=1), seqs
+
+    def _match_flags(self, batch: Batch, stream: str, lengths: torch.Tensor) -> torch.Tensor:
+        """[N, A] float: 1 where event n's attribute a equals its row's candidate id of that name."""
+        row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+        seq, sparse = batch.sequences.to_dict(), batch.sparse.to_dict()
+        flags = []
+        for col, feat, oov in self.match_pairs[stream]:
+            ids = seq[col].values()
+            flags.append((ids == sparse[feat].values()[row]) & (ids != oov))  # OOV never matches
+        return torch.stack(flags, dim=1).to(self.domain_emb.weight.dtype)
+
+    def _features(self, x_BND: torch.Tensor, seqs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        x_sum, s_sum, _ = self.interformer(x_BND, seqs)
         parts = [x_sum.flatten(1)] + ([s_sum.flatten(1)] if s_sum is not None else [])
         return torch.cat(parts, dim=1)
 
+    def features(self, batch: Batch) -> torch.Tensor:
+        """[B, feature_dim]: the representation the heads read (used for representation transfer)."""
+        return self._features(*self.inputs(batch))
+
     def forward(self, batch: Batch) -> torch.Tensor:
         """logits [B, T] in schema task order."""
-        return self.heads(self.features(batch), batch.domain)
-
+        x, seqs = self.inputs(batch)
+        shortcut = self.shortcut(x) if self.shortcut is not None else None
+        return self.heads(self._features(x, seqs), batch.domain, shortcut)

@@ -87,13 +87,55 @@ class Heads(nn.Module):
                 r = min(max(r, 1e-6), 1 - 1e-6)
                 self.out_b[:, t] = math.log(r / (1 - r))
 
-    def forward(self, feats_BF: torch.Tensor, domain_B: torch.Tensor) -> torch.Tensor:
+    def forward(self, feats_BF: torch.Tensor, domain_B: torch.Tensor,
+                shortcut_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [B, T]; ``shortcut_BT`` (low-order logits, see ``LowOrderShortcut``) is added to
+        each task's own logit before chaining."""
         h = self.trunk(feats_BF)
         g = domain_B if self.cfg.domain_mode == "output" else torch.zeros_like(domain_B)
         w, b = self.out_w[g], self.out_b[g]  # [B, T, H], [B, T]
         raw = [(tower(h) * w[:, t]).sum(-1) + b[:, t] for t, tower in enumerate(self.towers)]
+        if shortcut_BT is not None:
+            raw = [r + shortcut_BT[:, t] for t, r in enumerate(raw)]
         out: list[torch.Tensor] = []
         for t, logit in enumerate(raw):
             p = self.parent[t]
             out.append(logit if p < 0 else chained_logit(out[p], logit))
         return torch.stack(out, dim=1)
+
+
+class LowOrderShortcut(nn.Module):
+    """First- and second-order logits straight from the input tokens X_0 (field-weighted FM).
+
+    Legend: n input tokens, D dim, P = n(n−1)/2 token pairs, T tasks.
+
+        linear: [B, n·D] → [B, T]                      (each embedding's first-order effect)
+        fwfm:   ⟨x_i, x_j⟩/√D for i < j → [B, P] → [B, T]  (one learned weight per pair and task)
+
+    Not in the public GEM record (dossier §11): Wukong and InterFormer only reach the logits through
+    their stacks. We add this DeepFM/FwFM-style path because one pass over the logs learns low-order
+    effects (ad quality, a user segment × ad category affinity) slowly through deep stacks; the output
+    weights start at zero, so at init the model equals the one without it. ``model.shortcut``:
+    ``fwfm`` (linear + pairs) | ``linear`` | ``none``.
+    """
+
+    def __init__(self, n_tokens: int, dim: int, num_tasks: int, mode: str):
+        super().__init__()
+        self.mode, self.dim, self.n = mode, dim, n_tokens
+        self.linear = nn.Linear(n_tokens * dim, num_tasks, bias=False)
+        n_pairs = n_tokens * (n_tokens - 1) // 2
+        self.pairs = nn.Linear(n_pairs, num_tasks, bias=False) if mode == "fwfm" else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.linear.weight)
+        if self.pairs is not None:
+            nn.init.zeros_(self.pairs.weight)
+
+    def forward(self, x_BND: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x_BND.flatten(1))
+        if self.pairs is not None:
+            i, j = torch.triu_indices(self.n, self.n, offset=1, device=x_BND.device)  # no buffer: nothing to shard
+            gram = torch.bmm(x_BND, x_BND.transpose(1, 2)) * self.dim**-0.5
+            out = out + self.pairs(gram[:, i, j])
+        return out

@@ -94,3 +94,19 @@ def destroy_distributed() -> None:
             dist.barrier()
         finally:
             dist.destroy_process_group()
+
+
+def comm_device() -> torch.device:
+    """Where collective buffers live: the current GPU under NCCL, else CPU (gloo, or no process group)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def min_over_ranks(value: int, distributed: bool) -> int:
+    """The minimum of an int over all ranks (``value`` itself when not distributed)."""
+    if not distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())

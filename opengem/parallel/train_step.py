@@ -30,6 +30,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.tensor import DTensor
 
+from opengem.parallel.launch import comm_device
 from opengem.parallel.sparse import SparseOptimizerSpec, SparseSharding, TableInfo
 from opengem.train.losses import masked_bce
 
@@ -79,23 +80,19 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- gathering
-def _comm_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
 def _full(value, group=None) -> torch.Tensor:
     """A full plain CPU copy of a DTensor, a ShardedTensor or a tensor (collective for the first two)."""
     if isinstance(value, DTensor):
         local = value.to_local()
         if hasattr(local, "local_shards"):
-            out = torch.zeros(value.shape, dtype=value.dtype, device=_comm_device())
+            out = torch.zeros(value.shape, dtype=value.dtype, device=comm_device())
             for s, o in zip(local.local_shards(), local.local_offsets()):
                 out[tuple(slice(a, a + n) for a, n in zip(o, s.shape))] = s
             dist.all_reduce(out, group=group)
             return out.cpu()
         return value.full_tensor().cpu()
     if isinstance(value, ShardedTensor):
-        out = torch.zeros(value.size(), dtype=value.dtype, device=_comm_device())
+        out = torch.zeros(value.size(), dtype=value.dtype, device=comm_device())
         for s in value.local_shards():
             out[tuple(slice(a, a + n) for a, n in zip(s.metadata.shard_offsets, s.metadata.shard_sizes))] = s.tensor
         dist.all_reduce(out, group=value._process_group)

@@ -25,7 +25,7 @@ Distributed rules (the loop is the same; ``opengem.parallel.train_step`` makes i
 
 Resume (``--resume``) at the same world size is exact: each rank continues its own shard stream.
 At another world size the data position is re-derived from every rank's saved position (see
-``shared_data_boundary``): exact where they meet at a shard boundary, else refused, or with
+``train.resume.shared_data_boundary``): exact where they meet at a shard boundary, else refused, or with
 ``train.resume_reshard=rewind`` restarted at the last shared boundary (rows after it repeat).
 """
 
@@ -55,9 +55,10 @@ from opengem.evaluation.accumulator import RateCounter
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, materialize
 from opengem.parallel import ParallelDims, SparseOptimizerSpec, build_parallel_gem, train_step
-from opengem.parallel.launch import DistInfo, destroy_distributed, init_distributed
-from opengem.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from opengem.parallel.launch import DistInfo, comm_device, destroy_distributed, init_distributed, min_over_ranks
+from opengem.train.checkpoint import latest_checkpoint, save_checkpoint
 from opengem.train.optim import Schedule, build_optimizers
+from opengem.train.resume import resume_run
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo)
     r = _Run(cfg, schema, run, info, model, optimizers, sparse, loader, schedule, total)
     ckpt = latest_checkpoint(run) if resume else None
     if ckpt is not None:
-        _resume(r, ckpt)
+        resume_run(r, ckpt)
     t_start = time.perf_counter()
     _loop(r)
     return _finish(r, time.perf_counter() - t_start)
@@ -197,14 +198,6 @@ def _build(cfg: Config, schema: FeatureSchema, base_rates: list[float], info: Di
     return model, [dense, sparse.optimizer], sparse
 
 
-def _min_over_ranks(value: int, distributed: bool, device: torch.device) -> int:
-    if not distributed:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
-
-
 def _planned_steps(cfg: Config, loader: ShardLoader, distributed: bool) -> int:
     """Length of the lr schedule: this rank's batches, the minimum over ranks, capped by max_steps.
 
@@ -213,13 +206,7 @@ def _planned_steps(cfg: Config, loader: ShardLoader, distributed: bool) -> int:
     B = cfg.data.batch_size
     rows = [sum(f.rows for f in loader.shard_order(e)) for e in range(cfg.train.epochs)]
     mine = sum(rows) // B if loader.drop_last else sum(math.ceil(n / B) for n in rows)
-    return _min_over_ranks(min(cfg.train.max_steps or 10**15, mine), distributed, _comm_device())
-
-
-def _comm_device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return min_over_ranks(min(cfg.train.max_steps or 10**15, mine), distributed)
 
 
 # ---------------------------------------------------------------------------------- the loop
@@ -259,7 +246,7 @@ def _next_batch(batches, r: _Run) -> tuple[Batch | None, int]:
     rows = 0 if batch is None else batch.batch_size
     if not r.distributed:
         return batch, rows
-    t = torch.tensor([float(batch is not None), float(rows)], dtype=torch.float64, device=_comm_device())
+    t = torch.tensor([float(batch is not None), float(rows)], dtype=torch.float64, device=comm_device())
     dist.all_reduce(t)
     if int(t[0].item()) < r.info.world_size:
         return None, 0
@@ -294,7 +281,7 @@ def _global_table(r: _Run, table: torch.Tensor, batch: Batch) -> torch.Tensor:
     dom = batch.domain if batch.domain is not None else torch.zeros(batch.batch_size, dtype=torch.long)
     w = batch.label_mask.to(table.dtype) * batch.weights.unsqueeze(1)
     den = table.new_zeros(table.shape).index_add_(0, dom.to(table.device), w)
-    both = torch.stack([torch.nan_to_num(table) * den, den]).to(_comm_device())
+    both = torch.stack([torch.nan_to_num(table) * den, den]).to(comm_device())
     dist.all_reduce(both)
     num, den = both.cpu()
     return torch.where(den > 0, num / den.clamp(min=1e-12), torch.full_like(num, float("nan")))
@@ -321,96 +308,6 @@ def _table(table: torch.Tensor, schema: FeatureSchema) -> dict[str, float]:
             if not math.isnan(v):
                 out[f"{dname}/{tname}"] = round(v, 6)
     return out
-
-
-# ---------------------------------------------------------------------------------- resume
-def _resume(r: _Run, ckpt: Path) -> None:
-    state = load_checkpoint(ckpt, r.model, r.optimizers, expect={"schema": r.schema.fingerprint()})
-    r.step, r.examples = state["step"], state["examples"]
-    r.start_examples = r.examples
-    torch.set_rng_state(state["rng"])
-    saved_world = int(state["loader"].get("world_size", 1))
-    if saved_world == r.info.world_size:
-        r.loader.load_state_dict(state["loader"])
-    else:
-        _reshard_data(r, ckpt, saved_world)
-    if r.info.is_main:
-        _truncate_metrics(r.run / "metrics.jsonl", r.step)
-    log.info("resumed from %s at step %d", ckpt, r.step)
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop log lines past the checkpoint (a run killed between checkpoints logged steps that are redone)."""
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines(keepends=True)
-    keep = [x for x in lines if x.strip() and json.loads(x).get("step", 0) <= step]
-    if len(keep) != len(lines):
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(keep))
-        tmp.replace(path)
-
-
-def shared_data_boundary(positions: list[dict], n_shards: int, epochs: int) -> tuple[int, list[tuple]]:
-    """Where the loader positions of ``W = len(positions)`` ranks meet in the global shard order.
-
-    Rank r of W reads shards r, r+W, … of each epoch's order, so its position (epoch e, local shard
-    s, row k) means it has read: every shard ≡ r (mod W) of epochs before e, shards r + W·j (j < s)
-    of epoch e, and k rows of shard r + W·s. Units are (epoch, global shard) pairs in order.
-
-    Returns (m, past): the first m units were all read completely, and ``past`` lists what was read
-    after them, ``(epoch, global shard, rows or None for the whole shard)``. ``past`` empty means the
-    ranks together read exactly the first m units: any world size can continue there exactly.
-    """
-    W = len(positions)
-    done = np.zeros((epochs + 1) * n_shards, dtype=bool)  # + 1: a finished rank sits at (epochs, 0, 0)
-    partial = []
-    for r, p in enumerate(positions):
-        e, s, k = int(p["epoch"]), int(p["shard"]), int(p["row"])
-        for ep in range(min(e, epochs)):
-            done[ep * n_shards + r:(ep + 1) * n_shards:W] = True
-        done[e * n_shards + r:e * n_shards + min(r + W * s, n_shards):W] = True
-        if k:
-            partial.append((e, r + W * s, k))
-    m = int(np.argmin(done)) if not done.all() else done.size
-    past = [(int(i) // n_shards, int(i) % n_shards, None) for i in np.flatnonzero(done[m:]) + m]
-    return m, past + sorted(partial)
-
-
-def position_after(m: int, n_shards: int, rank: int, world_size: int) -> dict:
-    """Loader position of ``rank`` of ``world_size`` that starts right after the first m units."""
-    epoch, first = divmod(m, n_shards)
-    return {"epoch": epoch, "shard": max(0, -(-(first - rank) // world_size)), "row": 0}
-
-
-def _reshard_data(r: _Run, ckpt: Path, saved_world: int) -> None:
-    """Continue the data of a checkpoint written by ``saved_world`` ranks on this world size."""
-    old = [torch.load(ckpt / f"trainer_state-rank{i}.pt", weights_only=False)["loader"] for i in range(saved_world)]
-    n_shards = len(r.loader.files)
-    m, past = shared_data_boundary(old, n_shards, r.loader.epochs)
-    one = ShardLoader(r.loader.data_dir, r.loader.split, r.loader.batch_size, r.schema, shuffle=r.loader.shuffle,
-                      seed=r.loader.seed, epochs=r.loader.epochs)  # world size 1: the global shard order
-    repeated = sum(rows if rows is not None else one.shard_order(e)[s].rows for e, s, rows in past)
-    if past and r.cfg.train.resume_reshard != "rewind":
-        raise CheckpointError(
-            f"{ckpt} was written by {saved_world} ranks; resuming on {r.info.world_size} cannot continue the data "
-            f"exactly: the ranks' positions do not meet at a shard boundary ({repeated} rows were read past the "
-            f"last shared one). Resume with {saved_world} processes (torchrun --nproc-per-node {saved_world}), or "
-            "pass train.resume_reshard=rewind to restart at that boundary (those rows are then seen twice).")
-    pos = position_after(m, n_shards, r.info.rank, r.info.world_size)
-    quarantined = sum((Counter(s.get("quarantined", {})) for s in old), Counter()) if r.info.is_main else {}
-    r.loader.load_state_dict({**pos, "seed": r.loader.seed, "split": r.loader.split, "quarantined": dict(quarantined)})
-    left = sum(f.rows for e in range(pos["epoch"], r.loader.epochs)
-               for f in r.loader.shard_order(e)[pos["shard"] if e == pos["epoch"] else 0:])
-    B = r.cfg.data.batch_size
-    mine = left // B if r.loader.drop_last else math.ceil(left / B)
-    steps_left = _min_over_ranks(mine, r.distributed, _comm_device())
-    r.total = min(r.cfg.train.max_steps or 10**15, r.step + steps_left)
-    r.schedule.total = r.total
-    r.resumed = {"from_world_size": saved_world, "rows_repeated": repeated, "units_done": m, "total_steps": r.total}
-    log.warning("resharded the data from %d to %d ranks at %d of %d (epoch, shard) units; %d rows repeat; "
-                "the lr schedule now ends at step %d", saved_world, r.info.world_size, m,
-                n_shards * r.loader.epochs, repeated, r.total)
 
 
 # ---------------------------------------------------------------------------------- summary

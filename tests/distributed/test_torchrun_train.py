@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from opengem.cli import main
-from opengem.train.trainer import position_after, shared_data_boundary
+from opengem.train.resume import position_after, shared_data_boundary
 
 pytestmark = pytest.mark.distributed
 

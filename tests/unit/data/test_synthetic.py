@@ -200,7 +200,7 @@ def test_schema_round_trip_and_column_types(tiny):
     schema = build_schema(cfg)
     assert FeatureSchema.from_dict(json.loads(schema.to_json())) == schema
     assert FeatureSchema.load(path) == schema
-    assert {f.name for f in schema.sparse} == {"user_id", "age", "gender", "country", "device", "segment", "ad_id",
+    assert {f.name for f in schema.sparse} == {"age", "gender", "country", "device", "segment", "ad_id",
                                                "advertiser_id", "campaign_id", "category", "format",
                                                "position", "hour"}
     assert [f.name for f in schema.dense] == ["user_activity", "ad_age", "ad_quality", "hour_sin", "hour_cos"]

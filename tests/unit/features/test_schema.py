@@ -68,7 +68,7 @@ def test_lookups():
     s = tiny_schema()
     assert s.sparse_feature("ad_id") == SparseFeature("ad_id", 30, "ad")
     assert s.stream("s1") == SequenceStream("s1", 40, 3, 64)
-    assert s.stream("s0").attributes[0].name == "cat" and "s0.cat" in s.columns()
+    assert s.stream("s0").attributes[0].name == "category" and "s0.category" in s.columns()
     assert s.task_names == ["click", "conversion"]
     assert s.tasks[1] == Task("conversion", "conversion", "p_conversion", requires="click")
     with pytest.raises(SchemaError, match="no sparse feature named 'nope'"):
