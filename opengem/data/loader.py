@@ -105,10 +105,10 @@ class ShardLoader:
         self.quarantined = Counter(state.get("quarantined", {}))
 
     # ------------------------------------------------------------------ reading
-    def _read(self, info: ShardInfo) -> pa.Table:
+    def _read(self, info: ShardInfo, epoch: int) -> pa.Table:
         table = read_shard(self.data_dir, info, self.columns)
         keep, reasons, row_reason = validate_rows(table, self.schema)
-        if reasons:
+        if reasons and epoch == 0:  # later epochs read the same rows: count and write them once
             for reason, n in reasons:
                 self.quarantined[reason] += n
                 log.warning("%s: quarantined %d rows: %s", info.path, n, reason)
@@ -134,7 +134,7 @@ class ShardLoader:
         while epoch < self.epochs:
             order = self.shard_order(epoch)
             while shard < len(order):
-                table = self._read(order[shard])
+                table = self._read(order[shard], epoch)
                 perm = self._rows(epoch, shard, table.num_rows)
                 while row < table.num_rows:
                     take = min(self.batch_size - n_pending, table.num_rows - row)

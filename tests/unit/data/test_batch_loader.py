@@ -169,3 +169,17 @@ def test_shard_missing_a_column_is_an_error(tmp_path):
 def test_list_array_checks_lengths():
     with pytest.raises(ValueError, match="lengths sum to 3 but there are 2 values"):
         list_array(np.array([1, 2]), np.array([1, 2]))
+
+
+def test_quarantine_is_counted_once_over_epochs(tmp_path):
+    schema = tiny_schema()
+    t = random_table(schema, 10)
+    click = t.column("click").to_numpy().copy()
+    click[[2, 7]] = 3
+    t = t.set_column(t.schema.get_field_index("click"), "click", pa.array(click))
+    w = ShardWriter(tmp_path / "d", schema)
+    w.write(t, "s0", 0)
+    w.close({"train": [0]})
+    loader = ShardLoader(tmp_path / "d", "train", 4, epochs=3)
+    assert sum(b.batch_size for b in loader) == 3 * 8  # every epoch drops the same 2 rows
+    assert loader.quarantined == {"label click not in {0,1}": 2}  # counted once, not per epoch
