@@ -80,11 +80,11 @@ def pool_attention(
 def recent_window(values_ND: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The last ``k`` events of each row, right-aligned (newest in the last slot).
 
-    Returns (x [B, K', D], valid [B, K'] bool) with K' = min(k, longest row in the batch), at
-    least 1, so a batch of short rows never pays for ``k``.
+    Returns (x [B, k, D], valid [B, k] bool). Always ``k`` slots, never the batch's longest row: a
+    row's tokens (and so its score) must not depend on which rows share its batch.
     """
     B, D = lengths.numel(), values_ND.shape[-1]
-    kk = max(1, min(k, int(lengths.max()) if B else 1))
+    kk = k
     ends = torch.cumsum(lengths, 0)  # [B]
     pos = torch.arange(kk, device=lengths.device) - kk  # [-K' .. -1]
     idx = ends.unsqueeze(1) + pos.unsqueeze(0)  # [B, K']

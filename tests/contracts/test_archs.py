@@ -220,3 +220,17 @@ def test_shortcut_starts_at_zero_and_reads_pairs():
         sc.pairs.weight.zero_()
         sc.pairs.weight[0, 5] = 1.0  # pair (2, 3) is the last of 6 upper-triangle pairs
     assert torch.allclose(sc(x)[:, 0], (x[:, 2] * x[:, 3]).sum(-1) / 3**0.5)
+
+
+def test_a_rows_score_does_not_depend_on_its_batch():
+    """Scored alone or beside rows with much longer histories, a row gets the same logits."""
+    from opengem.data.batch import collate
+
+    schema = tiny_schema()
+    model = _gem(schema=schema).eval()
+    table = random_table(schema, 5, seed=3, lengths={"s0": np.array([1, 60, 0, 2, 40]), "s1": np.array([0, 1, 30, 2, 3])})
+    with torch.no_grad():
+        together = model(collate(table, schema))
+        for i in range(5):
+            alone = model(collate(table.slice(i, 1), schema))
+            assert torch.allclose(alone[0], together[i], atol=1e-5), i

@@ -63,11 +63,15 @@ def test_recent_window_right_aligned_and_masked():
     assert x[1].abs().sum() == 0
 
 
-def test_recent_window_never_pays_for_k_beyond_the_batch():
-    x, valid = recent_window(torch.zeros(3, 4), torch.tensor([1, 2]), 64)
-    assert x.shape == (2, 2, 4)
+def test_recent_window_has_k_slots_whatever_the_batch():
+    """A row's window must not depend on its batch-mates (serving scores rows in other batches)."""
+    alone, _ = recent_window(torch.tensor([[7.0]]), torch.tensor([1]), 4)
+    both, valid = recent_window(torch.arange(7, dtype=torch.float32).unsqueeze(1), torch.tensor([1, 6]), 4)
+    assert alone.shape == (1, 4, 1) and both.shape == (2, 4, 1)
+    assert both[0, :, 0].tolist() == [0, 0, 0, 0.0] and valid[0].tolist() == [False, False, False, True]
+    assert torch.equal(alone[0, :, 0], torch.tensor([0, 0, 0, 7.0]))
     x, valid = recent_window(torch.zeros(0, 4), torch.tensor([0, 0]), 64)
-    assert x.shape == (2, 1, 4) and not valid.any()
+    assert x.shape == (2, 64, 4) and not valid.any()
 
 
 def test_pool_attention_sink_is_one_more_softmax_slot():
