@@ -3,7 +3,9 @@
     opengem generate --preset P --out DIR [--seed N] [key=value …]
     opengem train    --recipe R --data DIR --out RUN [--resume] [key=value …]
     opengem evaluate --run RUN --data DIR [--split test] [--json FILE]
-    opengem demo     [--out DIR]          generate demo → train demo → evaluate, prints a table
+    opengem export   --run RUN --out ARTIFACT [--data DIR] [--no-compile]
+    opengem serve    --artifact ARTIFACT [--host 127.0.0.1] [--port 8000]
+    opengem demo     [--out DIR]          generate → train → evaluate → export, serve, score one request
 """
 
 from __future__ import annotations
@@ -44,10 +46,29 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--json", default=None, help="write the evaluation JSON here")
     e.add_argument("--batch-size", type=int, default=4096)
 
+    x = sub.add_parser("export", help="write a serving artifact of a run (torch.export program, schema, manifest)")
+    x.add_argument("--run", required=True)
+    x.add_argument("--out", required=True)
+    x.add_argument("--data", default=None, help="evaluate on --split now and record the metrics in the manifest")
+    x.add_argument("--split", default="test")
+    x.add_argument("--no-compile", action="store_true", help="skip the AOTInductor package (faster export)")
+    x.add_argument("--force", action="store_true", help="replace a non-empty --out")
+
+    s = sub.add_parser("serve", help="serve an artifact over HTTP (FastAPI + uvicorn)")
+    s.add_argument("--artifact", required=True)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--runtime", default="auto", choices=["auto", "aoti", "exported", "eager"])
+    s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
+    s.add_argument("--batch-window-ms", type=float, default=2.0, help="longest wait to batch concurrent requests")
+    s.add_argument("--max-candidates", type=int, default=1024, help="candidates per request; more is a 413")
+    s.add_argument("--no-admin", action="store_true", help="no /admin/reload endpoint")
+
     d = sub.add_parser("demo", help="the main job: generate, train and evaluate the demo world")
     d.add_argument("--out", default="./opengem-demo")
     d.add_argument("--preset", default="demo", help="world preset and recipe (tiny for a smoke run)")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-serve", action="store_true", help="skip the last step: export, serve, score one request")
     d.add_argument("overrides", nargs="*", help="training config overrides key=value")
     return p
 
@@ -96,6 +117,29 @@ def cmd_evaluate(args) -> dict:
     return out
 
 
+def cmd_export(args) -> dict:
+    from opengem.export.artifact import export_run
+
+    m = export_run(args.run, args.out, args.data, args.split, compile=not args.no_compile, overwrite=args.force)
+    par = max(v for k, v in m["parity"].items() if k.startswith("max_abs_diff"))
+    log.info("wrote %s: model %s, parity max |Δp| %.2g vs the training model", args.out, m["model_version"], par)
+    return m
+
+
+def cmd_serve(args) -> dict:
+    from opengem.export.request import Limits
+    from opengem.export.server import serve
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    serve(args.artifact, args.host, args.port, args.runtime, args.batch_window_ms,
+          Limits(max_candidates=args.max_candidates), admin=not args.no_admin,
+          log_level="warning" if args.quiet else "info")
+    return {}
+
+
 def cmd_demo(args) -> dict:
     from opengem.config import apply_overrides
     from opengem.data.synthetic import generate, world_config
@@ -117,6 +161,14 @@ def cmd_demo(args) -> dict:
     t2 = time.perf_counter()
     ev = evaluate_run(run, data, cfg.data.eval_split, progress=not args.quiet)
     times["evaluate_s"] = time.perf_counter() - t2
+    served = None
+    if not args.no_serve:
+        from opengem.export.smoke import serve_smoke
+
+        t3 = time.perf_counter()  # the portable torch.export program: AOTInductor would add ~1 min here
+        served = serve_smoke(run, out / "artifact", compile=False)
+        times["serve_s"] = time.perf_counter() - t3
+        ev["serving"] = {k: served[k] for k in ("artifact", "model_version", "runtime", "times")}
     times["total_s"] = time.perf_counter() - t0
     ev["train"] = {k: final[k] for k in ("steps", "examples", "examples_per_s", "parameters", "params_sha256")}
     ev["times"] = times
@@ -125,6 +177,11 @@ def cmd_demo(args) -> dict:
     print(f"\nparameters {final['parameters']['total']:,} (dense {final['parameters']['dense']:,}); "
           f"{final['examples']:,} examples at {final['examples_per_s']:,.0f}/s; "
           + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))
+    if served is not None:
+        preds = served["response"]["predictions"]
+        first = ", ".join(f"p({t}) {v[0]:.4f}" for t, v in preds.items())
+        print(f"served {out / 'artifact'} ({served['runtime']}): one request of {len(next(iter(preds.values())))} "
+              f"candidates in {served['times']['request_ms']:.1f} ms; first candidate {first}")
     print(f"wrote {out / 'evaluation.json'}")
     return ev
 
@@ -155,12 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torch").setLevel(logging.ERROR)
     from opengem.config import ConfigError
     from opengem.data.parquet import DataError
+    from opengem.export.artifact import ArtifactError
     from opengem.features.schema import SchemaError
     from opengem.train.checkpoint import CheckpointError
 
     try:
-        {"generate": cmd_generate, "train": cmd_train, "evaluate": cmd_evaluate, "demo": cmd_demo}[args.cmd](args)
-    except (ConfigError, DataError, SchemaError, CheckpointError, ValueError) as e:
+        {"generate": cmd_generate, "train": cmd_train, "evaluate": cmd_evaluate, "export": cmd_export,
+         "serve": cmd_serve, "demo": cmd_demo}[args.cmd](args)
+    except (ConfigError, DataError, SchemaError, CheckpointError, ArtifactError, ValueError) as e:
         print(f"opengem {args.cmd}: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -65,3 +65,16 @@ def test_cli_errors_are_clear(tiny_data, tmp_path, capsys):
     assert "not a training run directory" in capsys.readouterr().err
     assert _train(tmp_path / "nodata", tmp_path / "r2") == 2
     assert "schema file not found" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_runs_every_stage_and_serves(tmp_path, capsys):
+    """``opengem demo`` on the tiny preset: generate → train → evaluate → export → serve one request."""
+    out = tmp_path / "demo"
+    assert main(["--quiet", "demo", "--preset", "tiny", "--out", str(out)]) == 0
+    ev = json.loads((out / "evaluation.json").read_text())
+    assert ev["metrics"]["all/click"]["n"] > 0 and ev["train"]["steps"] > 0
+    assert ev["serving"]["runtime"] and (out / "artifact" / "manifest.json").exists()
+    assert set(ev["times"]) >= {"generate_s", "train_s", "evaluate_s", "serve_s", "total_s"}
+    printed = capsys.readouterr().out
+    assert "served" in printed and "p(click)" in printed

@@ -1,0 +1,18 @@
+"""Serving: export a trained run to an artifact, score requests with a ``Predictor``, serve over HTTP.
+
+    artifact.py   export_run: weights + schema + torch.export program (+ AOTInductor) + manifest
+    program.py    ServingGEM: the model as a function of plain tensors, user/history shared per request
+    request.py    request JSON schema (from the FeatureSchema), validation, parsed form
+    layout.py     parsed requests → program inputs (OOV, truncation, ages: the training path's code)
+    predictor.py  Predictor: load an artifact, score requests
+    batcher.py    micro-batching worker that owns the predictor; atomic model swap
+    server.py     FastAPI app and ``serve``
+    smoke.py      serve_smoke: export → ``opengem serve`` → one request → stop (the demo's last step)
+"""
+
+from opengem.export.artifact import ArtifactError, export_run, load_manifest
+from opengem.export.predictor import Predictor
+from opengem.export.request import Limits, RequestError
+from opengem.export.smoke import serve_smoke
+
+__all__ = ["ArtifactError", "Limits", "Predictor", "RequestError", "export_run", "load_manifest", "serve_smoke"]

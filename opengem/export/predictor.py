@@ -1,0 +1,149 @@
+"""``Predictor``: an artifact's program behind raw-request scoring.
+
+    p = Predictor("ARTIFACT")
+    p.predict({"request_ts": …, "domain": 0, "user_id": 7, …, "candidates": [{"ad_id": 3, …}, …]})
+    → {"model_version": "…", "tasks": ["click", "conversion"],
+       "predictions": {"click": [0.031, …], "conversion": [0.0012, …]},      one per candidate, in order
+       "oov": {"ad_id": 1}, "truncated": {"organic": 12}}                   ids / events repaired
+
+One request = one user with many candidates: the user's sparse features and history are
+embedded once and the candidates are scored together in one forward (``opengem.export.program``).
+``score`` takes several parsed requests (a server's micro-batch) and still runs one forward.
+
+Runtimes, best first (``runtime="auto"`` takes the first that loads): ``aoti`` (the AOTInductor
+package, compiled for the exporting machine's CPU and torch build), ``exported`` (the portable
+``torch.export`` program), ``eager`` (the model rebuilt from ``weights.pt`` and ``config.json``).
+Probabilities are the model's: sigmoid of its logits, the quantity its log loss calibrates (the
+calibration measured at export is in ``manifest["evaluation"]``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import ValidationError
+
+from opengem.export.artifact import ArtifactError, load_manifest
+from opengem.export.layout import Layout, assemble
+from opengem.export.request import Limits, ParsedRequest, error_from_validation, parse, request_models
+from opengem.features.schema import FeatureSchema
+
+log = logging.getLogger("opengem.export")
+RUNTIMES = ("aoti", "exported", "eager")
+
+
+class Predictor:
+    """Loads an artifact (hashes checked) and scores raw requests.
+
+    Args:
+        artifact_dir: a directory written by ``opengem export``.
+        runtime: ``auto`` | ``aoti`` | ``exported`` | ``eager``.
+        limits: per-request limits (candidates, history, multi-hot ids).
+    """
+
+    def __init__(self, artifact_dir: str | Path, runtime: str = "auto", limits: Limits | None = None):
+        self.root = Path(artifact_dir)
+        self.manifest = load_manifest(self.root, verify=("schema.json",))
+        self.schema = FeatureSchema.load(self.root / "schema.json")
+        self.layout = Layout(**self.manifest["layout"])
+        self.tasks = self.schema.task_names
+        self.version = self.manifest["model_version"]
+        self.limits = limits = limits or Limits()
+        self.candidate_model, self.request_model = request_models(self.schema, limits)
+        self.program, self.runtime = self._load(runtime)
+
+    # ------------------------------------------------------------------ loading
+    def _load(self, runtime: str):
+        if runtime not in ("auto",) + RUNTIMES:
+            raise ValueError(f"runtime must be auto or one of {RUNTIMES}, got {runtime!r}")
+        tries = [r for r in RUNTIMES if runtime in ("auto", r)]
+        if runtime == "auto" and "program.aoti.pt2" not in self.manifest["files"]:
+            tries.remove("aoti")
+        errors = []
+        for r in tries:
+            try:
+                return getattr(self, f"_load_{r}")(), r
+            except Exception as e:  # a runtime that cannot load here falls through to the next
+                if runtime != "auto" or isinstance(e, ArtifactError):
+                    raise
+                errors.append(f"{r}: {e}")
+                log.warning("%s: runtime %s unavailable (%s); trying the next", self.root, r, e)
+        raise ArtifactError(f"{self.root}: no runtime could load: {errors}")
+
+    def _load_aoti(self):
+        import torch._inductor
+
+        load_manifest(self.root, verify=("program.aoti.pt2",))
+        return torch._inductor.aoti_load_package(str(self.root / "program.aoti.pt2"))
+
+    def _load_exported(self):
+        load_manifest(self.root, verify=("program.pt2",))
+        return torch.export.load(self.root / "program.pt2").module()
+
+    def _load_eager(self):
+        from opengem.config import Config
+        from opengem.export.program import serving_module
+        from opengem.model.build import build_gem, materialize
+
+        if self.manifest["model"]["kind"] != "GEM":
+            raise ArtifactError(f"eager runtime rebuilds GEM only, this artifact holds {self.manifest['model']['kind']}")
+        load_manifest(self.root, verify=("weights.pt", "config.json"))
+        cfg = Config.from_dict(json.loads((self.root / "config.json").read_text()))
+        model = materialize(build_gem(self.schema, cfg.model))
+        model.load_state_dict(torch.load(self.root / "weights.pt", weights_only=True))
+        return serving_module(model.eval())
+
+    # ------------------------------------------------------------------ scoring
+    def parse(self, request: dict | bytes | str) -> ParsedRequest:
+        """Validate one raw request (a dict, or JSON text); raises ``RequestError``."""
+        try:
+            if isinstance(request, (bytes, str)):
+                m = self.request_model.model_validate_json(request)
+            else:
+                m = self.request_model.model_validate(request)
+        except ValidationError as e:
+            raise error_from_validation(e) from None
+        return parse(self.schema, m)
+
+    @torch.inference_mode()
+    def score(self, reqs: list[ParsedRequest]) -> list[dict]:
+        """One forward over all candidates of all ``reqs``; one response per request, in order."""
+        if not reqs:
+            return []
+        padded = reqs
+        if sum(r.num_candidates for r in reqs) == 1:  # the graph is traced for C ≥ 2: score a copy, drop it
+            padded = [_doubled(reqs[0])] + reqs[1:]
+        x, reports = assemble(self.schema, padded, self.layout)
+        probs = self.program(x)
+        probs = (probs[0] if isinstance(probs, (list, tuple)) else probs).float().numpy()
+        out, start = [], 0
+        for r, pr, rep in zip(reqs, padded, reports):
+            p = probs[start:start + r.num_candidates]
+            start += pr.num_candidates
+            out.append({"model_version": self.version, "tasks": self.tasks,
+                        "predictions": {t: p[:, j].tolist() for j, t in enumerate(self.tasks)}, **rep})
+        return out
+
+    def predict(self, request: dict | bytes | str) -> dict:
+        return self.score([self.parse(request)])[0]
+
+    def warmup(self, candidates: tuple[int, ...] = (1, 64)) -> float:
+        """Run a few synthetic requests (first calls allocate); returns the seconds it took."""
+        from opengem.export.request import synthetic_request
+
+        t0 = time.perf_counter()
+        for c in candidates:
+            self.predict(synthetic_request(self.schema, c, 8, seed=c))
+        return time.perf_counter() - t0
+
+
+def _doubled(r: ParsedRequest) -> ParsedRequest:
+    return replace(r, num_candidates=2 * r.num_candidates,
+                   cand_sparse={k: (np.concatenate([v, v]), np.concatenate([n, n])) for k, (v, n) in r.cand_sparse.items()},
+                   cand_dense={k: np.concatenate([v, v]) for k, v in r.cand_dense.items()})

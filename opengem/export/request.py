@@ -1,0 +1,237 @@
+"""A scoring request: its JSON schema (built from the FeatureSchema), validation, and parsed form.
+
+A request is one impression opportunity with many candidate ads, in the raw fields of the logs
+(column names as in the Parquet shards, see ``opengem.features.schema``)::
+
+    {"request_ts": 1700000000, "domain": 0,                       time and surface of the request
+     "user_id": 17, "age": 3, …, "position": 1, "hour": 13,       user and context sparse ids
+     "user_activity": 0.4, "hour_sin": 0.2, …,                    user and context dense floats
+     "organic.item": [...], "organic.event": [...], "organic.ts": [...], "organic.category": [...],
+     "ads.item": [...], …,                                        histories, oldest → newest
+     "candidates": [{"ad_id": 5, "advertiser_id": 2, …, "ad_quality": 0.7}, …]}   ad-group fields
+
+Feature ``group`` in the schema decides the side: ``ad`` fields belong to each candidate, ``user``
+and ``context`` fields to the request. Everything a log row has except labels is accepted.
+
+Checks, each failing with ``RequestError(status, field, message)``:
+types, required fields and unknown fields (422); non-finite or out-of-float32 dense values (422);
+history lists of one stream of different lengths, event times not before the request or out of
+order (422, the checks ``validate_rows`` quarantines training rows for); empty candidate lists
+(422); more candidates, longer histories or more multi-hot ids than the limits (413).
+Ids outside a feature's vocabulary are *not* errors: as in training they score through the
+feature's OOV row and each response counts them (``oov``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from opengem.features.schema import FeatureSchema
+
+INT64 = (-(2**63), 2**63 - 1)
+_Id = Annotated[int, Field(strict=True, ge=INT64[0], le=INT64[1])]
+_Ts = Annotated[int, Field(strict=True, ge=0, le=2**62)]
+_Float = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-3.0e38, le=3.0e38)]  # finite in float32
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may hold; past these a request is refused with 413."""
+
+    max_candidates: int = 1024
+    max_history: int = 0  # events per stream; 0 = the schema's max_len
+    max_multi_hot: int = 256  # ids of one multi-hot feature
+
+    def history(self, stream) -> int:
+        return self.max_history or stream.max_len
+
+
+class RequestError(ValueError):
+    """A bad request; ``status`` is the HTTP code, ``field`` names what is wrong."""
+
+    def __init__(self, status: int, field: str, message: str):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.status, self.field, self.message = status, field, message
+
+
+@dataclass
+class ParsedRequest:
+    """A validated request as arrays (ids not yet OOV-mapped, histories not yet truncated)."""
+
+    request_ts: int
+    domain: int
+    sparse: dict[str, np.ndarray]  # user/context feature → ids of the request
+    dense: dict[str, float]  # user/context dense
+    sequences: dict[str, np.ndarray]  # "<stream>.<col>" → int64 per event (ts included)
+    cand_sparse: dict[str, tuple[np.ndarray, np.ndarray]]  # ad feature → (ids, lengths [C])
+    cand_dense: dict[str, np.ndarray]  # ad dense → [C] float32
+    num_candidates: int
+
+
+def _py(name: str) -> str:
+    return "f_" + name.replace(".", "__")  # a Python identifier; the JSON name is the alias
+
+
+def _fields(schema: FeatureSchema, groups: set[str], limits: Limits) -> dict:
+    out = {}
+    for f in schema.sparse:
+        if f.group in groups:
+            t = Annotated[list[_Id], Field(max_length=limits.max_multi_hot)] if f.multi_hot else _Id
+            out[_py(f.name)] = (t, Field(..., alias=f.name, description=f"{f.group} id, vocabulary {f.vocab_size}"))
+    for f in schema.dense:
+        if f.group in groups:
+            out[_py(f.name)] = (_Float, Field(..., alias=f.name, description=f"{f.group} dense value"))
+    return out
+
+
+def request_models(schema: FeatureSchema, limits: Limits = Limits()) -> tuple[type[BaseModel], type[BaseModel]]:
+    """(Candidate, ScoreRequest) pydantic models; their JSON schema is the API's."""
+    cfg = ConfigDict(extra="forbid", populate_by_name=False)
+    cand = create_model("Candidate", __config__=cfg, **_fields(schema, {"ad"}, limits))
+    fields = _fields(schema, {"user", "context"}, limits)
+    fields[_py(schema.time_column)] = (_Ts, Field(..., alias=schema.time_column, description="seconds"))
+    fields[_py(schema.domains.column)] = (Annotated[int, Field(strict=True, ge=0, le=schema.num_domains - 1)],
+                                          Field(..., alias=schema.domains.column,
+                                                description=f"index into {list(schema.domains.names)}"))
+    if schema.user_column not in {f.name for f in schema.sparse}:
+        fields[_py(schema.user_column)] = (_Id | None, Field(None, alias=schema.user_column))
+    fields[_py(schema.day_column)] = (_Id | None, Field(None, alias=schema.day_column, description="ignored"))
+    for s in schema.sequences:
+        n = limits.history(s)
+        for col in (s.item_column, s.event_column, s.ts_column) + tuple(s.attribute_column(a) for a in s.attributes):
+            item = _Ts if col == s.ts_column else _Id
+            fields[_py(col)] = (Annotated[list[item], Field(max_length=n)],
+                                Field(..., alias=col, description=f"stream {s.name}, oldest → newest, ≤ {n} events"))
+    fields["candidates"] = (Annotated[list[cand], Field(min_length=1, max_length=limits.max_candidates)],
+                            Field(..., description="ads to score for this request"))
+    return cand, create_model("ScoreRequest", __config__=cfg, **fields)
+
+
+def error_from_validation(e: ValidationError | list[dict]) -> RequestError:
+    """The first problem of a pydantic error, as a RequestError naming the field (413 for limits)."""
+    errors = e.errors() if isinstance(e, ValidationError) else e
+    err, kind = errors[0], errors[0].get("type")
+    loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    if kind == "json_invalid":
+        return RequestError(400, "body", f"malformed JSON: {err.get('msg')}")
+    if kind in ("missing", "extra_forbidden"):
+        return RequestError(422, loc, ("field required" if kind == "missing" else "unknown field") + more)
+    if kind == "too_long":
+        return RequestError(413, loc, err.get("msg", "too long") + more)
+    return RequestError(422, loc or "body", f"{err.get('msg')}, got {_short(err.get('input'))}{more}")
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def parse(schema: FeatureSchema, req: BaseModel) -> ParsedRequest:
+    """Arrays of a request model validated by ``request_models``; semantic checks included."""
+    get = req.__dict__  # attributes by Python name: cheaper than model_dump for big candidate lists
+    ts = get[_py(schema.time_column)]
+    sequences = {}
+    for s in schema.sequences:
+        cols = (s.item_column, s.event_column, s.ts_column) + tuple(s.attribute_column(a) for a in s.attributes)
+        arrs = {c: np.asarray(get[_py(c)], dtype=np.int64) for c in cols}
+        n = len(arrs[s.ts_column])
+        for c, a in arrs.items():
+            if len(a) != n:
+                raise RequestError(422, c, f"has {len(a)} events but {s.ts_column} has {n}; "
+                                           f"every list of stream {s.name!r} must have one entry per event")
+        t = arrs[s.ts_column]
+        if (t >= ts).any():
+            raise RequestError(422, s.ts_column, f"events must happen before {schema.time_column}={ts}")
+        if n > 1 and (np.diff(t) < 0).any():
+            raise RequestError(422, s.ts_column, "events must be ordered oldest → newest")
+        sequences.update(arrs)
+    sparse, dense, cand_sparse, cand_dense = {}, {}, {}, {}
+    cands = get["candidates"]
+    C = len(cands)
+    for f in schema.sparse:
+        if f.group != "ad":
+            v = get[_py(f.name)]
+            sparse[f.name] = np.asarray(v if f.multi_hot else [v], dtype=np.int64)
+        elif f.multi_hot:
+            lists = [c.__dict__[_py(f.name)] for c in cands]
+            lens = np.fromiter((len(x) for x in lists), np.int64, count=C)
+            flat = np.fromiter((i for x in lists for i in x), np.int64, count=int(lens.sum()))
+            cand_sparse[f.name] = (flat, lens)
+        else:
+            key = _py(f.name)
+            cand_sparse[f.name] = (np.fromiter((c.__dict__[key] for c in cands), np.int64, count=C),
+                                   np.ones(C, dtype=np.int64))
+    for f in schema.dense:
+        key = _py(f.name)
+        if f.group != "ad":
+            dense[f.name] = float(get[key])
+        else:
+            cand_dense[f.name] = np.fromiter((c.__dict__[key] for c in cands), np.float32, count=C)
+    return ParsedRequest(ts, get[_py(schema.domains.column)], sparse, dense, sequences, cand_sparse, cand_dense, C)
+
+
+def split_row(schema: FeatureSchema, row: dict) -> tuple[dict, dict]:
+    """(request fields, candidate fields) of one log row (labels and probabilities dropped)."""
+    ad = {f.name for f in schema.sparse if f.group == "ad"} | {f.name for f in schema.dense if f.group == "ad"}
+    drop = {t.label_column for t in schema.tasks} | {t.prob_column for t in schema.tasks if t.prob_column}
+    req = {k: v for k, v in row.items() if k not in ad and k not in drop}
+    return req, {k: row[k] for k in ad}
+
+
+def rows_of(schema: FeatureSchema, request: dict) -> list[dict]:
+    """The log rows a request stands for: one per candidate (labels NaN = missing), for ``collate``."""
+    base = {k: v for k, v in request.items() if k != "candidates"}
+    base.update({t.label_column: float("nan") for t in schema.tasks})
+    for col in (schema.day_column, schema.user_column):  # optional in a request, required in a row
+        if base.get(col) is None:
+            base[col] = 0
+    return [{**base, **c} for c in request["candidates"]]
+
+
+def synthetic_request(schema: FeatureSchema, num_candidates: int, history: int | dict[str, int] = 8,
+                      seed: int = 0, oov: bool = False) -> dict:
+    """A valid random request (for tracing, warm-up, smoke tests and benchmarks).
+
+    ``history``: events per stream; ``oov``: put one out-of-vocabulary id in each id field.
+    """
+    rng = np.random.default_rng(seed)
+    ts = 1_700_000_000
+
+    def ids(vocab: int, n: int | None = None):
+        v = rng.integers(0, vocab, n if n is not None else 1)
+        if oov and len(v):
+            v[0] = vocab + 7
+        return v.tolist() if n is not None else int(v[0])
+
+    req: dict[str, Any] = {schema.time_column: ts, schema.domains.column: int(rng.integers(schema.num_domains)),
+                           schema.user_column: int(rng.integers(1000))}  # overwritten below if it is a feature
+    for f in schema.sparse:
+        if f.group != "ad":
+            req[f.name] = ids(f.vocab_size, 2 if f.multi_hot else None)
+    for f in schema.dense:
+        if f.group != "ad":
+            req[f.name] = float(rng.normal())
+    for s in schema.sequences:
+        n = history.get(s.name, 0) if isinstance(history, dict) else history
+        req[s.item_column] = ids(s.item_vocab_size, n)
+        req[s.event_column] = rng.integers(0, s.num_event_types, n).tolist()
+        req[s.ts_column] = (ts - 60 * np.arange(n, 0, -1)).tolist()
+        for a in s.attributes:
+            req[s.attribute_column(a)] = rng.integers(0, a.vocab_size, n).tolist()
+    cands = []
+    for _ in range(num_candidates):
+        c: dict[str, Any] = {}
+        for f in schema.sparse:
+            if f.group == "ad":
+                c[f.name] = ids(f.vocab_size, 2 if f.multi_hot else None)
+        for f in schema.dense:
+            if f.group == "ad":
+                c[f.name] = float(rng.normal())
+        cands.append(c)
+    req["candidates"] = cands
+    return req
