@@ -53,7 +53,9 @@ def evaluate_model(model, schema: FeatureSchema, data_dir: str | Path, split: st
 
 
 def evaluate_run(run_dir: str | Path, data_dir: str | Path, split: str = "test", batch_size: int = 4096,
-                 progress: bool = True) -> dict:
+                 progress: bool = True, signal: bool = False) -> dict:
+    """Metrics of a run's model on ``split``; with ``signal`` (synthetic data) also the per-term
+    slopes of ``opengem.evaluation.signal``."""
     model, cfg, schema = load_run_model(run_dir)
     data_schema = FeatureSchema.load(data_dir)
     if data_schema.fingerprint() != schema.fingerprint():
@@ -62,4 +64,8 @@ def evaluate_run(run_dir: str | Path, data_dir: str | Path, split: str = "test",
     out = evaluate_model(model, schema, data_dir, split, rates, batch_size, progress)
     out["run"] = str(run_dir)
     out["recipe"] = cfg.recipe
+    if signal:
+        from opengem.evaluation.signal import signal_decomposition
+
+        out["signal"] = signal_decomposition(model, schema, data_dir, split, batch_size)
     return out

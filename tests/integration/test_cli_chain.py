@@ -1,6 +1,7 @@
 """The CLI chain on the tiny preset: generate → train → evaluate, resume, and errors."""
 
 import json
+import math
 
 import pytest
 
@@ -27,8 +28,11 @@ def test_generate_train_evaluate(tiny_data, tmp_path):
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["step"] == final["steps"] and lines[-1]["loss"] > 0
     out = tmp_path / "eval.json"
-    assert main(["--quiet", "evaluate", "--run", str(run), "--data", str(tiny_data), "--json", str(out)]) == 0
+    assert main(["--quiet", "evaluate", "--run", str(run), "--data", str(tiny_data), "--json", str(out),
+                 "--signal"]) == 0
     ev = json.loads(out.read_text())
+    assert {"surface", "position", "sequence", "segment_category"} <= set(ev["signal"]["click"]["slopes"])
+    assert all(math.isfinite(v) for v in ev["signal"]["click"]["slopes"].values())
     for key in ("all/click", "all/conversion", "feed/click"):
         m = ev["metrics"][key]
         for field in ("ne", "auc", "gauc", "calibration", "logloss", "n", "ne_bayes", "captured"):
