@@ -2,7 +2,7 @@
 
     opengem generate --preset P --out DIR [--seed N] [key=value …]
     opengem train    --recipe R --data DIR --out RUN [--resume] [key=value …]
-    opengem evaluate --run RUN --data DIR [--split test] [--json FILE]
+    opengem evaluate --run RUN --data DIR [--split test] [--json FILE] [--signal]
     opengem export   --run RUN --out ARTIFACT [--data DIR] [--no-compile]
     opengem serve    --artifact ARTIFACT [--host 127.0.0.1] [--port 8000]
     opengem demo     [--out DIR]          generate → train → evaluate → export, serve, score one request
@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--split", default="test")
     e.add_argument("--json", default=None, help="write the evaluation JSON here")
     e.add_argument("--batch-size", type=int, default=4096)
+    e.add_argument("--signal", action="store_true",
+                   help="synthetic data: slope of the model's logit on each true term of the world")
 
     x = sub.add_parser("export", help="write a serving artifact of a run (torch.export program, schema, manifest)")
     x.add_argument("--run", required=True)
@@ -110,10 +112,14 @@ def cmd_train(args) -> dict:
 def cmd_evaluate(args) -> dict:
     from opengem.evaluation.evaluate import evaluate_run
 
-    out = evaluate_run(args.run, args.data, args.split, args.batch_size, progress=not args.quiet)
+    out = evaluate_run(args.run, args.data, args.split, args.batch_size, progress=not args.quiet,
+                       signal=args.signal)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=_json_default))
     print(format_table(out["metrics"]))
+    for part, d in out.get("signal", {}).items():
+        print(f"\n{part}: slope of the model's logit on each true term (1 = fully learned), corr {d['corr']:.3f}")
+        print("  " + ", ".join(f"{k} {v:+.2f}" for k, v in d["slopes"].items()))
     return out
 
 
