@@ -157,7 +157,7 @@ class GEM(nn.Module):
         for col, feat, oov in self.match_pairs[stream]:
             ids = seq[col].values()
             flags.append((ids == sparse[feat].values()[row]) & (ids != oov))  # OOV never matches
-        return torch.stack(flags, dim=1).to(self.domain_emb.weight.dtype)
+        return torch.stack(flags, dim=1).to(self.target_match[stream].weight.dtype)
 
     def _features(self, x_BND: torch.Tensor, seqs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         x_sum, s_sum, _ = self.interformer(x_BND, seqs)

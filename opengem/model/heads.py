@@ -133,6 +133,7 @@ class LowOrderShortcut(nn.Module):
             nn.init.zeros_(self.pairs.weight)
 
     def forward(self, x_BND: torch.Tensor) -> torch.Tensor:
+        x_BND = x_BND.to(self.linear.weight.dtype)  # FSDP mixed precision: tables stay fp32, this may be bf16
         out = self.linear(x_BND.flatten(1))
         if self.pairs is not None:
             i, j = torch.triu_indices(self.n, self.n, offset=1, device=x_BND.device)  # no buffer: nothing to shard
