@@ -3,6 +3,7 @@
     opengem generate --preset P --out DIR [--seed N] [key=value …]
     opengem train    --recipe R --data DIR --out RUN [--resume] [key=value …]
     opengem evaluate --run RUN --data DIR [--split test] [--json FILE] [--signal]
+    opengem distill  --teacher RUN --student-recipe R --data DIR --out RUN [--via FM_RUN] [key=value …]
     opengem export   --run RUN --out ARTIFACT [--data DIR] [--no-compile]
     opengem serve    --artifact ARTIFACT [--host 127.0.0.1] [--port 8000]
     opengem demo     [--out DIR]          generate → train → evaluate → export, serve, score one request
@@ -47,6 +48,14 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=int, default=4096)
     e.add_argument("--signal", action="store_true",
                    help="synthetic data: slope of the model's logit on each true term of the world")
+
+    k = sub.add_parser("distill", help="distil a vertical model from a trained GEM (directly or --via a domain FM)")
+    k.add_argument("--teacher", required=True, help="the GEM run")
+    k.add_argument("--student-recipe", default="vm_s", help="vm_xs | vm_s | vm_m | fm_domain (or a train recipe)")
+    k.add_argument("--data", required=True)
+    k.add_argument("--out", required=True)
+    k.add_argument("--via", default=None, help="a distilled domain FM run: GEM → FM → this student")
+    k.add_argument("overrides", nargs="*", help="student recipe or transfer.* overrides key=value")
 
     x = sub.add_parser("export", help="write a serving artifact of a run (torch.export program, schema, manifest)")
     x.add_argument("--run", required=True)
@@ -120,6 +129,15 @@ def cmd_evaluate(args) -> dict:
     for part, d in out.get("signal", {}).items():
         print(f"\n{part}: slope of the model's logit on each true term (1 = fully learned), corr {d['corr']:.3f}")
         print("  " + ", ".join(f"{k} {v:+.2f}" for k, v in d["slopes"].items()))
+    return out
+
+
+def cmd_distill(args) -> dict:
+    from opengem.transfer.distill import distill, summary_line
+
+    out = distill(args.teacher, args.student_recipe, args.data, args.out, list(args.overrides), via=args.via)
+    print(format_table(out["metrics"]))
+    print("\n" + summary_line(out))
     return out
 
 
@@ -223,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     from opengem.train.checkpoint import CheckpointError
 
     try:
-        {"generate": cmd_generate, "train": cmd_train, "evaluate": cmd_evaluate, "export": cmd_export,
-         "serve": cmd_serve, "demo": cmd_demo}[args.cmd](args)
+        {"generate": cmd_generate, "train": cmd_train, "evaluate": cmd_evaluate, "distill": cmd_distill,
+         "export": cmd_export, "serve": cmd_serve, "demo": cmd_demo}[args.cmd](args)
     except (ConfigError, DataError, SchemaError, CheckpointError, ArtifactError, ValueError) as e:
         print(f"opengem {args.cmd}: error: {e}", file=sys.stderr)
         return 2

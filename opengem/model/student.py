@@ -1,0 +1,177 @@
+"""Students: small, servable vertical models (VMs) built from GEM's own parts.
+
+Legend: B rows, T tasks, F GEM feature width (``GEM.feature_dim``), E teacher embedding width.
+
+A student is a small ``GEM`` (the *backbone*: the model that is served) plus, while it trains, an
+optional auxiliary distillation head (ExFM, dossier §8.2) reading the backbone's features through
+a gradient-scale op::
+
+    batch ─► backbone.inputs ─► backbone features [B, F] ─┬─► backbone.heads ─► serving logits [B, T]
+                                                           └─► GradScale(β) ─► aux heads ─► distillation logits [B, T]
+
+Because the served part is a plain ``GEM``, a student run directory is an ordinary run directory:
+``load_run_model`` rebuilds it, ``opengem evaluate`` scores it, ``opengem export`` exports it through
+``ServingGEM`` (the aux head is training-only and is not saved).
+
+Representation transfer adds the teacher's embedding as E dense *user* features named
+``teacher_rep_000 …`` to the student's schema (``student_schema``): GEM's dense arch reads them
+like any other float, and serving fills them from a per-user feature store (see
+``opengem.transfer.teacher.UserRepCache``), so the served program is unchanged.
+
+Presets (``student_recipe``): one dial from ``vm_xs`` (no sequence towers: the cheapest servable
+model) to ``fm_domain`` (a per-domain foundation model, the middle level of hierarchical transfer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from opengem.data.batch import Batch
+from opengem.features.schema import DenseFeature, FeatureSchema
+from opengem.model.build import build_gem, materialize
+from opengem.model.foundation import GEM, GEMConfig
+from opengem.model.heads import Heads, HeadsConfig
+from opengem.model.interaction_arch import WukongConfig
+from opengem.model.interformer import InterFormerConfig
+from opengem.model.sequence_arch import SequenceConfig
+
+REP_PREFIX = "teacher_rep_"
+
+# (D, sequences, history cap, wukong layers, n_F = n_L, fm rank, fmb mlp, recent K, pooled M, heads,
+#  summary tokens, trunk, batch, lr)
+_DIAL = {
+    "vm_xs": (8, False, 8, 1, 4, 4, (32,), 8, 1, 1, 2, (32,), 128, 3e-3),
+    "vm_s": (8, True, 32, 1, 4, 4, (32,), 8, 1, 1, 2, (32,), 128, 3e-3),
+    "vm_m": (16, True, 64, 1, 8, 4, (64,), 16, 2, 2, 2, (64, 32), 128, 3e-3),
+    "fm_domain": (16, True, 128, 2, 4, 4, (64,), 16, 2, 2, 4, (64, 32), 128, 3e-3),
+}
+
+
+def student_recipe_names() -> list[str]:
+    return list(_DIAL)
+
+
+def student_recipe(name: str):
+    """A student preset as a full ``opengem.config.Config`` (model, batch, optimiser); any trainer
+    recipe name (``tiny``, ``demo`` …) is accepted too, for a GEM-sized student."""
+    from opengem.config import Config, DataConfig, OptimConfig, TrainConfig  # config imports parallel/
+
+    if name not in _DIAL:
+        from opengem.recipes import recipe, recipe_names
+
+        if name in recipe_names():
+            return recipe(name)
+        raise ValueError(f"unknown student recipe {name!r}; choose from {student_recipe_names() + recipe_names()}")
+    D, seq, cap, layers, n, k, fmb, K, M, H, C, trunk, bs, lr = _DIAL[name]
+    model = GEMConfig(
+        embedding_dim=D, max_seq_len=cap, use_sequences=seq,
+        wukong=WukongConfig(num_layers=layers, num_fm=n, num_lc=n, fm_rank=k, mlp_dims=fmb),
+        sequence=SequenceConfig(num_heads=H, recent_len=K, min_recent=min(4, K), num_pooled=M),
+        interformer=InterFormerConfig(num_sum=C, num_pma=1, num_recent=1),
+        heads=HeadsConfig(trunk_dims=trunk, task_dims=(max(16, trunk[-1] // 2),)),
+    )
+    return Config(recipe=name, model=model, data=DataConfig(batch_size=bs),
+                  optim=OptimConfig(lr=lr, sparse_lr=0.1, warmup_steps=20), train=TrainConfig()).validate()
+
+
+def student_schema(schema: FeatureSchema, rep_dim: int = 0) -> FeatureSchema:
+    """The data schema plus ``rep_dim`` dense user features for the teacher's embedding."""
+    if not rep_dim:
+        return schema
+    extra = tuple(DenseFeature(f"{REP_PREFIX}{i:03d}", "user") for i in range(rep_dim))
+    return dataclasses.replace(schema, dense=schema.dense + extra)
+
+
+def rep_dim_of(schema: FeatureSchema) -> int:
+    """How many teacher-embedding features a (student) schema holds."""
+    return sum(f.name.startswith(REP_PREFIX) for f in schema.dense)
+
+
+def with_rep(batch: Batch, rep_BE: torch.Tensor | None) -> Batch:
+    """The batch with the teacher embedding appended to its dense features (schema order)."""
+    if rep_BE is None:
+        return batch
+    return dataclasses.replace(batch, dense=torch.cat([batch.dense, rep_BE.to(batch.dense.dtype)], dim=1))
+
+
+def forward_with_features(gem: GEM, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [B, T], features [B, F]) in one pass; the logits equal ``gem(batch)``."""
+    x, seqs = gem.inputs(batch)
+    shortcut = gem.shortcut(x) if gem.shortcut is not None else None
+    feats = gem._features(x, seqs)  # GEM.forward's own path, keeping the features it computes
+    return gem.heads(feats, batch.domain, shortcut), feats
+
+
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def grad_scale(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Identity forward; backward multiplies the gradient by ``scale`` (ExFM's gradient scaling β)."""
+    return x if scale == 1.0 else _GradScale.apply(x, scale)
+
+
+class Student(nn.Module):
+    """A vertical model: ``backbone`` (a small GEM, the served part) and an optional auxiliary head.
+
+    Args:
+        backbone: a materialised ``GEM``.
+        aux: a ``Heads`` over the backbone's features (ExFM's distillation head) or None.
+        aux_grad_scale: β, the scale of the aux head's gradient into the backbone.
+    """
+
+    def __init__(self, backbone: GEM, aux: Heads | None = None, aux_grad_scale: float = 1.0):
+        super().__init__()
+        self.backbone, self.aux, self.aux_grad_scale = backbone, aux, aux_grad_scale
+        self.schema = backbone.schema
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Serving logits [B, T] (what is exported)."""
+        return self.backbone(batch)
+
+    def forward_train(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(serving logits, distillation-head logits or None)."""
+        if self.aux is None:
+            return self.backbone(batch), None
+        logits, feats = forward_with_features(self.backbone, batch)
+        return logits, self.aux(grad_scale(feats, self.aux_grad_scale), batch.domain)
+
+    def max_seq_len(self) -> dict[str, int]:
+        return self.backbone.max_seq_len()
+
+    def sparse_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.backbone.sparse_parameters() if p.requires_grad]
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        sparse = {id(p) for p in self.backbone.sparse_parameters()}
+        return [p for p in self.parameters() if id(p) not in sparse and p.requires_grad]
+
+    def serving_module(self) -> nn.Module:
+        from opengem.export.program import ServingGEM  # export imports model, never the reverse at import time
+
+        return ServingGEM(self.backbone).eval()
+
+
+def build_student(schema: FeatureSchema, cfg, base_rates: list[float], seed: int = 0,
+                  aux_heads: HeadsConfig | None = None, aux_label_scale: float = 1.0,
+                  aux_grad_scale: float = 1.0) -> Student:
+    """Build on meta → materialise → init, as every model here; ``schema`` is the student's
+    (``student_schema``). The aux head starts at the scaled base rates it will be trained on."""
+    backbone = materialize(build_gem(schema, cfg.model), "cpu", seed, base_rates)
+    aux = None
+    if aux_heads is not None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1)
+            aux = Heads(backbone.feature_dim, schema, aux_heads)
+        aux.init_bias([min(aux_label_scale * r, 0.99) for r in base_rates])
+    return Student(backbone, aux, aux_grad_scale)

@@ -1,0 +1,18 @@
+"""Knowledge transfer: GEM → (domain FMs →) vertical models (ARCHITECTURE §4, dossier §8).
+
+    teacher.py   TeacherService: the frozen FM, once per example; user cache; Parquet cache
+    stream.py    the students' rows (surfaces, history caps), scored once by the teacher
+    losses.py    KD, auxiliary head (label scaling, weight), the loss of one student step
+    adapter.py   the student adapter (stale teacher → calibrated on the freshest labels)
+    share.py     parameter sharing (tables copied or PCA-projected from the teacher)
+    trainer.py   students stepping on a shared stream; evaluation next to the teacher; transfer ratio
+    distill.py   ``opengem distill`` (direct / --via), run directories, ``distill_demo``
+"""
+
+from opengem.transfer.config import TransferConfig, techniques_config
+from opengem.transfer.distill import distill, distill_demo
+from opengem.transfer.teacher import CachedTeacher, TeacherOutput, TeacherService, UserRepCache
+from opengem.transfer.trainer import transfer_ratio
+
+__all__ = ["CachedTeacher", "TeacherOutput", "TeacherService", "TransferConfig", "UserRepCache", "distill",
+           "distill_demo", "techniques_config", "transfer_ratio"]

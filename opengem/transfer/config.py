@@ -1,0 +1,111 @@
+"""The knowledge-transfer config tree: which surfaces, which days, which techniques.
+
+Every technique is a switch and they combine freely (dossier §8; ARCHITECTURE §4)::
+
+    transfer.kd        standard KD: the student's serving head also fits the teacher's soft label
+    transfer.aux       ExFM auxiliary head: the soft label goes to a separate head instead, with label
+                       scaling α, loss weight w and gradient scaling β into the backbone
+    transfer.adapter   ExFM student adapter: the soft label is the adapter's recalibration of the
+                       stale teacher, fitted on the freshest labels each step before the student
+    transfer.rep       representation transfer: the teacher's embedding as student input features
+    transfer.share     parameter sharing: the student's tables start from (or reuse) the teacher's
+
+``aux`` and ``adapter`` shape the distillation loss, so they need ``kd``; ``rep`` and ``share`` do not.
+Overrides are dotted ``transfer.<section>.<field>=value`` strings, parsed like ``opengem train``'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from opengem.config import ConfigError
+
+
+@dataclass
+class KDConfig:
+    enabled: bool = True
+    weight: float = 3.0  # loss weight of the soft-label term (3 beat 1 by a third of R, benchmarks/transfer.py)
+    temperature: float = 1.0  # τ: BCE(s/τ, σ(t/τ))
+
+
+@dataclass
+class AuxHeadConfig:
+    enabled: bool = False
+    label_scale: float = 5.0  # α: the head fits min(α·p_teacher, 1)   (α, w, β: the values of ExFM's
+    weight: float = 10.0  # w                                            usage example, dossier §8.2;
+    grad_scale: float = 20.0  # β: the head's gradient into the backbone × β   better than 1, 1, 1 here)
+    trunk_dims: tuple[int, ...] = (32,)
+    task_dims: tuple[int, ...] = (16,)
+
+
+@dataclass
+class AdapterConfig:
+    enabled: bool = True
+    hidden: int = 0  # 0: per-(domain, task) Platt scaling; > 0: plus an MLP of this width on the teacher logits
+    ids: tuple[str, ...] = ("ad_id", "advertiser_id")  # sparse features given a learned scalar correction each
+    lr: float = 0.003  # Adam; at 0.05 the bias random-walks on batches with a handful of clicks
+    steps: int = 1  # adapter updates per batch, before the student's step
+
+
+@dataclass
+class RepConfig:
+    enabled: bool = False
+    source: str = "user"  # user: the user's cached teacher embedding (free at serving) | row: this row's
+
+
+@dataclass
+class ShareConfig:
+    enabled: bool = True
+    tables: tuple[str, ...] = ()  # table names (t_ad_id …); empty = every table both models have
+    freeze: bool = False  # reuse the teacher's tables as they are instead of fine-tuning them
+    rescale: bool = True  # scale each shared table to the std of the student's own initialisation
+    domain_emb: bool = True  # also the domain embedding
+
+
+@dataclass
+class TransferConfig:
+    domains: tuple[str, ...] = ("feed",)  # the surfaces the student serves
+    train_split: str = "valid"  # the student's days: after the teacher's ("train") days
+    eval_split: str = "test"  # held out, after the student's days
+    baseline: bool = True  # also train the same student without transfer, for the transfer ratio
+    kd: KDConfig = field(default_factory=KDConfig)
+    aux: AuxHeadConfig = field(default_factory=AuxHeadConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    rep: RepConfig = field(default_factory=RepConfig)
+    share: ShareConfig = field(default_factory=ShareConfig)
+
+    def validate(self) -> TransferConfig:
+        if not self.domains:
+            raise ConfigError("transfer.domains must name at least one surface")
+        if (self.aux.enabled or self.adapter.enabled) and not self.kd.enabled:
+            raise ConfigError("transfer.aux and transfer.adapter shape the distillation loss: they need "
+                              "transfer.kd.enabled=true")
+        if self.kd.temperature <= 0 or self.kd.weight < 0 or self.aux.weight < 0 or self.aux.label_scale <= 0:
+            raise ConfigError("transfer.kd.temperature and aux.label_scale must be > 0, weights >= 0")
+        if self.rep.source not in ("user", "row"):
+            raise ConfigError(f"transfer.rep.source must be user|row, got {self.rep.source!r}")
+        if self.adapter.hidden < 0 or self.adapter.steps < 1 or self.adapter.lr <= 0:
+            raise ConfigError("transfer.adapter.hidden must be >= 0, steps >= 1, lr > 0")
+        return self
+
+    def techniques(self) -> list[str]:
+        """The switched-on techniques, in the order of the module docstring."""
+        on = [("kd", self.kd.enabled), ("aux", self.aux.enabled), ("adapter", self.adapter.enabled),
+              ("rep", self.rep.enabled), ("share", self.share.enabled)]
+        return [n for n, e in on if e]
+
+
+TECHNIQUES = ("kd", "aux", "adapter", "rep", "share")
+
+
+def techniques_config(names: str | list[str] | tuple[str, ...], **fields) -> TransferConfig:
+    """A ``TransferConfig`` with exactly ``names`` switched on ("kd+aux+adapter", [] = the student alone)."""
+    if isinstance(names, str):
+        names = [n for n in names.replace(",", "+").split("+") if n and n != "alone"]
+    unknown = set(names) - set(TECHNIQUES)
+    if unknown:
+        raise ConfigError(f"unknown transfer techniques {sorted(unknown)}; choose from {list(TECHNIQUES)}")
+    cfg = TransferConfig(**fields)
+    for n in TECHNIQUES:
+        getattr(cfg, n).enabled = n in names
+    return cfg.validate()

@@ -1,0 +1,200 @@
+"""``opengem distill``: GEM → vertical model (direct) or GEM → domain FM → vertical model (hierarchical).
+
+Staleness is the data split: the teacher run was trained on the ``train`` days 1..T; the student
+trains on the ``valid`` days T+1..T+k (``transfer.train_split``) and is evaluated on the ``test``
+days after them, while the synthetic world drifts (``WorldConfig.interest_drift``, ``ad_drift``,
+``advertiser_drift``, ``new_ads_per_day``; k = ``valid_days``): ``opengem generate --preset demo
+--out DIR valid_days=2 ad_drift=0.2`` makes the teacher staler.
+
+A student run directory is an ordinary run directory (the served backbone is a ``GEM``), plus::
+
+    RUN/transfer.json     teacher (and --via) runs, techniques, surfaces, splits, shared tables
+    RUN/user_rep.pt       the per-user teacher embeddings the student reads (rep.source=user): the
+                          feature-store snapshot that serving looks its ``teacher_rep_*`` features up in
+    RUN/evaluation.json   the student, the same student alone, its teacher (and GEM) on the same
+                          held-out slice, and the transfer ratio R per task
+
+so ``opengem evaluate`` / ``opengem export`` take it as they take a GEM run, and ``--via`` takes
+one as a teacher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from opengem.config import Config, apply_overrides
+from opengem.features.schema import FeatureSchema, SchemaError
+from opengem.model.build import count_parameters
+from opengem.model.heads import HeadsConfig
+from opengem.model.student import build_student, rep_dim_of, student_recipe, student_schema
+from opengem.train.checkpoint import save_checkpoint
+from opengem.train.trainer import params_sha256
+from opengem.transfer.config import TransferConfig, techniques_config
+from opengem.transfer.share import share_parameters
+from opengem.transfer.stream import SliceStream, domain_ids, slice_rates
+from opengem.transfer.teacher import TeacherService
+from opengem.transfer.trainer import StudentTrainer, evaluate_students, train_students, transfer_ratio
+
+log = logging.getLogger(__name__)
+EVAL_BATCH = 4096
+
+
+def parse_overrides(cfg: Config, tcfg: TransferConfig, overrides: list[str]) -> tuple[Config, TransferConfig]:
+    """``transfer.*`` keys go to the techniques, every other key to the student's recipe. A list
+    of names may be written bare: ``transfer.domains=feed,video``."""
+    apply_overrides(tcfg, [_json_list(o[len("transfer."):]) for o in overrides if o.startswith("transfer.")])
+    apply_overrides(cfg, [o for o in overrides if not o.startswith("transfer.")])
+    return cfg, tcfg
+
+
+def _json_list(item: str) -> str:
+    key, _, value = item.partition("=")
+    if key.strip() in _NAME_LISTS and value and not value.lstrip().startswith("["):
+        value = json.dumps([v.strip() for v in value.split(",") if v.strip()])
+    return f"{key}={value}"
+
+
+_NAME_LISTS = {"domains", "share.tables", "adapter.ids"}
+
+
+def make_trainer(name: str, cfg: Config, tcfg: TransferConfig, data_schema: FeatureSchema, teacher: TeacherService,
+                 rates: dict, total_steps: int) -> StudentTrainer:
+    """A student for ``tcfg``'s techniques: its schema (+ rep features), aux head, shared tables.
+    ``teacher`` needs ``model`` (tables to share) and ``feature_dim`` (rep width) only: a service, or a
+    domain FM that is still learning (benchmarks/transfer.py's online hierarchy)."""
+    schema = student_schema(data_schema, teacher.feature_dim if tcfg.rep.enabled else 0)
+    aux = None
+    if tcfg.kd.enabled and tcfg.aux.enabled:
+        h = cfg.model.heads
+        aux = HeadsConfig(trunk_dims=tcfg.aux.trunk_dims, task_dims=tcfg.aux.task_dims,
+                          domain_mode=h.domain_mode, chain_required=h.chain_required)
+    student = build_student(schema, cfg, [rates.get(t, 0.5) for t in schema.task_names], cfg.train.seed,
+                            aux, tcfg.aux.label_scale, tcfg.aux.grad_scale)
+    shared = share_parameters(student.backbone, teacher.model, tcfg.share) if tcfg.share.enabled else []
+    tr = StudentTrainer(name, student, cfg, tcfg, data_schema, total_steps)  # after sharing: frozen tables stay out
+    tr.shared = shared
+    return tr
+
+
+def reads_user_cache(tcfg: TransferConfig, teacher: TeacherService) -> bool:
+    """Whether the student, or its teacher (a domain FM fed by GEM), reads per-user embeddings."""
+    return (tcfg.rep.enabled and tcfg.rep.source == "user") or bool(teacher.rep_in and teacher.upstream_source == "user")
+
+
+def load_teachers(teacher_run: str | Path, via: str | Path | None, data_schema: FeatureSchema):
+    """(GEM service, the student's teacher service: GEM itself, or the domain FM fed by GEM)."""
+    gem = TeacherService.from_run(teacher_run)
+    if gem.schema.fingerprint() != data_schema.fingerprint():
+        raise SchemaError(f"teacher {teacher_run} was trained on another schema than this data's")
+    return gem, (TeacherService.from_run(via, upstream=gem) if via else gem)
+
+
+def distill(teacher_run: str | Path, recipe_name: str, data_dir: str | Path, out_dir: str | Path,
+            overrides: list[str] | tuple[str, ...] = (), via: str | Path | None = None,
+            tcfg: TransferConfig | None = None) -> dict:
+    """Distil a student from ``teacher_run`` (through ``via``, a distilled domain FM, if given) on
+    ``data_dir``; write the student run into ``out_dir``; return its evaluation."""
+    t0 = time.perf_counter()
+    cfg, tcfg = parse_overrides(student_recipe(recipe_name), tcfg or TransferConfig(), list(overrides))
+    tcfg.validate()
+    torch.manual_seed(cfg.train.seed)
+    data_schema = FeatureSchema.load(data_dir)
+    gem, teacher = load_teachers(teacher_run, via, data_schema)
+    domains = domain_ids(data_schema, tcfg.domains)
+    rates, n_slice, n_all = slice_rates(data_dir, data_schema, tcfg.train_split, domains)
+    stream = SliceStream(data_dir, tcfg.train_split, data_schema, domains, teacher, cfg.data.batch_size,
+                         seed=cfg.data.seed, slice_rows=n_slice, all_rows=n_all,
+                         warmup_days=int(reads_user_cache(tcfg, teacher)))
+    trainers = [make_trainer("student", cfg, tcfg, data_schema, teacher, rates, stream.steps)]
+    if tcfg.baseline:
+        alone = techniques_config([], domains=tcfg.domains)
+        trainers.append(make_trainer("alone", cfg, alone, data_schema, teacher, rates, stream.steps))
+    train_students(trainers, stream)
+    t_train = time.perf_counter() - t0
+    scored = {"teacher_calls": teacher.calls - stream.warm_calls, "teacher_rows": teacher.rows - stream.warm_rows,
+              "teacher_warmup_rows": stream.warm_rows}
+    test = SliceStream(data_dir, tcfg.eval_split, data_schema, domains, teacher, EVAL_BATCH, shuffle=False,
+                       update_cache=False)
+    ev = evaluate_students(trainers, test, data_schema, rates, {"gem": gem} if via else None)
+    out = report(ev, tcfg, via is not None, test.rows)
+    out["times"] = {"train_s": t_train, "total_s": time.perf_counter() - t0}
+    save_run(Path(out_dir), trainers[0], cfg, tcfg, rates, teacher, out,
+             {"teacher": str(teacher_run), "via": str(via) if via else None, "data": str(data_dir)}, scored)
+    return out
+
+
+def report(ev: dict, tcfg: TransferConfig, via: bool, rows: int) -> dict:
+    """Student, alone, teacher (and GEM) metrics on the student's slice; R per task (vs GEM)."""
+    out = {"split": tcfg.eval_split, "rows": rows, "domains": list(tcfg.domains),
+           "techniques": tcfg.techniques(), "metrics": ev["student"], "teacher": ev["teacher@student"]}
+    if via:
+        out["gem"] = ev["gem@student"]
+    if "alone" in ev:
+        out["alone"] = ev["alone"]
+        ref = out.get("gem", out["teacher"])
+        out["transfer_ratio"] = {k.split("/", 1)[1]: transfer_ratio(ev["alone"][k]["ne"], ev["student"][k]["ne"],
+                                                                    ref[k]["ne"])
+                                 for k in ev["student"] if k.startswith("all/")}
+    return out
+
+
+def save_run(run: Path, tr: StudentTrainer, cfg: Config, tcfg: TransferConfig, rates: dict,
+             teacher: TeacherService, evaluation: dict, sources: dict, scored: dict) -> None:
+    """The student's run directory (see the module docstring)."""
+    run.mkdir(parents=True, exist_ok=True)
+    backbone = tr.student.backbone
+    schema = backbone.schema
+    _write(run / "config.json", cfg.to_dict())
+    schema.save(run / "schema.json")
+    _write(run / "base_rates.json", rates)
+    _write(run / "transfer.json", {**sources, "recipe": cfg.recipe, "transfer": dataclasses.asdict(tcfg),
+                                   "shared": tr.shared, "rep_dim": rep_dim_of(schema)})
+    if tcfg.rep.enabled and tcfg.rep.source == "user":
+        torch.save(teacher.cache.state_dict(), run / "user_rep.pt")
+    ckpt = save_checkpoint(run, tr.step_n, backbone, [], {"schema": schema.fingerprint(), "step": tr.step_n,
+                                                          "examples": tr.examples})
+    evaluation = {**evaluation, "run": str(run)}
+    _write(run / "evaluation.json", evaluation)
+    _write(run / "final.json", {"steps": tr.step_n, "examples": tr.examples, "parameters": count_parameters(backbone),
+                                "params_sha256": params_sha256(backbone), "checkpoint": ckpt.name,
+                                "recipe": cfg.recipe, "schema": schema.fingerprint(),
+                                **scored, **tr.summary()})
+
+
+def _write(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=_json_default))
+    tmp.replace(path)
+
+
+def _json_default(o):
+    return str(o)
+
+
+def summary_line(out: dict, task: str = "click") -> str:
+    """One line: the student's NE and AUC next to the student alone, its teacher and GEM, and R."""
+    key = f"all/{task}"
+    parts = [f"{name} NE {out[k][key]['ne']:.4f} AUC {out[k][key]['auc']:.4f}"
+             for name, k in (("student", "metrics"), ("alone", "alone"), ("teacher", "teacher"), ("GEM", "gem"))
+             if k in out]
+    ratio = out.get("transfer_ratio", {}).get(task)
+    return (f"{task} on {'+'.join(out['domains'])}, {out['split']} ({out['rows']:,} rows): " + "; ".join(parts)
+            + (f"; transfer ratio R {ratio:.3f}" if ratio is not None else ""))
+
+
+# The demo's vertical model: the default techniques (kd + adapter + share), one pass over the
+# student's day of the video surface (30% of the demo world's rows: the teacher scores fewer rows).
+DEMO_RECIPE, DEMO_OVERRIDES = "vm_s", ("transfer.domains=video",)
+
+
+def distill_demo(teacher_run: str | Path, data_dir: str | Path, out_dir: str | Path) -> dict:
+    """Distil the default vertical model from a trained GEM run on the same data (one pass over
+    the student's days); returns the student's evaluation with the teacher's on the same slice
+    (``metrics``, ``teacher``, ``alone``, ``transfer_ratio``; ``summary_line`` prints it)."""
+    return distill(teacher_run, DEMO_RECIPE, data_dir, out_dir, DEMO_OVERRIDES)

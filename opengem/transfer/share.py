@@ -1,0 +1,67 @@
+"""Parameter sharing: a student starts from (or reuses) the teacher's embedding tables.
+
+Legend: R rows of a table, D_t teacher dim, D_s student dim.
+
+Tables are matched by name (``t_ad_id``, ``t_organic_item`` …: the schema names them, so every
+model built from the same data has the same table names and row counts). Per table:
+
+    D_s = D_t   copy
+    D_s < D_t   W_s = W_t V_{:, :D_s}     V: right singular vectors of W_t (PCA without centring), so the
+                                          student keeps the directions along which the teacher's ids differ most
+    D_s > D_t   W_s[:, :D_t] = W_t        the rest keeps its initialisation
+
+``rescale`` (default) then scales each shared table to the standard deviation the student's own
+initialisation gave it: what transfers is the geometry (which ids are alike), while the student's
+layers, learning rates and row-wise Adagrad see inputs of the scale they were tuned for (trained
+teacher tables are 3–8× wider than the N(0, 0.05²) init; copied as they are, they slowed the
+student down, measured in benchmarks/transfer.py). ``freeze`` turns the shared tables off for the
+optimiser (reuse as they are). The domain embedding (an ``nn.Embedding``, dense) is shared the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from opengem.model.foundation import GEM
+from opengem.transfer.config import ShareConfig
+
+log = logging.getLogger(__name__)
+
+
+def project_table(w_RD: torch.Tensor, dim: int) -> torch.Tensor:
+    """The table at width ``dim`` (see the module docstring)."""
+    if w_RD.shape[1] == dim:
+        return w_RD.clone()
+    if w_RD.shape[1] > dim:
+        _, _, vh = torch.linalg.svd(w_RD.double(), full_matrices=False)  # a table of R < dim rows has R directions
+        w_RD = (w_RD.double() @ vh[:dim].T).to(w_RD.dtype)
+    return torch.cat([w_RD, w_RD.new_zeros(w_RD.shape[0], dim - w_RD.shape[1])], 1)
+
+
+@torch.no_grad()
+def share_parameters(student: GEM, teacher: GEM, cfg: ShareConfig) -> list[str]:
+    """Copy the teacher's tables into ``student`` (in place); returns the names shared."""
+    mine, theirs = student.sparse_arch.tables(), teacher.sparse_arch.tables()
+    names = list(cfg.tables) or [n for n in mine if n in theirs]
+    missing = [n for n in names if n not in mine or n not in theirs]
+    if missing:
+        raise ValueError(f"cannot share tables {missing}: not in both models (student {sorted(mine)}, "
+                         f"teacher {sorted(theirs)})")
+    pairs = [(n, mine[n], theirs[n]) for n in names]
+    if cfg.domain_emb:
+        pairs.append(("domain_emb", student.domain_emb.weight, teacher.domain_emb.weight))
+    shared = []
+    for name, w, t in pairs:
+        if w.shape[0] != t.shape[0]:
+            log.warning("not sharing %s: %d rows in the student, %d in the teacher", name, w.shape[0], t.shape[0])
+            continue
+        new = project_table(t.detach().to(w.dtype), w.shape[1])
+        if cfg.rescale:
+            new = new * (w.std() / new.std().clamp(min=1e-12))
+        w.copy_(new)
+        if cfg.freeze:
+            w.requires_grad_(False)
+        shared.append(name)
+    return shared

@@ -1,0 +1,250 @@
+"""The teacher service: a frozen foundation model, run once per example, shared by every student.
+
+Legend: B rows, T tasks, E teacher embedding width (``embedding``: ``trunk`` = the heads' shared
+trunk output, ``HeadsConfig.trunk_dims[-1]``; ``features`` = what the heads read, ``GEM.feature_dim``).
+
+    loader ─► batch ─► TeacherService.predict (no grad, eval, once) ─► TeacherOutput ─┬─► student 1
+                                                                                     ├─► student 2 …
+                                                                                     └─► Parquet cache (offline)
+
+``TeacherOutput``: ``logits`` [B, T] (soft labels), ``embeddings`` [B, E] (for representation
+transfer) and ``user_rep`` [B, E], each row's entry in the per-user cache. The default embedding is
+``features``, what GEM's heads read (320 wide for ``tiny``, 640 for ``demo``); ``trunk``, the heads'
+narrower shared trunk output, transferred less per user in benchmarks/transfer.py (R 0.36 vs 0.46
+with KD, vm_s, 5 seeds).
+
+Representation transfer "without serving cost" (ARCHITECTURE §4): a row's own teacher features
+depend on its candidate ad, so serving them would mean running the teacher per candidate. The
+servable form is ``UserRepCache``: user id → mean of the teacher's embeddings over that user's rows,
+a feature-store table that the teacher fills as it scores traffic and that is *published once a day*
+(LoopFM's historical representations). A row of day d reads its user's vector as published at the
+end of day d − 1 (zeros for a user not seen before); at serving the same vector is one key-value
+lookup by user id, passed as the student's ``teacher_rep_*`` dense user features, so training and
+serving see the same thing. ``rep.source=row`` (the row's own features) is the offline upper bound.
+
+The teacher is built and loaded as in training and evaluation (``load_run_model``: meta →
+materialise → load the DCP checkpoint); a large teacher can be passed in already sharded
+(``opengem.parallel.build_parallel_gem`` + ``load_checkpoint``): the service only calls it.
+A student run can be a teacher too (hierarchical transfer): if it reads teacher embeddings, its own
+teacher is given as ``upstream``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from opengem.data.batch import Batch
+from opengem.model.student import forward_with_features, rep_dim_of, with_rep
+
+
+@dataclass
+class TeacherOutput:
+    logits: torch.Tensor  # [B, T]
+    embeddings: torch.Tensor | None = None  # [B, E]
+    user_rep: torch.Tensor | None = None  # [B, E]
+
+    def select(self, rows: torch.Tensor | None) -> TeacherOutput:
+        if rows is None:
+            return self
+        return TeacherOutput(*(None if x is None else x[rows] for x in (self.logits, self.embeddings, self.user_rep)))
+
+
+class UserRepCache:
+    """user id → running mean of the teacher embeddings of that user's rows (a feature-store table).
+
+    ``update`` writes the live table; ``lookup`` reads the last ``publish``ed snapshot."""
+
+    def __init__(self, dim: int):
+        self.dim = dim
+        self.slot: dict[int, int] = {}
+        self.sums = torch.zeros(1024, dim)
+        self.counts = torch.zeros(1024)
+        self.published = (self.sums[:0].clone(), self.counts[:0].clone())
+
+    def _slots(self, user_ids: torch.Tensor, add: bool) -> torch.Tensor:
+        out = []
+        for u in user_ids.tolist():
+            s = self.slot.get(u)
+            if s is None and add:
+                s = self.slot[u] = len(self.slot)
+            out.append(-1 if s is None else s)
+        if len(self.slot) > self.sums.shape[0]:
+            grow = max(len(self.slot), 2 * self.sums.shape[0]) - self.sums.shape[0]
+            self.sums = torch.cat([self.sums, self.sums.new_zeros(grow, self.dim)])
+            self.counts = torch.cat([self.counts, self.counts.new_zeros(grow)])
+        return torch.tensor(out, dtype=torch.long)
+
+    def publish(self) -> None:
+        """Make every update so far visible to ``lookup`` (the daily feature-store refresh)."""
+        n = len(self.slot)
+        self.published = (self.sums[:n].clone(), self.counts[:n].clone())
+
+    def lookup(self, user_ids: torch.Tensor) -> torch.Tensor:
+        """[B, E]: each user's published mean; zeros for a user not in the snapshot."""
+        sums, counts = self.published
+        s = self._slots(user_ids, add=False)
+        out = torch.zeros(len(s), self.dim)
+        rows = ((s >= 0) & (s < len(counts))).nonzero().squeeze(1)
+        rows = rows[counts[s[rows]] > 0]
+        out[rows] = sums[s[rows]] / counts[s[rows]].unsqueeze(1)
+        return out
+
+    def update(self, user_ids: torch.Tensor, emb_BE: torch.Tensor) -> None:
+        s = self._slots(user_ids, add=True)
+        self.sums.index_add_(0, s, emb_BE.float())
+        self.counts.index_add_(0, s, torch.ones(len(s)))
+
+    def state_dict(self) -> dict:
+        """The published snapshot (what serving reads)."""
+        sums, counts = self.published
+        users = torch.tensor(sorted(self.slot, key=self.slot.get)[: len(counts)], dtype=torch.long)
+        return {"dim": self.dim, "user_ids": users, "sums": sums.clone(), "counts": counts.clone()}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> UserRepCache:
+        c = cls(state["dim"])
+        c.slot = {int(u): i for i, u in enumerate(state["user_ids"].tolist())}
+        c.sums, c.counts = state["sums"].clone(), state["counts"].clone()
+        c.publish()
+        return c
+
+
+class TeacherService:
+    """A frozen teacher, called once per batch; every student reads the same ``TeacherOutput``.
+
+    Args:
+        model: a trained ``GEM`` (its serving head gives the logits, ``features`` the embeddings).
+        user_cache: keep a ``UserRepCache`` of the embeddings (for ``rep.source=user`` students).
+        upstream: for a teacher that reads teacher embeddings itself (a distilled domain FM with
+            ``rep``), the service that provides them; ``upstream_source`` says which (user | row).
+    """
+
+    def __init__(self, model: torch.nn.Module, user_cache: bool = True, upstream: TeacherService | None = None,
+                 upstream_source: str = "user", embedding: str = "features"):
+        if embedding not in ("trunk", "features"):
+            raise ValueError(f"teacher embedding must be trunk|features, got {embedding!r}")
+        self.model = model.eval().requires_grad_(False)
+        self.embedding = embedding
+        self.rep_in = rep_dim_of(model.schema)
+        if self.rep_in and upstream is None:
+            raise ValueError("this teacher reads teacher embeddings (teacher_rep_* features): pass its upstream teacher")
+        self.upstream, self.upstream_source = upstream, upstream_source
+        self.cache = UserRepCache(self.feature_dim) if user_cache else None
+        self.calls, self.rows, self.day = 0, 0, None
+
+    @classmethod
+    def from_run(cls, run_dir: str | Path, upstream: TeacherService | None = None) -> TeacherService:
+        """The latest checkpoint of a training or distillation run, loaded as training/evaluation do."""
+        from opengem.evaluation.evaluate import load_run_model
+
+        model, _, _ = load_run_model(run_dir)
+        meta = Path(run_dir) / "transfer.json"
+        source = json.loads(meta.read_text())["transfer"]["rep"]["source"] if meta.exists() else "user"
+        return cls(model, upstream=upstream, upstream_source=source)
+
+    @property
+    def schema(self):
+        return self.model.schema
+
+    @property
+    def feature_dim(self) -> int:
+        """E: the width of ``embeddings``."""
+        if self.embedding == "features":
+            return self.model.feature_dim
+        h = self.model.heads.cfg.trunk_dims
+        return h[-1] if h else self.model.feature_dim
+
+    def max_seq_len(self) -> dict[str, int]:
+        caps = self.model.max_seq_len()
+        if self.upstream is not None:
+            caps = {k: max(v, self.upstream.max_seq_len()[k]) for k, v in caps.items()}
+        return caps
+
+    @torch.no_grad()
+    def predict(self, batch: Batch, update_cache: bool = True, day: int | None = None) -> TeacherOutput:
+        """The teacher's outputs for ``batch``. ``update_cache``: add these rows to the user cache
+        (training passes; off when scoring held-out days). ``day``: the rows' day; the cache is
+        published when it changes, so rows read the snapshot of the days before theirs."""
+        if day is not None and day != self.day:
+            if self.cache is not None:
+                self.cache.publish()
+            self.day = day
+        if self.rep_in:
+            up = self.upstream.predict(batch, update_cache, day)
+            batch = with_rep(batch, up.user_rep if self.upstream_source == "user" else up.embeddings)
+        logits, feats = forward_with_features(self.model, batch)
+        if self.embedding == "trunk":
+            feats = self.model.heads.trunk(feats)
+        user_rep = None
+        if self.cache is not None:
+            user_rep = self.cache.lookup(batch.user_id)
+            if update_cache:
+                self.cache.update(batch.user_id, feats)
+        self.calls += 1
+        self.rows += batch.batch_size
+        return TeacherOutput(logits.float(), feats.float(), user_rep)
+
+    def cache_to_parquet(self, batches, path: str | Path, update_cache: bool = True, meta: dict | None = None) -> int:
+        """Score ``batches`` ((batch, day) pairs, e.g. ``SliceStream.batches()``) once and write the
+        outputs in row order.
+
+        Columns: ``user_id`` (checked on read), ``logit.<task>``, ``embedding`` and ``user_rep``
+        (fixed-size float lists). ``meta`` (e.g. the loader's split/seed/shuffle) is stored in the
+        file's metadata: a reader must replay the same row order. Returns the rows written."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        writer, n = None, 0
+        for batch, day in batches:
+            out = self.predict(batch, update_cache, day)
+            cols = {"user_id": pa.array(batch.user_id.numpy())}
+            for t, name in enumerate(self.schema.task_names):
+                cols[f"logit.{name}"] = pa.array(out.logits[:, t].numpy())
+            for key in ("embeddings", "user_rep"):
+                x = getattr(out, key)
+                if x is not None:
+                    cols[key] = pa.FixedSizeListArray.from_arrays(pa.array(x.numpy().ravel()), x.shape[1])
+            table = pa.table(cols)
+            if writer is None:
+                schema = table.schema.with_metadata({"opengem.teacher_cache": json.dumps(meta or {})})
+                writer = pq.ParquetWriter(tmp, schema)
+            writer.write_table(table.replace_schema_metadata(writer.schema.metadata))
+            n += batch.batch_size
+        if writer is not None:
+            writer.close()
+            tmp.replace(path)
+        return n
+
+
+class CachedTeacher:
+    """Reads a ``cache_to_parquet`` file in row order; ``predict`` has the service's signature."""
+
+    def __init__(self, path: str | Path, task_names: list[str]):
+        self.path = Path(path)
+        table = pq.read_table(self.path)
+        self.meta = json.loads((table.schema.metadata or {}).get(b"opengem.teacher_cache", b"{}"))
+        self.user_id = table.column("user_id").to_numpy()
+        self.logits = torch.from_numpy(np.stack([table.column(f"logit.{t}").to_numpy() for t in task_names], 1))
+        self.parts = {k: _fixed_list(table.column(k)) for k in ("embeddings", "user_rep") if k in table.column_names}
+        self.pos, self.calls, self.rows = 0, 0, 0
+
+    def predict(self, batch: Batch, update_cache: bool = True, day: int | None = None) -> TeacherOutput:
+        lo, hi = self.pos, self.pos + batch.batch_size
+        if hi > len(self.user_id) or not np.array_equal(self.user_id[lo:hi], batch.user_id.numpy()):
+            raise ValueError(f"{self.path}: rows {lo}..{hi} do not match this batch (replay the loader that "
+                             f"wrote the cache: {self.meta})")
+        self.pos, self.calls, self.rows = hi, self.calls + 1, self.rows + batch.batch_size
+        parts = {k: v[lo:hi] for k, v in self.parts.items()}
+        return TeacherOutput(self.logits[lo:hi], parts.get("embeddings"), parts.get("user_rep"))
+
+
+def _fixed_list(col: pa.ChunkedArray) -> torch.Tensor:
+    arr = col.combine_chunks()
+    return torch.from_numpy(arr.values.to_numpy().reshape(len(arr), arr.type.list_size).copy())

@@ -1,0 +1,189 @@
+"""Training and evaluating students on a shared stream: one teacher call feeds every student.
+
+Why a loop of its own rather than ``opengem.train.trainer``: that loop's step is GEM's masked BCE
+on one model; a distillation step takes the teacher's output, updates the student adapter *before*
+the student (ExFM Algorithm 1), and steps several students on the same batch. Everything else is
+the trainer's: ``build_optimizers`` (AdamW + row-wise Adagrad), ``Schedule``, ``masked_bce``, grad
+clipping, ``save_checkpoint``. Students are single-process (they are small by construction).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from opengem.config import Config
+from opengem.data.batch import Batch
+from opengem.evaluation.accumulator import MetricAccumulator
+from opengem.features.schema import FeatureSchema
+from opengem.model.student import Student, forward_with_features, with_rep
+from opengem.train.optim import Schedule, build_optimizers
+from opengem.transfer.adapter import StudentAdapter
+from opengem.transfer.config import TransferConfig
+from opengem.transfer.losses import distill_loss
+from opengem.transfer.stream import cap_history, select_rows
+from opengem.transfer.teacher import TeacherOutput
+
+
+class StudentTrainer:
+    """One student's training state (model, optimisers, lr schedule, adapter) and its step.
+
+    Args:
+        name: a label for reports.  student: the ``Student``.  cfg: its recipe (``optim`` is read).
+        tcfg: its techniques.  data_schema: the schema of the rows (the student's adds rep features).
+        total_steps: length of the lr schedule (``SliceStream.steps``).
+    """
+
+    def __init__(self, name: str, student: Student, cfg: Config, tcfg: TransferConfig,
+                 data_schema: FeatureSchema, total_steps: int):
+        self.name, self.student, self.cfg, self.tcfg = name, student, cfg, tcfg
+        self.domains = torch.tensor([data_schema.domains.names.index(d) for d in tcfg.domains])
+        dense, sparse = build_optimizers(student.dense_parameters(), student.sparse_parameters(), cfg.optim)
+        self.optimizers = [o for o in (dense, sparse) if o is not None]
+        self.schedule = Schedule(self.optimizers, total_steps, cfg.optim)
+        self.adapter = StudentAdapter(data_schema, tcfg.adapter) if tcfg.kd.enabled and tcfg.adapter.enabled else None
+        self.task_w = torch.tensor([t.weight for t in data_schema.tasks])
+        self.data_schema = data_schema
+        self.caps = dict(student.max_seq_len())
+        self.shared: list[str] = []  # tables shared from the teacher (set by whoever built the student)
+        self.step_n = self.examples = 0
+        self.sums = {"loss_true": 0.0, "loss_distill": 0.0, "loss_adapter": 0.0}
+        self.wall = 0.0
+
+    # ------------------------------------------------------------------ inputs
+    def view(self, batch: Batch, tout: TeacherOutput) -> tuple[Batch, TeacherOutput] | None:
+        """This student's rows of a shared batch, its history caps, and its rep input."""
+        rows = torch.isin(batch.domain, self.domains)
+        if not bool(rows.all()):
+            if not bool(rows.any()):
+                return None
+            idx = rows.nonzero().squeeze(1)
+            batch, tout = select_rows(batch, idx), tout.select(idx)
+        batch = cap_history(batch, self.data_schema, self.caps)
+        if self.tcfg.rep.enabled:
+            rep = tout.user_rep if self.tcfg.rep.source == "user" else tout.embeddings
+            if rep is None:
+                raise ValueError(f"student {self.name!r} needs teacher embeddings ({self.tcfg.rep.source}) "
+                                 "that the teacher service does not provide")
+            batch = with_rep(batch, rep)
+        return batch, tout
+
+    def soft_label(self, batch: Batch, tout: TeacherOutput) -> torch.Tensor | None:
+        """The distillation target; updates the adapter on this batch's labels first (stale → fresh)."""
+        if not self.tcfg.kd.enabled:
+            return None
+        if self.adapter is None:
+            return torch.sigmoid(tout.logits / self.tcfg.kd.temperature)
+        self.sums["loss_adapter"] += self.adapter.update(tout.logits, batch)
+        return self.adapter.target(tout.logits, batch)
+
+    # ------------------------------------------------------------------ step
+    def step(self, batch: Batch, tout: TeacherOutput) -> None:
+        t0 = time.perf_counter()
+        v = self.view(batch, tout)
+        if v is None:
+            return
+        batch, tout = v
+        soft = self.soft_label(batch, tout)
+        self.schedule.set(min(self.step_n, self.schedule.total - 1))
+        self.student.train()
+        logits, aux = self.student.forward_train(batch)
+        loss = distill_loss(logits, aux, soft, batch.labels, batch.label_mask, batch.weights, self.task_w, self.tcfg)
+        if not math.isfinite(loss.total.item()):
+            raise FloatingPointError(f"student {self.name!r}: loss is {loss.total.item()} at step {self.step_n}")
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=True)
+        loss.total.backward()
+        if self.cfg.optim.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.student.dense_parameters(), self.cfg.optim.grad_clip)
+        for o in self.optimizers:
+            o.step()
+        self.step_n += 1
+        self.examples += batch.batch_size
+        self.sums["loss_true"] += loss.true
+        self.sums["loss_distill"] += loss.distill
+        self.wall += time.perf_counter() - t0
+
+    @torch.no_grad()
+    def predict(self, batch: Batch, tout: TeacherOutput) -> tuple[Batch, TeacherOutput, torch.Tensor] | None:
+        """(this student's rows, the teacher's output on them, the student's serving probabilities)."""
+        v = self.view(batch, tout)
+        if v is None:
+            return None
+        self.student.eval()
+        return v[0], v[1], torch.sigmoid(self.student(v[0]).double())
+
+    @torch.no_grad()
+    def teach(self, batch: Batch, tout: TeacherOutput) -> TeacherOutput | None:
+        """This student as a teacher (a domain FM for its followers): its logits and features on its
+        rows of ``batch``, computed before it learns from them (call before ``step``)."""
+        v = self.view(batch, tout)
+        if v is None:
+            return None
+        self.student.eval()
+        logits, feats = forward_with_features(self.student.backbone, v[0])
+        return TeacherOutput(logits.float(), feats.float())
+
+    def summary(self) -> dict:
+        n = max(self.step_n, 1)
+        return {"steps": self.step_n, "examples": self.examples, "train_s": round(self.wall, 2),
+                **{k: v / n for k, v in self.sums.items()}}
+
+
+def train_students(trainers: list[StudentTrainer], stream, followers: dict | None = None) -> dict:
+    """One pass of ``stream`` ((batch, TeacherOutput) pairs), every student stepping on every batch.
+
+    ``followers``: {student name: students taught by that student} — hierarchical transfer online:
+    the domain FM scores each batch *before* it learns from it, as a continuously trained FM serves
+    its VMs, so their soft labels are never in-sample. A follower serves the same surfaces as its FM
+    and reads its logits (and, for ``rep.source=row``, its features)."""
+    followers = followers or {}
+    batches = 0
+    for batch, tout in stream:
+        for tr in trainers:
+            taught = tr.teach(batch, tout) if followers.get(tr.name) else None
+            tr.step(batch, tout)
+            if taught is not None:
+                rows = batch if bool(torch.isin(batch.domain, tr.domains).all()) else \
+                    select_rows(batch, torch.isin(batch.domain, tr.domains).nonzero().squeeze(1))
+                for f in followers[tr.name]:
+                    f.step(rows, taught)
+        batches += 1
+    return {"batches": batches}
+
+
+@torch.no_grad()
+def evaluate_students(trainers: list[StudentTrainer], stream, schema: FeatureSchema, base_rates: dict,
+                      references: dict | None = None) -> dict:
+    """Metrics of each student and, on the same rows with the same normaliser, of its teacher
+    (``"teacher@<student>"``) and of each reference model (``"<name>@<student>"``, e.g. GEM when the
+    teacher is a domain FM). ``references``: name → a service with ``predict(batch, update_cache)``."""
+    def acc():
+        return MetricAccumulator(list(schema.domains.names), schema.task_names, base_rates)
+
+    refs = references or {}
+    accs = {name: acc() for tr in trainers for name in [tr.name, f"teacher@{tr.name}"]
+            + [f"{r}@{tr.name}" for r in refs]}
+    for batch, tout in stream:
+        ref_out = {r: svc.predict(batch, update_cache=False) for r, svc in refs.items()}
+        for tr in trainers:
+            out = tr.predict(batch, tout)
+            if out is None:
+                continue
+            rows, t_rows, probs = out
+            preds = {tr.name: probs, f"teacher@{tr.name}": torch.sigmoid(t_rows.logits.double())}
+            if refs:
+                idx = torch.isin(batch.domain, tr.domains).nonzero().squeeze(1)
+                preds.update({f"{r}@{tr.name}": torch.sigmoid(o.logits[idx].double()) for r, o in ref_out.items()})
+            for name, p in preds.items():
+                accs[name].update(p, rows.labels, rows.label_mask, rows.domain, rows.user_id, rows.true_probs)
+    return {name: a.compute() for name, a in accs.items()}
+
+
+def transfer_ratio(ne_alone: float, ne_with: float, ne_teacher: float) -> float:
+    """R = (NE_alone − NE_with) / (NE_alone − NE_teacher): the share of the teacher's lead the
+    student captured (dossier §8.6); NaN when the teacher is not ahead of the student alone."""
+    gap = ne_alone - ne_teacher
+    return (ne_alone - ne_with) / gap if gap > 0 else math.nan

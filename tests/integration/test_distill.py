@@ -1,0 +1,106 @@
+"""The distillation CLI chain on the tiny preset: GEM → VM (direct) and GEM → domain FM → VM (--via)."""
+
+import json
+
+import pytest
+import torch
+
+from opengem.cli import main
+
+
+@pytest.fixture(scope="module")
+def gem_run(tmp_path_factory):
+    """A tiny world and a GEM trained on its ``train`` days (the students get the later days)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("kt")
+    data, run = root / "data", root / "gem"
+    assert main(["--quiet", "generate", "--preset", "tiny", "--out", str(data), "--seed", "2"]) == 0
+    assert main(["--quiet", "train", "--recipe", "tiny", "--data", str(data), "--out", str(run)]) == 0
+    yield data, run
+    torch.set_num_threads(n)
+
+
+def _distill(data, teacher, out, recipe, *extra):
+    return main(["--quiet", "distill", "--teacher", str(teacher), "--student-recipe", recipe, "--data", str(data),
+                 "--out", str(out), *extra])
+
+
+def _slice_rows(data, split, domain):
+    manifest = json.loads((data / "dataset.json").read_text())
+    import pyarrow.parquet as pq
+
+    days = set(manifest["splits"][split])
+    names = json.loads((data / "schema.json").read_text())["domains"]["names"]
+    return sum(int((pq.read_table(data / f["path"], columns=["domain"]).column("domain").to_numpy()
+                    == names.index(domain)).sum()) for f in manifest["files"] if f["day"] in days)
+
+
+def test_direct_distillation_writes_a_servable_student_run(gem_run, tmp_path, capsys):
+    data, gem = gem_run
+    vm = tmp_path / "vm"
+    assert _distill(data, gem, vm, "vm_xs", "transfer.domains=feed", "data.batch_size=64") == 0
+    assert "transfer ratio R" in capsys.readouterr().out
+    ev = json.loads((vm / "evaluation.json").read_text())
+    assert ev["techniques"] == ["kd", "adapter", "share"] and ev["domains"] == ["feed"]
+    for part in ("metrics", "alone", "teacher"):
+        m = ev[part]["all/click"]
+        assert m["n"] == ev["rows"] == _slice_rows(data, "test", "feed")
+        assert {"ne", "auc", "calibration", "ne_bayes"} <= set(m)
+    assert set(ev["transfer_ratio"]) == {"click", "conversion"}
+    final = json.loads((vm / "final.json").read_text())
+    assert final["teacher_rows"] == final["examples"] == _slice_rows(data, "valid", "feed")  # once per example
+    meta = json.loads((vm / "transfer.json").read_text())
+    assert meta["teacher"] == str(gem) and meta["via"] is None and "t_ad_id" in meta["shared"]
+    # an ordinary run directory: evaluate takes it like a GEM run
+    assert main(["--quiet", "evaluate", "--run", str(vm), "--data", str(data), "--json", str(tmp_path / "e.json")]) == 0
+    assert json.loads((tmp_path / "e.json").read_text())["metrics"]["feed/click"]["n"] == ev["rows"]
+
+
+def test_hierarchical_distillation_via_a_domain_fm(gem_run, tmp_path):
+    data, gem = gem_run
+    fm, vm = tmp_path / "fm", tmp_path / "vm"
+    # the domain FM reads GEM's per-user embeddings, so the VM's teacher chain is GEM → FM
+    assert _distill(data, gem, fm, "fm_domain", "transfer.rep.enabled=true") == 0
+    assert (fm / "user_rep.pt").exists()
+    assert _distill(data, gem, vm, "vm_xs", "--via", str(fm), "transfer.rep.enabled=true",
+                    "transfer.rep.source=row") == 0
+    ev = json.loads((vm / "evaluation.json").read_text())
+    assert {"metrics", "alone", "teacher", "gem"} <= set(ev)
+    assert ev["gem"]["all/click"]["n"] == ev["teacher"]["all/click"]["n"] == ev["rows"]
+    assert ev["gem"]["all/click"]["ne"] != ev["teacher"]["all/click"]["ne"]  # two different teachers, one slice
+    meta = json.loads((vm / "transfer.json").read_text())
+    assert meta["via"] == str(fm) and meta["rep_dim"] > 0
+    schema = json.loads((vm / "schema.json").read_text())
+    assert sum(f["name"].startswith("teacher_rep_") for f in schema["dense"]) == meta["rep_dim"]
+
+
+def test_distill_errors_are_clear(gem_run, tmp_path, capsys):
+    data, gem = gem_run
+    assert _distill(data, gem, tmp_path / "a", "vm_xxl") == 2
+    assert "vm_xs" in capsys.readouterr().err
+    assert _distill(data, gem, tmp_path / "b", "vm_xs", "transfer.kd.enabled=false") == 2
+    assert "need" in capsys.readouterr().err
+    assert _distill(data, gem, tmp_path / "c", "vm_xs", "transfer.domains=shop") == 2
+    assert "unknown domains" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_student_exports_for_serving(gem_run, tmp_path):
+    data, gem = gem_run
+    vm, art = tmp_path / "vm", tmp_path / "artifact"
+    assert _distill(data, gem, vm, "vm_s", "transfer.baseline=false") == 0
+    assert main(["--quiet", "export", "--run", str(vm), "--out", str(art), "--no-compile"]) == 0
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["model"]["recipe"] == "vm_s" and manifest["parity"]["max_abs_diff_exported"] <= 1e-5
+
+
+def test_distill_demo_returns_the_student_and_its_teacher_on_one_slice(gem_run, tmp_path):
+    from opengem.transfer import distill_demo
+    from opengem.transfer.distill import summary_line
+
+    data, gem = gem_run
+    out = distill_demo(gem, data, tmp_path / "vm")
+    assert out["metrics"]["all/click"]["n"] == out["teacher"]["all/click"]["n"] == _slice_rows(data, "test", "video")
+    assert "student NE" in summary_line(out) and "teacher NE" in summary_line(out)
+    assert (tmp_path / "vm" / "evaluation.json").exists()

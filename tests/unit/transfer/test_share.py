@@ -1,0 +1,50 @@
+"""Parameter sharing: copy, PCA projection, rescaling, freezing."""
+
+import torch
+from _transfer import make_gem
+
+from opengem.model.student import build_student, student_recipe
+from opengem.transfer.config import ShareConfig, techniques_config
+from opengem.transfer.share import project_table, share_parameters
+from opengem.transfer.trainer import StudentTrainer
+
+
+def test_projection_keeps_the_leading_directions():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(50, 2, generator=g) @ torch.randn(2, 6, generator=g) + 1e-3 * torch.randn(50, 6, generator=g)
+    p = project_table(w, 2)
+    assert p.shape == (50, 2)
+    assert torch.allclose(p @ p.T, w @ w.T, atol=1e-3)  # a rank-2 table keeps its inner products
+    assert torch.equal(project_table(w, 6), w)
+    assert torch.equal(project_table(w[:, :3], 5)[:, :3], w[:, :3]) and project_table(w[:, :3], 5)[:, 3:].abs().sum() == 0
+    assert project_table(w[:3], 4).shape == (3, 4)  # fewer rows than dims
+
+
+def test_share_copies_tables_by_name_and_can_freeze(schema):
+    teacher = make_gem(schema, dim=8, seed=1)
+    cfg = student_recipe("vm_xs")  # D = 8: same width, plain copies
+    st = build_student(schema, cfg, [0.1, 0.01])
+    shared = share_parameters(st.backbone, teacher, ShareConfig(rescale=False, freeze=True))
+    mine, theirs = st.backbone.sparse_arch.tables(), teacher.sparse_arch.tables()
+    assert "t_ad_id" in shared and "domain_emb" in shared
+    assert set(shared) - {"domain_emb"} == set(mine)  # a student without towers has no sequence tables
+    for n in mine:
+        assert torch.equal(mine[n], theirs[n]) and not mine[n].requires_grad
+    tr = StudentTrainer("s", st, cfg, techniques_config("kd+share", domains=("d0",)), schema, 4)
+    owned = {id(p) for o in tr.optimizers for g in o.param_groups for p in g["params"]}
+    assert not any(id(w) in owned for w in mine.values())  # frozen tables are not optimised
+
+
+def test_rescaled_share_keeps_geometry_at_the_students_scale(schema):
+    teacher = make_gem(schema, dim=16, seed=1)
+    with torch.no_grad():
+        for w in teacher.sparse_arch.tables().values():
+            w.mul_(6.0)  # trained tables are wider than the init
+    st = build_student(schema, student_recipe("vm_xs"), [0.1, 0.01])
+    init_std = st.backbone.sparse_arch.tables()["t_ad_id"].std()
+    share_parameters(st.backbone, teacher, ShareConfig())
+    w = st.backbone.sparse_arch.tables()["t_ad_id"]
+    assert torch.allclose(w.std(), init_std, rtol=1e-4)
+    ref = project_table(teacher.sparse_arch.tables()["t_ad_id"].detach(), 8)
+    cos = torch.nn.functional.cosine_similarity(w.flatten(), ref.flatten(), dim=0)
+    assert cos > 0.9999
