@@ -159,19 +159,9 @@ class ServingGEM(nn.Module):
         inter = self.gem.interformer
         x_BND, states = self.inputs(x)
         shortcut = self.gem.shortcut(x_BND) if getattr(self.gem, "shortcut", None) is not None else None
-        history: list[torch.Tensor] = []
-        for i in range(inter.num_layers):  # InterFormer.forward after the first tokens, unchanged
-            x_sum = inter.cross[i].summarize_x(x_BND)
-            s_sum = inter.cross[i].summarize_s(states)
-            x_next = inter.interaction.forward_layer(i, x_BND, s_sum, history)
-            states = [tw.layer(i, s, v, x_sum) for tw, (s, v) in zip(inter.towers, states)]
-            history.append(x_BND)
-            x_BND = x_next
-        last = inter.cross[inter.num_layers]
-        x_sum, s_sum = last.summarize_x(x_BND), last.summarize_s(states)
+        x_sum, s_sum, _ = inter.run_layers(x_BND, states)  # InterFormer's own layers after the first tokens
         feats = torch.cat([x_sum.flatten(1)] + ([s_sum.flatten(1)] if s_sum is not None else []), dim=1)
-        logits = self.gem.heads(feats, x["domain"]) if shortcut is None else \
-            self.gem.heads(feats, x["domain"], shortcut)
+        logits = self.gem.heads(feats, x["domain"], shortcut)
         return torch.sigmoid(logits)
 
 

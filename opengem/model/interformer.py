@@ -126,9 +126,15 @@ class InterFormer(nn.Module):
     def forward(self, x_BND: torch.Tensor, seqs: list[tuple[torch.Tensor, torch.Tensor]]):
         x_sum = self.cross[0].summarize_x(x_BND)
         states = [tw.first_tokens(tok, lengths, x_sum) for tw, (tok, lengths) in zip(self.towers, seqs)]
+        return self.run_layers(x_BND, states, x_sum)
+
+    def run_layers(self, x_BND: torch.Tensor, states: list[tuple[torch.Tensor, torch.Tensor]],
+                   x_sum: torch.Tensor | None = None):
+        """The interleaved layers from the towers' first tokens ``states`` (per stream: tokens, valid)
+        on; ``x_sum`` = layer 0's X_sum when already computed. Returns what ``forward`` returns."""
         history: list[torch.Tensor] = []
         for i in range(self.num_layers):
-            if i:
+            if i or x_sum is None:
                 x_sum = self.cross[i].summarize_x(x_BND)
             s_sum = self.cross[i].summarize_s(states)
             x_next = self.interaction.forward_layer(i, x_BND, s_sum, history)
