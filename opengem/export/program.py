@@ -158,7 +158,7 @@ class ServingGEM(nn.Module):
     def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
         inter = self.gem.interformer
         x_BND, states = self.inputs(x)
-        shortcut = self.gem.shortcut(x_BND) if getattr(self.gem, "shortcut", None) is not None else None
+        shortcut = self.gem.low_order(x_BND, lambda name: self._cand_ids(x, name))
         x_sum, s_sum, _ = inter.run_layers(x_BND, states)  # InterFormer's own layers after the first tokens
         feats = torch.cat([x_sum.flatten(1)] + ([s_sum.flatten(1)] if s_sum is not None else []), dim=1)
         logits = self.gem.heads(feats, x["domain"], shortcut)

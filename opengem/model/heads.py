@@ -104,6 +104,15 @@ class Heads(nn.Module):
         return torch.stack(out, dim=1)
 
 
+class ZeroLinear(nn.Linear):
+    """A linear layer that starts (and re-initialises, e.g. in ``GEM.init_weights``) at zero."""
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
 class LowOrderShortcut(nn.Module):
     """First- and second-order logits straight from the input tokens X_0 (field-weighted FM).
 
@@ -122,15 +131,9 @@ class LowOrderShortcut(nn.Module):
     def __init__(self, n_tokens: int, dim: int, num_tasks: int, mode: str):
         super().__init__()
         self.mode, self.dim, self.n = mode, dim, n_tokens
-        self.linear = nn.Linear(n_tokens * dim, num_tasks, bias=False)
+        self.linear = ZeroLinear(n_tokens * dim, num_tasks, bias=False)
         n_pairs = n_tokens * (n_tokens - 1) // 2
-        self.pairs = nn.Linear(n_pairs, num_tasks, bias=False) if mode == "fwfm" else None
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.zeros_(self.linear.weight)
-        if self.pairs is not None:
-            nn.init.zeros_(self.pairs.weight)
+        self.pairs = ZeroLinear(n_pairs, num_tasks, bias=False) if mode == "fwfm" else None
 
     def forward(self, x_BND: torch.Tensor) -> torch.Tensor:
         x_BND = x_BND.to(self.linear.weight.dtype)  # FSDP mixed precision: tables stay fp32, this may be bf16
@@ -140,3 +143,36 @@ class LowOrderShortcut(nn.Module):
             gram = torch.bmm(x_BND, x_BND.transpose(1, 2)) * self.dim**-0.5
             out = out + self.pairs(gram[:, i, j])
         return out
+
+
+class FeatureCrosses(nn.Module):
+    """Wide & Deep's cross-product features: one learned logit per task for every value pair of
+    chosen (user or context) × ad field pairs.
+
+    Legend: P field pairs, T tasks; pair k crosses fields a_k (|a_k| ids) and b_k (|b_k| ids).
+
+        cell_k = offset_k + id_a · |b_k| + id_b       [B, P]
+        out    = Σ_k table[cell_k]                      [B, T]
+
+    Not in the public GEM record. An FM (and the Wukong stack) must fit a segment × category or a
+    country × advertiser affinity through embeddings that also serve every other interaction and
+    the sequence towers; a small table per pair learns it directly, and with row ids known at
+    serving time it costs one gather. Pairs are chosen by ``cross_pairs`` (cells ≤
+    ``model.cross_max_cells``); the table starts at zero, so at init the model equals the one
+    without it.
+    """
+
+    def __init__(self, pairs: list[tuple[str, str, int, int]], num_tasks: int):
+        super().__init__()
+        self.pairs = pairs
+        sizes = [na * nb for _, _, na, nb in pairs]
+        self.offsets = [sum(sizes[:k]) for k in range(len(sizes))]  # python ints: no buffer to shard
+        self.table = nn.Parameter(torch.zeros(sum(sizes), num_tasks))
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.table)
+
+    def forward(self, ids: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``ids``: each crossed feature's id per row [B] (OOV = vocab_size) → logits [B, T]."""
+        cells = [off + ids[a] * nb + ids[b] for off, (a, b, _, nb) in zip(self.offsets, self.pairs)]
+        return F.embedding(torch.stack(cells, dim=1), self.table).sum(1)

@@ -113,7 +113,7 @@ class SparseArch(nn.Module):
         """Fold ids into capped tables (only when ``max_rows_per_table`` is set)."""
         if not self.cfg.max_rows_per_table:
             return kjt
-        mods = torch.tensor([self.rows[k] for k in kjt.keys()], device=kjt.values().device)
+        mods = torch.tensor([self.rows[k] for k in kjt.keys()], device=kjt.values().device)  # noqa: SIM118 (a KJT, not a dict)
         per_value = torch.repeat_interleave(mods, torch.tensor(kjt.length_per_key(), device=mods.device))
         return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values() % per_value, lengths=kjt.lengths())
 

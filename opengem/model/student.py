@@ -100,9 +100,8 @@ def with_rep(batch: Batch, rep_BE: torch.Tensor | None) -> Batch:
 def forward_with_features(gem: GEM, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [B, T], features [B, F]) in one pass; the logits equal ``gem(batch)``."""
     x, seqs = gem.inputs(batch)
-    shortcut = gem.shortcut(x) if gem.shortcut is not None else None
     feats = gem._features(x, seqs)  # GEM.forward's own path, keeping the features it computes
-    return gem.heads(feats, batch.domain, shortcut), feats
+    return gem.heads(feats, batch.domain, gem.batch_low_order(x, batch)), feats
 
 
 class _GradScale(torch.autograd.Function):
