@@ -6,7 +6,7 @@
     opengem distill  --teacher RUN --student-recipe R --data DIR --out RUN [--via FM_RUN] [key=value …]
     opengem export   --run RUN --out ARTIFACT [--data DIR] [--no-compile]
     opengem serve    --artifact ARTIFACT [--host 127.0.0.1] [--port 8000]
-    opengem demo     [--out DIR]          generate → train → evaluate → export, serve, score one request
+    opengem demo     [--out DIR]          generate → train → evaluate → distil a VM → export it, serve, score a request
 """
 
 from __future__ import annotations
@@ -75,10 +75,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-candidates", type=int, default=1024, help="candidates per request; more is a 413")
     s.add_argument("--no-admin", action="store_true", help="no /admin/reload endpoint")
 
-    d = sub.add_parser("demo", help="the main job: generate, train and evaluate the demo world")
+    d = sub.add_parser("demo", help="the main job: generate, train, evaluate, distil, export, serve (demo world)")
     d.add_argument("--out", default="./opengem-demo")
     d.add_argument("--preset", default="demo", help="world preset and recipe (tiny for a smoke run)")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-distill", action="store_true", help="skip distilling a vertical model (then GEM is served)")
     d.add_argument("--no-serve", action="store_true", help="skip the last step: export, serve, score one request")
     d.add_argument("overrides", nargs="*", help="training config overrides key=value")
     return p
@@ -185,13 +186,20 @@ def cmd_demo(args) -> dict:
     t2 = time.perf_counter()
     ev = evaluate_run(run, data, cfg.data.eval_split, progress=not args.quiet)
     times["evaluate_s"] = time.perf_counter() - t2
-    served = None
+    served, vm = None, None
+    if not args.no_distill:
+        from opengem.transfer.distill import distill_demo, summary_line
+
+        t3 = time.perf_counter()
+        vm = distill_demo(run, data, out / "vm")
+        times["distill_s"] = time.perf_counter() - t3
+        ev["distill"] = vm
     if not args.no_serve:
         from opengem.export.smoke import serve_smoke
 
-        t3 = time.perf_counter()  # the portable torch.export program: AOTInductor would add ~1 min here
-        served = serve_smoke(run, out / "artifact", compile=False)
-        times["serve_s"] = time.perf_counter() - t3
+        t4 = time.perf_counter()  # the portable torch.export program: AOTInductor would add ~1 min here
+        served = serve_smoke(out / "vm" if vm is not None else run, out / "artifact", compile=False)
+        times["serve_s"] = time.perf_counter() - t4
         ev["serving"] = {k: served[k] for k in ("artifact", "model_version", "runtime", "times")}
     times["total_s"] = time.perf_counter() - t0
     ev["train"] = {k: final[k] for k in ("steps", "examples", "examples_per_s", "parameters", "params_sha256")}
@@ -201,10 +209,12 @@ def cmd_demo(args) -> dict:
     print(f"\nparameters {final['parameters']['total']:,} (dense {final['parameters']['dense']:,}); "
           f"{final['examples']:,} examples at {final['examples_per_s']:,.0f}/s; "
           + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))
+    if vm is not None:
+        print("vertical model " + summary_line(vm))
     if served is not None:
         preds = served["response"]["predictions"]
         first = ", ".join(f"p({t}) {v[0]:.4f}" for t, v in preds.items())
-        print(f"served {out / 'artifact'} ({served['runtime']}): one request of {len(next(iter(preds.values())))} "
+        print(f"served {out / 'artifact'} ({'the vertical model' if vm is not None else 'GEM'}, {served['runtime']}): one request of {len(next(iter(preds.values())))} "
               f"candidates in {served['times']['request_ms']:.1f} ms; first candidate {first}")
     print(f"wrote {out / 'evaluation.json'}")
     return ev

@@ -73,12 +73,16 @@ def test_cli_errors_are_clear(tiny_data, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_demo_runs_every_stage_and_serves(tmp_path, capsys):
-    """``opengem demo`` on the tiny preset: generate → train → evaluate → export → serve one request."""
+    """``opengem demo`` on the tiny preset: generate → train → evaluate → distil a VM → export it → serve one request."""
     out = tmp_path / "demo"
     assert main(["--quiet", "demo", "--preset", "tiny", "--out", str(out)]) == 0
     ev = json.loads((out / "evaluation.json").read_text())
     assert ev["metrics"]["all/click"]["n"] > 0 and ev["train"]["steps"] > 0
     assert ev["serving"]["runtime"] and (out / "artifact" / "manifest.json").exists()
-    assert set(ev["times"]) >= {"generate_s", "train_s", "evaluate_s", "serve_s", "total_s"}
+    assert set(ev["times"]) >= {"generate_s", "train_s", "evaluate_s", "distill_s", "serve_s", "total_s"}
+    vm = ev["distill"]
+    assert vm["domains"] == ["video"] and vm["metrics"]["all/click"]["n"] > 0 and "click" in vm["transfer_ratio"]
+    served = json.loads((out / "artifact" / "manifest.json").read_text())
+    assert served["model"]["recipe"] == "vm_s"  # the VM is served, not GEM
     printed = capsys.readouterr().out
-    assert "served" in printed and "p(click)" in printed
+    assert "vertical model click on video" in printed and "served" in printed and "p(click)" in printed
