@@ -101,7 +101,10 @@ class Config:
             raise ConfigError(f"data.batch_size must be >= 1, got {self.data.batch_size}")
         self.optim.validate()
         self.train.validate()
-        self.model.validate()
+        try:
+            self.model.validate()  # module configs raise ValueError: one error type for the CLI and callers
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if not isinstance(self.parallel.sharding, dict):
             raise ConfigError(f"parallel.sharding must map table → sharding type, got {self.parallel.sharding!r}")
         try:

@@ -64,6 +64,18 @@ class CollateStats:
     def as_dict(self) -> dict:
         return {k: dict(getattr(self, k)) for k in ("oov_ids", "truncated_rows", "truncated_events")}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> CollateStats:
+        return cls(**{k: Counter(v) for k, v in d.items()})
+
+    def add(self, other: CollateStats) -> list[str]:
+        """Add ``other``'s counts; returns what was repaired for the first time (to log it once)."""
+        new = [f"{k} of {name}" for k in ("oov_ids", "truncated_rows") for name in getattr(other, k)
+               if name not in getattr(self, k)]
+        for k in ("oov_ids", "truncated_rows", "truncated_events"):
+            getattr(self, k).update(getattr(other, k))
+        return new
+
 
 def _ids(col: np.ndarray, vocab: int, name: str, stats: CollateStats) -> torch.Tensor:
     bad = (col < 0) | (col >= vocab)
@@ -189,9 +201,10 @@ def validate_rows(table: pa.Table, schema: FeatureSchema) -> tuple[np.ndarray, l
     Returns (keep mask [B] bool, [(reason, count), …], first failing reason per row ("" if kept)).
 
     Quarantined (not repaired) because a model trained on them would learn something false:
-    NaN/inf dense values; labels outside {0, 1}; a label set whose ``requires`` task is 0
-    (conversion without click); a domain index out of range; event timestamps out of order or not
-    before the request time. Missing labels (null) are allowed and masked out of the loss.
+    a null in a feature column or inside a list (an empty history is ``[]``, not null); NaN/inf
+    dense values; labels outside {0, 1}; a label set whose ``requires`` task is 0 (conversion
+    without click); a domain index out of range; event timestamps out of order or not before the
+    request time. Missing labels (null) are allowed and masked out of the loss.
     """
     B = table.num_rows
     keep = np.ones(B, dtype=bool)
@@ -206,6 +219,10 @@ def validate_rows(table: pa.Table, schema: FeatureSchema) -> tuple[np.ndarray, l
             row_reason[bad] = reason
             reasons.append((reason, n))
 
+    label_columns = {t.label_column for t in schema.tasks}  # null labels are allowed (masked)
+    for c in schema.columns():
+        if c in table.column_names and c not in label_columns:
+            drop(_null_rows(table.column(c)), f"{c} is null")
     for f in schema.dense:
         v = table.column(f.name).to_numpy(zero_copy_only=False).astype(np.float64)
         drop(~np.isfinite(v), f"dense {f.name} is NaN/inf")
@@ -237,3 +254,16 @@ def validate_rows(table: pa.Table, schema: FeatureSchema) -> tuple[np.ndarray, l
             bad_len |= pc.list_value_length(table.column(col)).to_numpy(zero_copy_only=False) != lens
         drop(bad_len, f"{s.name} event lists (item/event/ts/attributes) differ in length")
     return keep, reasons, row_reason
+
+
+def _null_rows(col: pa.ChunkedArray) -> np.ndarray:
+    """Rows whose value, or an element of whose list, is null."""
+    is_list = pa.types.is_list(col.type) or pa.types.is_large_list(col.type)
+    if not col.null_count and not (is_list and pc.list_flatten(col).null_count):
+        return np.zeros(len(col), dtype=bool)  # the common case: no copy
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    bad = arr.is_null().to_numpy(zero_copy_only=False)
+    if is_list:
+        flat = pc.list_flatten(arr)
+        bad[pc.list_parent_indices(arr).to_numpy()[flat.is_null().to_numpy(zero_copy_only=False)]] = True
+    return bad

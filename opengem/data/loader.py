@@ -10,7 +10,9 @@ Loading it and iterating yields exactly the rows not yet yielded, in the same or
 as an uninterrupted run, because every permutation is a pure function of (seed, epoch, shard).
 
 Bad rows are quarantined by ``validate_rows`` before collate: counted per reason, logged, and (if
-``quarantine_dir`` is set) written to a Parquet side file with a ``reason`` column.
+``quarantine_dir`` is set) written to a Parquet side file with a ``reason`` column. A shard's counts
+join ``quarantined`` with the first batch handed out after it is read (not when a prefetching
+thread reads it), so a checkpointed position and its counts agree and a resume counts nothing twice.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class ShardLoader:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return {**self._pos, "seed": self.seed, "split": self.split, "rank": self.rank,
-                "world_size": self.world_size, "quarantined": dict(self.quarantined)}
+                "world_size": self.world_size, "quarantined": dict(self.quarantined), "repaired": self.stats.as_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if (state.get("seed"), state.get("split")) != (self.seed, self.split):
@@ -103,18 +105,22 @@ class ShardLoader:
                              f"this loader is {self.seed}/{self.split}")
         self._pos = {k: int(state[k]) for k in ("epoch", "shard", "row")}
         self.quarantined = Counter(state.get("quarantined", {}))
+        self.stats = CollateStats.from_dict(state.get("repaired", {}))
 
     # ------------------------------------------------------------------ reading
-    def _read(self, info: ShardInfo, epoch: int) -> pa.Table:
-        table = read_shard(self.data_dir, info, self.columns)
+    def _read(self, info: ShardInfo, epoch: int) -> tuple[pa.Table, Counter]:
+        """The shard's valid rows and the count of its quarantined rows per reason (epoch 0 only:
+        later epochs read the same rows)."""
+        table = read_shard(self.data_dir, info, self.columns, self.schema)
         keep, reasons, row_reason = validate_rows(table, self.schema)
-        if reasons and epoch == 0:  # later epochs read the same rows: count and write them once
+        found: Counter = Counter()
+        if reasons and epoch == 0:
             for reason, n in reasons:
-                self.quarantined[reason] += n
+                found[reason] += n
                 log.warning("%s: quarantined %d rows: %s", info.path, n, reason)
             self._write_quarantine(table, keep, row_reason, info)
         # Quarantined rows are removed before the permutation, so positions stay deterministic.
-        return table.filter(pa.array(keep)) if not keep.all() else table
+        return (table.filter(pa.array(keep)) if not keep.all() else table), found
 
     def _write_quarantine(self, table: pa.Table, keep: np.ndarray, row_reason: np.ndarray,
                           info: ShardInfo) -> None:
@@ -126,15 +132,19 @@ class ShardLoader:
         rows = rows.append_column("quarantine_shard", pa.array([info.path] * rows.num_rows))
         pq.write_table(rows, self.quarantine_dir / f"{Path(info.path).stem}-rank{self.rank}.parquet")
 
-    def _batches(self) -> Iterator[tuple[pa.Table, dict]]:
-        """Yields (rows, position after them); rows of a batch may span shards."""
+    def _batches(self) -> Iterator[tuple[pa.Table | None, dict, Counter]]:
+        """Yields (rows, position after them, quarantine counts to add then); rows may span shards.
+        A last item with rows None carries counts no batch did (shards with no valid row at the end)."""
         pending: list[pa.Table] = []
         n_pending = 0
         epoch, shard, row = self._pos["epoch"], self._pos["shard"], self._pos["row"]
+        pos, counts = dict(self._pos), Counter()
         while epoch < self.epochs:
             order = self.shard_order(epoch)
             while shard < len(order):
-                table = self._read(order[shard], epoch)
+                table, found = self._read(order[shard], epoch)
+                if row == 0:  # a shard resumed mid-way was counted before the checkpoint
+                    counts += found
                 perm = self._rows(epoch, shard, table.num_rows)
                 while row < table.num_rows:
                     take = min(self.batch_size - n_pending, table.num_rows - row)
@@ -143,26 +153,35 @@ class ShardLoader:
                     row += take
                     if n_pending == self.batch_size:
                         pos = _next_pos(epoch, shard, row, table.num_rows, len(order))
-                        yield _concat(pending), pos
-                        pending, n_pending = [], 0
+                        yield _concat(pending), pos, counts
+                        pending, n_pending, counts = [], 0, Counter()
                 shard, row = shard + 1, 0
             epoch, shard = epoch + 1, 0
         if pending and not self.drop_last:
-            yield _concat(pending), {"epoch": self.epochs, "shard": 0, "row": 0}
+            yield _concat(pending), {"epoch": self.epochs, "shard": 0, "row": 0}, counts
+        elif counts:
+            yield None, pos, counts
 
     def __iter__(self) -> Iterator[Batch]:
-        def make(rows: pa.Table) -> Batch:
-            return collate(rows, self.schema, self.max_seq_len, self.stats)
+        def make(rows: pa.Table | None, pos: dict, counts: Counter) -> tuple:
+            stats = CollateStats()
+            batch = None if rows is None else collate(rows, self.schema, self.max_seq_len, stats)
+            return batch, stats, pos, counts
 
-        if self.prefetch <= 0:
-            for rows, pos in self._batches():
-                batch = make(rows)
+        items = (make(*x) for x in self._batches()) if self.prefetch <= 0 else self._prefetched(make)
+        try:
+            # The position and both counters advance together, when a batch is handed out.
+            for batch, stats, pos, counts in items:
                 self._pos = pos
-                yield batch
-            return
-        yield from self._prefetched(make)
+                self.quarantined += counts
+                for what in self.stats.add(stats):
+                    log.warning("repairing %s (counted in the run's 'repaired' summary)", what)
+                if batch is not None:
+                    yield batch
+        finally:
+            items.close()
 
-    def _prefetched(self, make) -> Iterator[Batch]:
+    def _prefetched(self, make) -> Iterator[tuple]:
         # Arrow and numpy release the GIL, so collating the next batch overlaps the training step.
         q: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
@@ -170,10 +189,10 @@ class ShardLoader:
 
         def work() -> None:
             try:
-                for rows, pos in self._batches():
+                for item in self._batches():
                     if stop.is_set():
                         return
-                    q.put((make(rows), pos))
+                    q.put(make(*item))
                 q.put(done)
             except BaseException as e:  # surfaced in the consumer, never swallowed
                 q.put(e)
@@ -187,9 +206,7 @@ class ShardLoader:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                batch, pos = item
-                self._pos = pos
-                yield batch
+                yield item
         finally:
             stop.set()
             while t.is_alive():

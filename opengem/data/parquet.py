@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,8 +112,11 @@ class ShardWriter:
         return manifest
 
 
-def read_shard(data_dir: str | Path, info: ShardInfo, columns: list[str]) -> pa.Table:
-    """Read one shard's columns; a missing, empty or truncated file is a ``DataError`` naming it."""
+def read_shard(data_dir: str | Path, info: ShardInfo, columns: list[str],
+               schema: FeatureSchema | None = None) -> pa.Table:
+    """Read one shard's columns. A missing, empty or truncated file, a missing column, a column of
+    the wrong type (checked against ``schema`` if given) or a row count other than the manifest's is
+    a ``DataError`` naming the file and the column."""
     path = Path(data_dir) / info.path
     if not path.exists():
         raise DataError(f"{path}: listed in the manifest but missing")
@@ -124,7 +128,43 @@ def read_shard(data_dir: str | Path, info: ShardInfo, columns: list[str]) -> pa.
     missing = [c for c in columns if c not in have]
     if missing:
         raise DataError(f"{path}: missing columns {missing}")
+    wrong = _wrong_types(pf.schema_arrow, schema, columns) if schema is not None else []
+    if wrong:
+        raise DataError(f"{path}: " + "; ".join(wrong) + " (the data does not match its schema.json)")
+    if pf.metadata.num_rows != info.rows:
+        raise DataError(f"{path}: holds {pf.metadata.num_rows} rows but the manifest lists {info.rows} "
+                        "(rewritten or truncated after it was written)")
     try:
         return pf.read(columns=columns)
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"{path}: could not read ({e})") from e
+
+
+def _is_int_list(t: pa.DataType) -> bool:
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def expected_types(schema: FeatureSchema) -> dict[str, tuple[str, Callable[[pa.DataType], bool]]]:
+    """Column → (what it must be, a check of its Arrow type), per the layout in ``features.schema``."""
+    integer, int_list = ("an integer", pa.types.is_integer), ("a list of integers", _is_int_list)
+    out = {c: integer for c in (schema.user_column, schema.time_column, schema.day_column, schema.domains.column)}
+    out |= {f.name: int_list if f.multi_hot else integer for f in schema.sparse}
+    out |= {f.name: ("a number", _is_number) for f in schema.dense}
+    for s in schema.sequences:
+        out |= {c: int_list for c in [s.item_column, s.event_column, s.ts_column]
+                + [s.attribute_column(a) for a in s.attributes]}
+    for t in schema.tasks:
+        out[t.label_column] = ("a number (a 0/1 label, null if unknown)", _is_number)
+        if t.prob_column:
+            out[t.prob_column] = ("a number", _is_number)
+    return out
+
+
+def _wrong_types(arrow: pa.Schema, schema: FeatureSchema, columns: list[str]) -> list[str]:
+    expected = expected_types(schema)
+    return [f"column {c!r} is {arrow.field(c).type}, expected {expected[c][0]}"
+            for c in columns if c in expected and not expected[c][1](arrow.field(c).type)]

@@ -8,13 +8,20 @@ Layout::
 
 A checkpoint is written into ``step-N.tmp`` and renamed only once complete; ``LATEST`` is
 replaced atomically after the rename. A crash mid-save therefore leaves the previous checkpoint
-as ``LATEST``, and a ``.tmp`` directory is never loaded. Only the newest ``keep`` are kept.
+as ``LATEST``, and a ``.tmp`` directory is never loaded (the next save removes stale ones). Only
+the newest ``keep`` are kept. A failed write (e.g. a full disk) removes its ``.tmp`` and raises a
+``CheckpointError`` that says where; the previous checkpoint stays ``LATEST``.
+
+Test hook: ``OPENGEM_FAULT_SLEEP_IN_SAVE=seconds`` sleeps after ``step-N.tmp`` is complete and before
+the rename, so a fault-injection test can kill a run inside that window.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -51,19 +58,30 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return path
 
 
+def _failures(e: BaseException) -> list[BaseException]:
+    """``e`` and, for DCP's ``CheckpointException``, the per-rank exceptions it wraps."""
+    return [e] + [f[0] if isinstance(f, tuple) else f for f in (getattr(e, "failures", None) or {}).values()]
+
+
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, optimizers: list,
                     trainer_state: dict, keep: int = 2) -> Path:
     root = checkpoint_dir(run_dir)
     name = f"step-{step:08d}"
     final, tmp = root / name, root / f"{name}.tmp"
     if _rank() == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        for stale in root.glob("step-*.tmp"):  # left by a run killed mid-save
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
     msd, osd = get_state_dict(model, [o for o in optimizers if o is not None])
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
-    torch.save(trainer_state, tmp / f"trainer_state-rank{_rank()}.pt")
+    try:
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
+        torch.save(trainer_state, tmp / f"trainer_state-rank{_rank()}.pt")
+    except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk needs the space back
+        raise _save_error(e, tmp, root) from e
+    if os.environ.get("OPENGEM_FAULT_SLEEP_IN_SAVE"):
+        time.sleep(float(os.environ["OPENGEM_FAULT_SLEEP_IN_SAVE"]))
     _barrier()
     if _rank() == 0:
         if final.exists():
@@ -79,11 +97,21 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, opti
     return final
 
 
+def _save_error(e: BaseException, tmp: Path, root: Path) -> CheckpointError:
+    full = any(isinstance(x, OSError) and x.errno == errno.ENOSPC for x in _failures(e))
+    pointer = root / "LATEST"
+    previous = f"{pointer.read_text().strip()} is intact" if pointer.exists() else "there is no previous checkpoint"
+    why = "; ".join(map(str, _failures(e)[1:] or [e]))
+    return CheckpointError(f"{'disk full' if full else 'write failed'} while saving checkpoint {tmp} ({why}); "
+                           f"removed it, {previous} in {root}")
+
+
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizers: list | None = None,
                     expect: dict | None = None) -> dict:
     """Load model (and optimizers if given) in place; returns this rank's trainer state.
 
-    ``expect`` holds values (e.g. the schema fingerprint) the checkpoint must match.
+    ``expect`` holds values (the schema fingerprint, the model config) the checkpoint must match;
+    a mismatch, or tensors that do not fit ``model``, is a ``CheckpointError`` naming both sides.
     """
     path = Path(path)
     if not (path / ".metadata").exists():
@@ -91,17 +119,33 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizers: list |
     state_file = path / f"trainer_state-rank{_rank()}.pt"
     if not state_file.exists():
         state_file = path / "trainer_state-rank0.pt"
-    trainer_state = torch.load(state_file, weights_only=False)
+    try:
+        trainer_state = torch.load(state_file, weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"{state_file}: unreadable ({e})") from e
     for k, v in (expect or {}).items():
-        if trainer_state.get(k) != v:
-            raise CheckpointError(f"{path}: checkpoint {k} is {trainer_state.get(k)!r}, expected {v!r} "
-                                  "(a checkpoint from another schema or model)")
+        if k in trainer_state and trainer_state[k] != v:  # keys older checkpoints lack are not checked
+            raise CheckpointError(f"{path} is from another {k}: {_diff(trainer_state[k], v, k + '.')} "
+                                  "(checkpoint vs this run)")
     opts = [o for o in (optimizers or []) if o is not None]
     msd, osd = get_state_dict(model, opts)
     state = {"model": msd, "optim": osd} if opts else {"model": msd}
-    dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(flatten_sharded_tensors=False))
+    try:
+        dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(flatten_sharded_tensors=False))
+    except (Exception, dcp.CheckpointException) as e:
+        raise CheckpointError(f"{path} does not fit this model ({'; '.join(map(str, _failures(e)[1:] or [e]))}); "
+                              "a checkpoint from another model config?") from e
     if opts:
         set_state_dict(model, opts, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         model.load_state_dict(state["model"])
     return trainer_state
+
+
+def _diff(saved: object, expected: object, where: str = "") -> str:
+    """What differs between two values, by dotted key for nested dicts (both sides named)."""
+    if isinstance(saved, dict) and isinstance(expected, dict):
+        keys = sorted(set(saved) | set(expected), key=str)
+        parts = [_diff(saved.get(k), expected.get(k), f"{where}{k}.") for k in keys if saved.get(k) != expected.get(k)]
+        return ", ".join(parts)
+    return f"{where.rstrip('.') or 'value'} {saved!r} vs {expected!r}"

@@ -1,11 +1,14 @@
 """Resuming a run: the same world size continues exactly; another world size re-derives the data
-position from every rank's saved loader position (``shared_data_boundary``)."""
+position from every rank's saved loader position (``shared_data_boundary``). Also the preemption
+that a resume follows: SIGTERM → a flag → checkpoint → exit ``EXIT_PREEMPTED`` (see ``trainer``)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import signal
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -18,10 +21,46 @@ from opengem.train.checkpoint import CheckpointError, load_checkpoint
 
 log = logging.getLogger(__name__)
 
+EXIT_PREEMPTED = 75  # os.EX_TEMPFAIL: stopped on SIGTERM after a checkpoint; run again with --resume
 
-def resume_run(r, ckpt: Path) -> None:
-    """Load ``ckpt`` into the trainer's run state ``r`` (model, optimizers, step, RNG, data position)."""
-    state = load_checkpoint(ckpt, r.model, r.optimizers, expect={"schema": r.schema.fingerprint()})
+
+class Preempted(SystemExit):
+    """Raised after the checkpoint that follows a SIGTERM; exits the process with ``EXIT_PREEMPTED``."""
+
+    def __init__(self, message: str):
+        super().__init__(EXIT_PREEMPTED)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class SigtermFlag:
+    """Sets a flag on SIGTERM while training (main thread only: Python delivers signals there)."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self._previous: list = []
+
+    def __enter__(self) -> threading.Event:
+        if threading.current_thread() is threading.main_thread():
+            self._previous.append(signal.signal(signal.SIGTERM, lambda *_: self.event.set()))
+        return self.event
+
+    def __exit__(self, *exc) -> None:
+        if self._previous:  # None: a handler not set from Python; the default is the closest
+            signal.signal(signal.SIGTERM, self._previous.pop() or signal.SIG_DFL)
+
+
+def resume_run(r, ckpt: Path | None) -> None:
+    """Load ``ckpt`` into the trainer's run state ``r`` (model, optimizers, step, RNG, data position).
+
+    No checkpoint (a run killed before its first one) starts over: only its log lines are dropped."""
+    if ckpt is None:
+        if r.info.is_main:
+            _truncate_metrics(r.run / "metrics.jsonl", 0)
+        return
+    state = load_checkpoint(ckpt, r.model, r.optimizers, expect=r.identity())
     r.step, r.examples = state["step"], state["examples"]
     r.start_examples = r.examples
     torch.set_rng_state(state["rng"])
@@ -40,11 +79,19 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)
-    keep = [x for x in lines if x.strip() and json.loads(x).get("step", 0) <= step]
+    keep = [x for x in lines if _step_of(x) <= step]
     if len(keep) != len(lines):
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(keep))
         tmp.replace(path)
+
+
+def _step_of(line: str) -> float:
+    """The step a metrics line logged; a line torn by a kill mid-write (not JSON) is dropped."""
+    try:
+        return json.loads(line).get("step", 0) if line.endswith("\n") else math.inf
+    except (json.JSONDecodeError, AttributeError):
+        return math.inf
 
 
 def shared_data_boundary(positions: list[dict], n_shards: int, epochs: int) -> tuple[int, list[tuple]]:

@@ -27,6 +27,11 @@ Resume (``--resume``) at the same world size is exact: each rank continues its o
 At another world size the data position is re-derived from every rank's saved position (see
 ``train.resume.shared_data_boundary``): exact where they meet at a shard boundary, else refused, or with
 ``train.resume_reshard=rewind`` restarted at the last shared boundary (rows after it repeat).
+
+SIGTERM (a preemption notice; torchrun forwards it to every worker and SIGKILLs after 30 s) sets a
+flag; the step in flight finishes, every rank agrees on the flag (a collective, so all stop after
+the same step), a checkpoint is written and the process exits with ``EXIT_PREEMPTED`` (75, "try
+again"). ``--resume`` then continues exactly. A SIGKILL loses the steps since the last checkpoint.
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ import json
 import logging
 import math
 import resource
+import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +64,7 @@ from opengem.parallel import ParallelDims, SparseOptimizerSpec, build_parallel_g
 from opengem.parallel.launch import DistInfo, comm_device, destroy_distributed, init_distributed, min_over_ranks
 from opengem.train.checkpoint import latest_checkpoint, save_checkpoint
 from opengem.train.optim import Schedule, build_optimizers
-from opengem.train.resume import resume_run
+from opengem.train.resume import EXIT_PREEMPTED, Preempted, SigtermFlag, resume_run
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +86,7 @@ def train_base_rates(data_dir: str | Path, schema: FeatureSchema, split: str,
     counter = RateCounter(list(schema.domains.names), schema.task_names)
     cols = [schema.domains.column] + [t.label_column for t in schema.tasks]
     for info in manifest.split_files(split)[rank::world_size]:
-        table = read_shard(data_dir, info, cols)
+        table = read_shard(data_dir, info, cols, schema)  # a wrong type is a DataError naming it
         labels = np.stack([table.column(t.label_column).to_numpy(zero_copy_only=False).astype(np.float64)
                            for t in schema.tasks], 1)
         mask = ~np.isnan(labels) & ((labels == 0) | (labels == 1))
@@ -127,14 +133,19 @@ class _Run:
     examples: int = 0
     start_examples: int = 0
     resumed: dict = field(default_factory=dict)
+    sigterm: threading.Event = field(default_factory=threading.Event)
 
     @property
     def distributed(self) -> bool:
         return self.sparse is not None
 
     def trainer_state(self) -> dict:
-        return {"schema": self.schema.fingerprint(), "step": self.step, "examples": self.examples,
+        return {**self.identity(), "step": self.step, "examples": self.examples,
                 "loader": self.loader.state_dict(), "rng": torch.get_rng_state()}
+
+    def identity(self) -> dict:
+        """What a checkpoint must match to be resumed by this run (checked by ``load_checkpoint``)."""
+        return {"schema": self.schema.fingerprint(), "model": asdict(self.cfg.model)}
 
 
 def train(cfg: Config, data_dir: str | Path, run_dir: str | Path, resume: bool = False) -> dict:
@@ -162,10 +173,6 @@ def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo)
         torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(cfg.train.seed + info.rank)
     rates = train_base_rates(data_dir, schema, cfg.data.train_split, info.rank, info.world_size)
-    if info.is_main:
-        _write_json(run / "config.json", cfg.to_dict())
-        schema.save(run / "schema.json")
-        _write_json(run / "base_rates.json", rates)
     model, optimizers, sparse = _build(cfg, schema, [rates.get(t, 0.5) for t in schema.task_names], info)
     loader = ShardLoader(data_dir, cfg.data.train_split, cfg.data.batch_size, schema, rank=info.rank,
                          world_size=info.world_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
@@ -175,12 +182,16 @@ def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo)
     # Built before a checkpoint is loaded: Schedule keeps the config's base lrs.
     schedule = Schedule(optimizers, total, cfg.optim)
     r = _Run(cfg, schema, run, info, model, optimizers, sparse, loader, schedule, total)
-    ckpt = latest_checkpoint(run) if resume else None
-    if ckpt is not None:
-        resume_run(r, ckpt)
+    if resume:
+        resume_run(r, latest_checkpoint(run))
+    if info.is_main:  # after the resume checks: a refused resume leaves the run as it was
+        _write_json(run / "config.json", cfg.to_dict())
+        schema.save(run / "schema.json")
+        _write_json(run / "base_rates.json", rates)
     t_start = time.perf_counter()
-    _loop(r)
-    return _finish(r, time.perf_counter() - t_start)
+    with SigtermFlag() as r.sigterm:  # held over the final save too: a late SIGTERM lets it finish
+        _loop(r)
+        return _finish(r, time.perf_counter() - t_start)
 
 
 def _build(cfg: Config, schema: FeatureSchema, base_rates: list[float], info: DistInfo):
@@ -232,11 +243,30 @@ def _loop(r: _Run) -> None:
                 bar.update(1)
                 if r.step % cfg.train.log_every == 0 or r.step == r.total:
                     _log(r, mlog, bar, clock, {"loss": loss, "lr_factor": lr_f}, _global_table(r, table, batch))
-                if r.step < stop and cfg.train.ckpt_every and r.step % cfg.train.ckpt_every == 0:
+                if r.step >= stop:
+                    break
+                saved = bool(cfg.train.ckpt_every) and r.step % cfg.train.ckpt_every == 0
+                if saved:
                     save_checkpoint(r.run, r.step, r.model, r.optimizers, r.trainer_state())
+                if _any_rank(r.sigterm.is_set(), r.distributed):
+                    _preempt(r, saved)
     finally:
         batches.close()
         bar.close()
+
+
+def _any_rank(flag: bool, distributed: bool) -> bool:
+    return min_over_ranks(int(not flag), distributed) == 0
+
+
+def _preempt(r: _Run, saved: bool) -> None:
+    if not saved:
+        save_checkpoint(r.run, r.step, r.model, r.optimizers, r.trainer_state())
+    msg = (f"SIGTERM: stopped after step {r.step} of {r.total} and saved {latest_checkpoint(r.run)}; "
+           f"exiting with code {EXIT_PREEMPTED}; continue with `opengem train … --resume`")
+    if r.info.is_main:
+        log.warning("%s", msg)
+    raise Preempted(msg)
 
 
 def _next_batch(batches, r: _Run) -> tuple[Batch | None, int]:
