@@ -1,0 +1,257 @@
+"""Any CSV/Parquet table + a JSON spec (see ``opengem.data.sources.spec``) → our layout, no code.
+
+``--in`` is one table file, or a directory: with the spec's ``files`` the names are relative to it,
+without them every ``*.csv``, ``*.csv.gz``, ``*.tsv`` and ``*.parquet`` in it is read, in name order.
+Rows keep their input order as the tie-break of equal times; with no ``time`` column the row number
+(across files, in order) is the time, so "earlier" means "above".
+
+Errors: a bad spec is a ``SpecError`` (file and key); a missing column, a cell that is not a number
+where one is needed, a label outside {0, 1} or a domain value not in ``domain.names`` is a
+``ColumnError`` (file, column and value); both are ``ValueError``s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from opengem.data.parquet import DatasetManifest
+from opengem.data.sources.common import (
+    SPLITS,
+    TRAIN,
+    ColumnError,
+    Vocab,
+    hash_ids,
+    history,
+    need,
+    parse_time,
+    random_split,
+    read_csv,
+    split_by_time,
+    split_per_user,
+    to_float,
+    to_label,
+    write_dataset,
+)
+from opengem.data.sources.spec import check_spec, load_spec, time_divisor
+from opengem.features.schema import (
+    DenseFeature,
+    Domains,
+    EventAttribute,
+    FeatureSchema,
+    SequenceStream,
+    SparseFeature,
+    Task,
+)
+
+DEFAULT_DOMAIN = "default"  # the one domain of data without a domain column
+_TABLES = ("*.csv", "*.csv.gz", "*.tsv", "*.parquet")
+
+
+def read_table(path: Path, sep: str = ",", numeric=None) -> dict[str, np.ndarray]:
+    """A CSV (strings) or Parquet (native numbers, other columns as strings) file as numpy columns."""
+    if path.name.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not path.exists():
+            raise ColumnError(f"{path}: file not found")
+        t = pq.read_table(path)
+        out = {}
+        for name, col in zip(t.column_names, t.columns):
+            if pa.types.is_nested(col.type):
+                raise ColumnError(f"{path}: column {name!r} is a {col.type} column; use a delimited string (multi_hot)")
+            v = col.to_numpy(zero_copy_only=False)
+            out[name] = v if v.dtype.kind in "iufb" else v.astype(str)
+        return out
+    return read_csv(path, sep="\t" if path.name.endswith(".tsv") else sep, numeric=numeric)
+
+
+def input_files(in_path: str | Path, spec: dict) -> list[tuple[Path, int | None]]:
+    """(file, day or None) for every input file: the spec's ``files`` (day 0/1/2) or what ``in_path`` holds."""
+    p = Path(in_path)
+    if "files" in spec:
+        base = p if p.is_dir() else p.parent
+        return [(base / f, SPLITS.index(split)) for split in SPLITS for f in spec["files"].get(split, [])]
+    if p.is_dir():
+        files = sorted({f for pat in _TABLES for f in p.glob(pat)})
+        if not files:
+            raise ColumnError(f"{p}: no {', '.join(_TABLES)} files")
+        return [(f, None) for f in files]
+    return [(p, None)]
+
+
+def convert(in_path: str | Path, out_dir: str | Path, spec: dict | str | Path, seed: int = 0) -> DatasetManifest:
+    """Write the table(s) at ``in_path`` as a dataset in ``out_dir`` per ``spec`` (a dict or a JSON file)."""
+    spec = load_spec(spec) if isinstance(spec, (str, Path)) else check_spec(spec)
+    dense = {f["column"] for f in spec["dense"]}
+    frames = [(str(f), day, read_table(f, spec.get("sep", ","), dense.__contains__))
+              for f, day in input_files(in_path, spec)]
+    return convert_frames(frames, spec, out_dir, seed, {"kind": "generic", "in": str(in_path)})
+
+
+def referenced_columns(spec: dict) -> list[str]:
+    cols = [t["column"] for t in spec["tasks"]] + [f["column"] for f in spec["sparse"] + spec["dense"]]
+    cols += [spec[k] for k in ("user", "time") if k in spec]
+    cols += [spec["domain"]["column"]] if "domain" in spec else []
+    seq = spec.get("sequence", {})
+    cols += [seq[k] for k in ("event", "column") if k in seq]
+    return list(dict.fromkeys(cols))
+
+
+def convert_frames(frames: list[tuple[str, int | None, dict]], spec: dict, out_dir: str | Path, seed: int = 0,
+                   source: dict | None = None) -> DatasetManifest:
+    """``frames``: (file name for errors, day or None, columns). The spec must be checked already."""
+    c, raw, day = _parse(frames, spec, seed)
+    train = day == TRAIN
+    sparse: list[SparseFeature] = []
+    encoders = {}
+    for f in spec["sparse"]:
+        enc = _encoder(f, raw[f["column"]], train)
+        encoders[f["column"]] = enc
+        if f.get("multi_hot"):
+            c[f["name"]] = _multi_hot(raw[f["column"]], f["multi_hot"], enc)
+        else:
+            c[f["name"]] = enc(raw[f["column"]])
+        sparse.append(SparseFeature(f["name"], enc.vocab_size, f["group"], multi_hot=bool(f.get("multi_hot"))))
+    names = _domains(spec, raw, frames)
+    if "domain" in spec:
+        vocab = Vocab(np.array(names))  # sorted; map its positions back to the order of ``names``
+        c["domain"] = np.array([names.index(v) for v in vocab.values], dtype=np.int64)[
+            vocab(raw[spec["domain"]["column"]])]
+    seqs = (_sequence(spec, c, raw, encoders, train),) if "sequence" in spec else ()
+    schema = FeatureSchema(
+        sparse=tuple(sparse), dense=tuple(DenseFeature(f["name"], f["group"]) for f in spec["dense"]),
+        sequences=seqs, tasks=tuple(Task(t["name"], t["name"], requires=t.get("requires")) for t in spec["tasks"]),
+        domains=Domains(tuple(names)), meta={"source": (source or {}).get("kind", "generic"), "spec": spec})
+    splits = {s: [d] for d, s in enumerate(SPLITS)}
+    info = {**(source or {}), "split": spec["split"], "files": [f for f, _, _ in frames]}
+    return write_dataset(out_dir, schema, c, day, splits=splits, source=info)
+
+
+def _parse(frames, spec: dict, seed: int) -> tuple[dict, dict, np.ndarray]:
+    """Typed output columns (labels, dense, time, user) + the raw string columns + the day per row."""
+    cols = referenced_columns(spec)
+    seq = spec.get("sequence", {})
+    raw_cols = [f["column"] for f in spec["sparse"]] + [spec[k] for k in ("user",) if k in spec]
+    raw_cols += [spec["domain"]["column"]] if "domain" in spec else []
+    raw_cols = list(dict.fromkeys(raw_cols + [seq[k] for k in ("event", "column") if k in seq]))
+    parts: dict[str, list] = {}
+    for name, _, table in frames:
+        need(table, cols, name)
+        n = len(next(iter(table.values()))) if table else 0
+        for t in spec["tasks"]:
+            where = f"{name} column {t['column']!r}"
+            parts.setdefault(t["name"], []).append(to_label(table[t["column"]], where, t.get("positive_at")))
+        for f in spec["dense"]:
+            v = to_float(table[f["column"]], f"{name} column {f['column']!r}", f.get("fill"))
+            v = np.log1p(np.maximum(v, 0)) if f["transform"] == "log1p" else v
+            parts.setdefault(f["name"], []).append(v.astype(np.float32))
+        if "time" in spec:
+            ts = parse_time(table[spec["time"]], f"{name} column {spec['time']!r}", time_divisor(spec))
+            parts.setdefault("request_ts", []).append(ts)
+        for col in raw_cols:
+            parts.setdefault(("raw", col), []).append(np.asarray(table[col]).astype(str))
+        parts.setdefault("_n", []).append(n)
+    c = {k: np.concatenate(v) for k, v in parts.items() if isinstance(k, str) and k != "_n"}
+    raw = {k[1]: np.concatenate(v) for k, v in parts.items() if isinstance(k, tuple)}
+    n = int(sum(parts["_n"]))
+    c.setdefault("request_ts", np.arange(n, dtype=np.int64))
+    user = raw[spec["user"]] if "user" in spec else np.arange(n).astype(str)
+    c["user_id"] = Vocab(user)(user)
+    c["domain"] = np.zeros(n, dtype=np.int64)
+    by = spec["split"]
+    if by["by"] == "files":
+        day = np.concatenate([np.full(k, d, dtype=np.int32) for (_, d, _), k in zip(frames, parts["_n"])])
+    elif by["by"] == "time":
+        day = split_by_time(c["request_ts"], by["valid"], by["test"])
+    elif by["by"] == "user_time":
+        day = split_per_user(user, c["request_ts"], by["valid"], by["test"])
+    else:
+        day = random_split(n, by["valid"], by["test"], seed)
+    return c, raw, day
+
+
+class _Raw:
+    """Values that already are ids (``vocab_size``); anything not an integer in range → OOV."""
+
+    def __init__(self, size: int, where: str):
+        self.vocab_size, self.where = size, where
+
+    def __call__(self, values: np.ndarray) -> np.ndarray:
+        v = to_float(values, self.where, fill=-1.0)
+        return np.where((v >= 0) & (v < self.vocab_size) & (v == np.floor(v)), v, self.vocab_size).astype(np.int64)
+
+
+class _Hash:
+    def __init__(self, size: int, salt: str):
+        self.vocab_size, self.salt = size, salt
+
+    def __call__(self, values: np.ndarray) -> np.ndarray:
+        return hash_ids(values, self.vocab_size, self.salt)
+
+
+def _encoder(f: dict, values: np.ndarray, train: np.ndarray):
+    if "hash_size" in f:
+        return _Hash(f["hash_size"], f["column"])
+    if "vocab_size" in f:
+        return _Raw(f["vocab_size"], f"column {f['column']!r}")
+    if f.get("multi_hot"):
+        tokens = [t for s in values[train] for t in s.split(f["multi_hot"]) if t != ""]
+        return Vocab(np.array(tokens, dtype=str))
+    return Vocab(values[train])
+
+
+def _multi_hot(values: np.ndarray, sep: str, enc) -> tuple[np.ndarray, np.ndarray]:
+    tokens = [[t for t in s.split(sep) if t != ""] for s in values]
+    lens = np.array([len(t) for t in tokens], dtype=np.int64)
+    flat = np.array([t for row in tokens for t in row], dtype=str)
+    return enc(flat) if len(flat) else np.zeros(0, dtype=np.int64), lens
+
+
+def _domains(spec: dict, raw: dict, frames) -> list[str]:
+    if "domain" not in spec:
+        return [DEFAULT_DOMAIN]
+    d = spec["domain"]
+    values = raw[d["column"]]
+    names = [str(x) for x in d["names"]] if "names" in d else [str(x) for x in np.unique(values)]
+    if "all" in names:  # the evaluation reports every domain pooled under this name
+        raise ColumnError(f"domain column {d['column']!r}: the value 'all' is reserved (the pooled slice); "
+                          "rename it in the data or in domain.names")
+    if "names" not in d:
+        return names
+    bad = ~np.isin(values, names)
+    if bad.any():
+        raise ColumnError(f"domain column {d['column']!r}: value {str(values[bad][0])!r} is not in domain.names {names} "
+                          f"(files {[f for f, _, _ in frames]})")
+    return names
+
+
+def _sequence(spec: dict, c: dict, raw: dict, encoders: dict, train: np.ndarray) -> SequenceStream:
+    s = spec["sequence"]
+    name, item_enc = s["name"], encoders[s["item"]]
+    if s["from"] == "column":
+        items, lens = _multi_hot(raw[s["column"]], s["sep"], item_enc)
+        row = np.repeat(np.arange(len(lens)), lens)
+        k = np.repeat(np.cumsum(lens), lens) - np.arange(len(items))  # 1 for each row's newest event
+        c[f"{name}.item"], c[f"{name}.event"] = (items, lens), (np.zeros(len(items), dtype=np.int64), lens)
+        c[f"{name}.ts"] = (c["request_ts"][row] - k, lens)
+        return SequenceStream(name, item_enc.vocab_size, 1, s["max_len"])
+    user = raw[spec["user"]]
+    ev = np.ones(len(user), dtype=bool) if "only" not in s else c[s["only"]] == 1
+    event_vocab = Vocab(raw[s["event"]][train]) if "event" in s else None
+    cols = {"item": item_enc(raw[s["item"]])[ev],
+            "event": (event_vocab(raw[s["event"]]) if event_vocab else np.zeros(len(user), dtype=np.int64))[ev]}
+    attrs = tuple(EventAttribute(spec_name(spec, a), encoders[a].vocab_size) for a in s["attributes"])
+    for a, attr in zip(s["attributes"], attrs):
+        cols[attr.name] = encoders[a](raw[a])[ev]
+    hist = history(user[ev], c["request_ts"][ev], cols, user, c["request_ts"], s["max_len"])
+    for part, v in hist.items():
+        c[f"{name}.{part}"] = v
+    n_events = event_vocab.vocab_size if event_vocab else 1
+    return SequenceStream(name, item_enc.vocab_size, n_events, s["max_len"], attrs)
+
+
+def spec_name(spec: dict, column: str) -> str:
+    return next(f["name"] for f in spec["sparse"] if f["column"] == column)
