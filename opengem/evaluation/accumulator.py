@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from opengem.evaluation.metrics import _check_labels, _check_probs, summarize
+from opengem.evaluation.metrics import _check_labels, _check_probs, reliability_bins, summarize
 
 __all__ = ["ALL_DOMAIN", "MetricAccumulator", "RateCounter"]
 
@@ -326,6 +326,16 @@ class MetricAccumulator:
         for domain in [*self.domain_names, ALL_DOMAIN]:
             for t, task in enumerate(self.task_names):
                 yield domain, t, task
+
+    def calibration_bins(self, n_bins: int = 20, min_rows: int = 100) -> dict[str, dict[str, list]]:
+        """Reliability bins (equal-count) per ``"<domain>/<task>"`` and ``"all/<task>"``: ``{"p", "y", "n"}``;
+        a slice of few rows gets fewer bins (≥ ``min_rows`` rows each, one at the least)."""
+        out = {}
+        for domain, t, task in self._keys():
+            p, y, _, _ = self._slice_arrays(domain, t)
+            if p.shape[0]:
+                out[f"{domain}/{task}"] = reliability_bins(p, y, max(1, min(n_bins, p.shape[0] // min_rows)))
+        return out
 
     def num_rows(self) -> dict[str, int]:
         """Stored rows per ``"<domain>/<task>"`` (including ``"all/<task>"``)."""

@@ -48,7 +48,8 @@ def evaluate_model(model, schema: FeatureSchema, data_dir: str | Path, split: st
         acc.update(probs, batch.labels, batch.label_mask, batch.domain, batch.user_id, batch.true_probs)
         n += batch.batch_size
     acc.reduce()
-    return {"split": split, "rows": n, "metrics": acc.compute(), "quarantined": dict(loader.quarantined),
+    return {"split": split, "rows": n, "metrics": acc.compute(), "calibration_bins": acc.calibration_bins(),
+            "quarantined": dict(loader.quarantined),
             "repaired": loader.stats.as_dict()}
 
 

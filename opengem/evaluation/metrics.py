@@ -336,3 +336,36 @@ def summarize(
         out["ne_bayes"] = nb
         out["captured"] = captured(out["ne"], nb)
     return out
+
+
+def reliability_bins(p, y, n_bins: int = 20, strategy: str = "quantile") -> dict[str, list]:
+    """Mean prediction ``p``, observed rate ``y`` and rows ``n`` per bin of the predictions.
+
+    ``quantile``: equal-count bins of the sorted predictions (every bin populated even when the rates
+    are a few percent); ``uniform``: bins [0, 1/n), …, [(n-1)/n, 1]. Empty bins are left out.
+
+    >>> reliability_bins([0.1, 0.2, 0.3, 0.4], [0, 0, 1, 1], n_bins=2)
+    {'p': [0.15, 0.35], 'y': [0.0, 1.0], 'n': [2, 2]}
+    """
+    p = np.asarray(p, dtype=np.float64).ravel()
+    y = np.asarray(y, dtype=np.float64).ravel()
+    if p.shape != y.shape:
+        raise ValueError(f"p has {p.size} rows but y has {y.size}")
+    if n_bins < 1:
+        raise ValueError(f"n_bins must be >= 1, got {n_bins}")
+    if strategy == "quantile":
+        order = np.argsort(p, kind="stable")
+        bin_of = np.empty(p.size, dtype=np.int64)
+        for b, rows in enumerate(np.array_split(order, min(n_bins, max(p.size, 1)))):
+            bin_of[rows] = b
+    elif strategy == "uniform":
+        bin_of = np.clip((p * n_bins).astype(np.int64), 0, n_bins - 1)
+    else:
+        raise ValueError(f"strategy must be 'quantile' or 'uniform', got {strategy!r}")
+    n = np.bincount(bin_of, minlength=n_bins)
+    keep = n > 0
+    sp = np.bincount(bin_of, weights=p, minlength=n_bins)[keep]
+    sy = np.bincount(bin_of, weights=y, minlength=n_bins)[keep]
+    n = n[keep]
+    return {"p": [round(float(v), 12) for v in sp / n], "y": [round(float(v), 12) for v in sy / n],
+            "n": [int(v) for v in n]}

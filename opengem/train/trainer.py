@@ -12,6 +12,7 @@ Files (written by rank 0; checkpoints by every rank)::
     RUN/schema.json       the data's schema
     RUN/base_rates.json   training base rate per task and per domain/task (NE's normaliser)
     RUN/metrics.jsonl     one line per logging step: loss (per domain/task) of the global batch, lr, examples/s
+    RUN/tensorboard/      the same numbers as TensorBoard scalars (``observe.RunLog``; purged past the step on resume)
     RUN/checkpoints/      DCP checkpoints (see ``checkpoint.py``); loader position and RNG per rank
     RUN/final.json        steps, examples seen (all ranks), params_sha256, parameters, wall time,
                           examples/s, world size, peak RSS per rank
@@ -36,7 +37,6 @@ again"). ``--resume`` then continues exactly. A SIGKILL loses the steps since th
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -63,6 +63,7 @@ from opengem.model.build import build_gem, count_parameters, materialize
 from opengem.parallel import ParallelDims, SparseOptimizerSpec, build_parallel_gem, train_step
 from opengem.parallel.launch import DistInfo, comm_device, destroy_distributed, init_distributed, min_over_ranks
 from opengem.train.checkpoint import latest_checkpoint, save_checkpoint
+from opengem.train.observe import RunLog
 from opengem.train.optim import Schedule, build_optimizers
 from opengem.train.resume import EXIT_PREEMPTED, Preempted, SigtermFlag, resume_run
 
@@ -232,7 +233,8 @@ def _loop(r: _Run) -> None:
     batches = iter(r.loader)
     r.model.train()
     try:
-        with open(r.run / "metrics.jsonl", "a") if r.info.is_main else contextlib.nullcontext() as mlog:
+        # purge_step: after a resume TensorBoard hides the old events of the steps about to be redone
+        with RunLog(r.run, enabled=r.info.is_main, purge_step=r.step + 1) as mlog:
             while r.step < stop:  # checked before the loader hands out (and counts) another batch
                 batch, rows = _next_batch(batches, r)
                 if batch is None:
@@ -323,10 +325,8 @@ def _log(r: _Run, mlog, bar, clock: list, values: dict, table: torch.Tensor) -> 
     now = time.perf_counter()
     eps = (r.examples - clock[1]) / max(now - clock[0], 1e-9)
     clock[:] = [now, r.examples]
-    rec = {"step": r.step, "examples": r.examples, **values, "examples_per_s": eps,
-           "loss_by_domain_task": _table(table, r.schema)}
-    mlog.write(json.dumps(rec) + "\n")
-    mlog.flush()
+    mlog.log(r.step, {"examples": r.examples, **values, "examples_per_s": eps,
+                      "loss_by_domain_task": _table(table, r.schema)})
     bar.set_postfix(loss=f"{values['loss']:.4f}", eps=f"{eps:,.0f}")
 
 
