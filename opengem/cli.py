@@ -6,6 +6,9 @@
     opengem distill  --teacher RUN --student-recipe R --data DIR --out RUN [--via FM_RUN] [key=value …]
     opengem export   --run RUN --out ARTIFACT [--data DIR] [--no-compile]
     opengem serve    --artifact ARTIFACT [--host 127.0.0.1] [--port 8000]
+    opengem bench    [--recipe R] [--data DIR] [--levers eager,compile,ac,bf16,fp8]
+    opengem import   --source S --in PATH --out DIR [--spec FILE]   real data → our Parquet layout + schema
+    opengem report   --run RUN [--eval EVAL_JSON] [--out DIR] [--data DIR] [--bench FILE …]
     opengem demo     [--out DIR]          generate → train → evaluate → distil a VM → export it, serve, score a request
 """
 
@@ -19,12 +22,18 @@ import sys
 import time
 from pathlib import Path
 
+from opengem.data.sources import cli as import_cli
+from opengem.report import cli as report_cli
+from opengem.report.logs import FORMATS, configure_logging
+
 log = logging.getLogger("opengem")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="opengem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quiet", action="store_true", help="no progress bars, warnings only")
+    p.add_argument("--log-format", choices=FORMATS, default="text",
+                   help="json: one JSON object per log line on stderr, for scripts (no progress bars)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="write a synthetic ads world as Parquet shards")
@@ -75,6 +84,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-candidates", type=int, default=1024, help="candidates per request; more is a 413")
     s.add_argument("--no-admin", action="store_true", help="no /admin/reload endpoint")
 
+    b = sub.add_parser("bench", help="training step time by phase, each speed/memory lever, the loader alone")
+    b.add_argument("--recipe", default="demo")
+    b.add_argument("--data", default=None, help="a dataset directory (default: a fresh tiny synthetic world)")
+    b.add_argument("--levers", default="eager,compile,ac,bf16,fp8", help="comma-separated; combine with '+'")
+    b.add_argument("--steps", type=int, default=10)
+    b.add_argument("--warmup", type=int, default=3)
+    b.add_argument("--json", default=None, help="write the figures here")
+    b.add_argument("overrides", nargs="*", help="config overrides key=value")
+
     d = sub.add_parser("demo", help="the main job: generate, train, evaluate, distil, export, serve (demo world)")
     d.add_argument("--out", default="./opengem-demo")
     d.add_argument("--preset", default="demo", help="world preset and recipe (tiny for a smoke run)")
@@ -82,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--no-distill", action="store_true", help="skip distilling a vertical model (then GEM is served)")
     d.add_argument("--no-serve", action="store_true", help="skip the last step: export, serve, score one request")
     d.add_argument("overrides", nargs="*", help="training config overrides key=value")
+
+    import_cli.add_parser(sub)
+    report_cli.add_parser(sub)
     return p
 
 
@@ -165,6 +186,19 @@ def cmd_serve(args) -> dict:
     return {}
 
 
+def cmd_bench(args) -> dict:
+    from opengem.config import apply_overrides
+    from opengem.recipes import recipe
+    from opengem.train.bench import format_bench, run_bench
+
+    cfg = apply_overrides(recipe(args.recipe), list(args.overrides))
+    out = run_bench(cfg, args.data, tuple(args.levers.split(",")), args.warmup, args.steps)
+    print(format_bench(out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return out
+
+
 def cmd_demo(args) -> dict:
     from opengem.config import apply_overrides
     from opengem.data.synthetic import generate, world_config
@@ -241,21 +275,26 @@ def format_table(metrics: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("torch").setLevel(logging.ERROR)
+    configure_logging(logging.WARNING if args.quiet else logging.INFO, args.log_format)
+    if args.log_format == "json":
+        args.quiet = True  # progress bars would interleave with the JSON lines; the level set above stays
     from opengem.config import ConfigError
     from opengem.data.parquet import DataError
     from opengem.export.artifact import ArtifactError
     from opengem.features.schema import SchemaError
     from opengem.train.checkpoint import CheckpointError
+    from opengem.train.resume import Preempted
 
     try:
         {"generate": cmd_generate, "train": cmd_train, "evaluate": cmd_evaluate, "distill": cmd_distill,
-         "export": cmd_export, "serve": cmd_serve, "demo": cmd_demo}[args.cmd](args)
+         "export": cmd_export, "serve": cmd_serve, "bench": cmd_bench, "demo": cmd_demo,
+         "import": import_cli.run, "report": report_cli.run}[args.cmd](args)
     except (ConfigError, DataError, SchemaError, CheckpointError, ArtifactError, ValueError) as e:
         print(f"opengem {args.cmd}: error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:  # SIGTERM: a checkpoint was saved; --resume continues
+        print(f"opengem {args.cmd}: preempted: {e.message}", file=sys.stderr)
+        return e.code
     return 0
 
 

@@ -1,0 +1,178 @@
+"""``opengem bench``: where a training step's time goes, what each speed/memory lever does, the loader alone.
+
+One process, the recipe's model on real batches of a dataset (the ``tiny`` synthetic world when no
+``--data`` is given). Per lever, after warm-up steps (compilation happens there), the median over
+timed steps of each phase of the step::
+
+    data      next batch from the loader (Parquet → Batch, prefetched as in training)
+    embed     GEM.inputs: TorchRec table lookups (EBC + EC), dense arch, event tokens
+    dense     InterFormer (Wukong stack + sequence towers) + heads + loss
+    backward  loss.backward() (tables' and dense gradients)
+    optim     dense AdamW + sparse row-wise Adagrad steps
+
+and the activation bytes autograd saved for backward (counted by a saved-tensor hook: the memory a
+step holds at its peak beyond parameters and optimizer state), plus peak RSS (CPU) or peak CUDA
+memory. Levers (``--levers``): ``eager`` (fp32, the reference), ``compile`` (torch.compile per
+block), ``ac`` (activation checkpointing of every Wukong / tower layer), ``bf16`` (autocast),
+``fp8`` (saved activations stored as e4m3, ``opengem.ops.fp8``), and ``+``-joined combinations.
+Each lever's examples/s is also given as a ratio to ``eager`` measured in the same process.
+
+The loader alone: examples/s of iterating the same split with no model, against training
+examples/s of ``eager`` (issue goal: ≥ 5, i.e. the input pipeline is never the bottleneck).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from opengem.config import Config
+from opengem.data.loader import ShardLoader
+from opengem.features.schema import FeatureSchema
+from opengem.model.build import build_gem, count_parameters, materialize
+from opengem.ops.fp8 import fp8_saved_activations
+from opengem.parallel.activation_checkpoint import checkpoint_blocks
+from opengem.parallel.compile import compile_blocks
+from opengem.train.losses import masked_bce
+from opengem.train.optim import build_optimizers
+
+LEVERS = ("eager", "compile", "ac", "bf16", "fp8")
+PHASES = ("data", "embed", "dense", "backward", "optim")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_for_lever(cfg: Config, schema: FeatureSchema, lever: str, device: torch.device):
+    """The recipe's model with the lever's structural changes (compile, activation checkpointing)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    parts = set(lever.split("+"))
+    unknown = parts - set(LEVERS)
+    if unknown:
+        raise ValueError(f"unknown lever(s) {sorted(unknown)}; choose from {LEVERS} joined by '+'")
+    model = materialize(build_gem(schema, cfg.model), device, seed=cfg.train.seed)
+    if "ac" in parts:
+        for lst, i in checkpoint_blocks(model):
+            lst[i] = checkpoint_wrapper(lst[i], preserve_rng_state=False)
+    if "compile" in parts:
+        for block in compile_blocks(model):
+            block.compile()
+    return model.train()
+
+
+def timed_steps(model, loader_iter, cfg: Config, lever: str, device: torch.device, warmup: int, steps: int) -> dict:
+    """Per-phase median seconds, examples/s and saved-activation bytes over ``steps`` steps."""
+    parts = set(lever.split("+"))
+    dense_opt, sparse_opt = build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim)
+    opts = [o for o in (dense_opt, sparse_opt) if o is not None]
+    task_w = torch.ones(len(model.schema.tasks), device=device)
+    dtype = torch.bfloat16 if "bf16" in parts else None
+    times = {p: [] for p in PHASES}
+    rows, saved, losses = [], [], []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        batch = next(loader_iter).to(device)
+        _sync(device)
+        t1 = time.perf_counter()
+        hook = fp8_saved_activations(model, min_bytes=1 << 16 if "fp8" in parts else 1 << 62)  # counts bytes either way
+        with hook as stats, torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            x, seqs = model.inputs(batch)
+            _sync(device)
+            t2 = time.perf_counter()
+            logits = model.heads(model._features(x, seqs), batch.domain, model.batch_low_order(x, batch))
+            loss, _ = masked_bce(logits.float(), batch.labels, batch.label_mask, batch.weights, task_w)
+            _sync(device)
+        t3 = time.perf_counter()
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        loss.backward()
+        _sync(device)
+        t4 = time.perf_counter()
+        for o in opts:
+            o.step()
+        _sync(device)
+        t5 = time.perf_counter()
+        losses.append(float(loss))
+        if i >= warmup:
+            for p, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                times[p].append(dt)
+            rows.append(batch.batch_size)
+            saved.append(stats.stored)
+    med = {p: statistics.median(v) for p, v in times.items()}
+    step = statistics.median([sum(v[i] for v in times.values()) for i in range(steps)])
+    return {"phase_ms": {p: round(v * 1e3, 2) for p, v in med.items()}, "step_ms": round(step * 1e3, 2),
+            "examples_per_s": round(statistics.median(rows) / step, 1),
+            "saved_activation_mb": round(statistics.median(saved) / 2**20, 2), "losses": losses}
+
+
+def loader_throughput(data: Path, batch_size: int, max_seq_len: dict, seconds: float = 5.0) -> float:
+    """Examples/s of the loader alone (no model), over at most ``seconds``."""
+    loader = ShardLoader(data, "train", batch_size, max_seq_len=max_seq_len, epochs=1000)
+    it = iter(loader)
+    next(it)  # open files, start the prefetch thread
+    rows, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        rows += next(it).batch_size
+    return rows / (time.perf_counter() - t0)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def run_bench(cfg: Config, data: str | Path | None = None, levers: tuple[str, ...] = LEVERS, warmup: int = 3,
+              steps: int = 10, device: str | None = None, loader_seconds: float = 5.0) -> dict:
+    """Every lever on the same batches; ratios against ``eager``. Returns a JSON-ready dict."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with contextlib.ExitStack() as stack:
+        if data is None:
+            from opengem.data.synthetic import generate, world_config
+
+            data = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "data"
+            generate(world_config("tiny", seed=0), data, progress=False)
+        data = Path(data)
+        schema = FeatureSchema.load(data)
+        bs = cfg.data.batch_size
+        probe = build_gem(schema, cfg.model)
+        out = {"recipe": cfg.recipe, "device": str(dev), "batch_size": bs,
+               "parameters": count_parameters(probe), "levers": {}}
+        for lever in levers:
+            torch.manual_seed(cfg.train.seed)
+            model = build_for_lever(cfg, schema, lever, dev)
+            loader = ShardLoader(data, "train", bs, shuffle=True, seed=cfg.train.seed, epochs=1000, drop_last=True,
+                                 max_seq_len=model.max_seq_len())
+            out["levers"][lever] = timed_steps(model, iter(loader), cfg, lever, dev, warmup, steps)
+            out["levers"][lever]["peak_memory_mb"] = round(peak_memory_mb(dev), 1)
+        ref = out["levers"].get("eager")
+        if ref:
+            for r in out["levers"].values():
+                r["speedup_vs_eager"] = round(r["examples_per_s"] / ref["examples_per_s"], 3)
+                r["saved_activation_ratio_vs_eager"] = round(ref["saved_activation_mb"] / max(r["saved_activation_mb"], 1e-9), 3)
+        loader_eps = loader_throughput(data, bs, probe.max_seq_len(), loader_seconds)
+        out["loader_examples_per_s"] = round(loader_eps, 1)
+        if ref:
+            out["loader_over_training"] = round(loader_eps / ref["examples_per_s"], 2)
+    return out
+
+
+def format_bench(out: dict) -> str:
+    lines = [f"{'lever':<16}" + "".join(f"{p + ' ms':>12}" for p in PHASES)
+             + f"{'ex/s':>10}{'× eager':>9}{'saved MB':>10}"]
+    for name, r in out["levers"].items():
+        lines.append(f"{name:<16}" + "".join(f"{r['phase_ms'][p]:>12.1f}" for p in PHASES)
+                     + f"{r['examples_per_s']:>10.0f}{r.get('speedup_vs_eager', float('nan')):>9.2f}"
+                     + f"{r['saved_activation_mb']:>10.1f}")
+    lines.append(f"loader alone: {out['loader_examples_per_s']:,.0f} examples/s"
+                 + (f" = {out['loader_over_training']:.1f}× eager training" if "loader_over_training" in out else ""))
+    return "\n".join(lines)
