@@ -20,8 +20,12 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/opengem demo --out ./opengem-demo
 
-test: $(VENV)/.installed
+$(VENV)/.test-installed: $(VENV)/.installed requirements-test.txt
+	$(PIP) install -r requirements-test.txt
+	touch $@
+
+test: $(VENV)/.test-installed
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
 
-test-fast: $(VENV)/.installed
+test-fast: $(VENV)/.test-installed
 	$(VENV)/bin/python -m pytest -q -m "not slow and not distributed"

@@ -73,6 +73,7 @@ class TrainConfig:
     deterministic: bool = True
     progress: bool = True
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    fp8_activations: bool = False  # store saved activations >= 64 KiB as e4m3 (opengem.ops.fp8)
     # --resume at another world size (docs/distributed.md): "exact" resumes only where the saved
     # per-rank data positions meet at a shard boundary and refuses otherwise; "rewind" restarts
     # the data at the last boundary all ranks had passed (no row lost, rows read after it repeated).

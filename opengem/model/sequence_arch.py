@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opengem.ops.jagged import pool_attention, recent_window
+from opengem.ops.jagged import IMPLS, pool_attention, recent_window
 
 
 @dataclass
@@ -45,8 +45,11 @@ class SequenceConfig:
     time_buckets: int = 64
     ffn_mult: int = 2
     dropout: float = 0.0
+    attention_impl: str = "reference"  # reference | triton: pooled attention kernel (opengem.ops.triton_jagged; CUDA)
 
     def validate(self, dim: int) -> None:
+        if self.attention_impl not in IMPLS:
+            raise ValueError(f"model.sequence.attention_impl must be one of {IMPLS}, got {self.attention_impl!r}")
         if dim % self.num_heads:
             raise ValueError(f"model.embedding_dim {dim} is not divisible by model.sequence.num_heads {self.num_heads}")
         if self.pyramid not in ("halve", "none"):
@@ -142,7 +145,8 @@ class SequenceTower(nn.Module):
             M, D = self.cfg.num_pooled, self.dim
             q = self.pool_q + self.pool_cond(x_sum_BCD.flatten(1)).view(B, M, D)
             k, v = self.pool_kv(tok_ND).chunk(2, dim=-1)
-            pooled = pool_attention(q, k, v, lengths, self.cfg.num_heads, self.sink_logit, self.sink_value)
+            pooled = pool_attention(q, k, v, lengths, self.cfg.num_heads, self.sink_logit, self.sink_value,
+                                    impl=self.cfg.attention_impl)
             parts.append(self.pool_out(pooled))
             valid.append(lengths.new_ones(B, M, dtype=torch.bool))  # the sink makes every row's pool defined
         recent, rvalid = recent_window(tok_ND, lengths, self.cfg.recent_len)

@@ -9,12 +9,34 @@ oldest → newest. Example with lengths [2, 0, 3]::
     values  = [e00 e01 | e20 e21 e22]       row ids = [0 0 2 2 2]
 
 Costs grow with N (the real number of events), never with B × max_len:
-``pool_attention`` is O(N·M·D); ``recent_window`` copies O(B·K·D).
+``pool_attention`` is O(N·M·D); ``jagged_attention`` is O(Σ_b L_b²·D) up to a factor < 2 of
+in-bucket padding; ``recent_window`` copies O(B·K·D).
+
+``impl="triton"`` runs the same op as a Triton kernel (``opengem.ops.triton_jagged``, forward and
+backward, no padding at all); it needs the optional ``triton`` package and CUDA tensors, or CPU
+tensors with ``TRITON_INTERPRET=1`` set before the first call (tests only: the interpreter is slow).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+IMPLS = ("reference", "triton")
+
+
+def _triton_ops():
+    """The Triton module, or a clear error when the optional dependency is missing."""
+    try:
+        from opengem.ops import triton_jagged
+    except ImportError as e:  # only triton itself is optional here
+        raise RuntimeError(f"impl='triton' needs the optional 'triton' package (pip install triton): {e}") from e
+    return triton_jagged
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"jagged op impl must be one of {IMPLS}, got {impl!r}")
 
 
 def row_ids(lengths: torch.Tensor) -> torch.Tensor:
@@ -49,7 +71,7 @@ def segment_softmax(scores: torch.Tensor, rows: torch.Tensor, num_rows: int,
 
 def pool_attention(
     q_BMD: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor, lengths: torch.Tensor, num_heads: int,
-    sink_logit_MH: torch.Tensor | None = None, sink_value_MD: torch.Tensor | None = None,
+    sink_logit_MH: torch.Tensor | None = None, sink_value_MD: torch.Tensor | None = None, impl: str = "reference",
 ) -> torch.Tensor:
     """Learnable-query (PMA-style) attention pooling over each row's events.
 
@@ -58,6 +80,9 @@ def pool_attention(
     so a row can attend to "nothing" and a decayed *fraction* Σ w·x / (1 + Σ w) is representable.
     Rows with no events return zeros (or the sink value). Returns [B, M, D].
     """
+    _check_impl(impl)
+    if impl == "triton":
+        return _triton_ops().pool_attention(q_BMD, k_ND, v_ND, lengths, num_heads, sink_logit_MH, sink_value_MD)
     B, M, D = q_BMD.shape
     H, Dh = num_heads, D // num_heads
     out = q_BMD.new_zeros(B, M, H, Dh)
@@ -75,6 +100,41 @@ def pool_attention(
     if sink:
         out = out + a_sink.unsqueeze(-1) * sink_value_MD.view(1, M, H, Dh)
     return out.view(B, M, D)
+
+
+def jagged_attention(q_ND: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor, lengths: torch.Tensor,
+                     num_heads: int, causal: bool = True, impl: str = "reference") -> torch.Tensor:
+    """Multi-head self-attention inside each row of a jagged batch (rows never see each other).
+
+    out[n] = Σ_{m in n's row, m <= n if causal} softmax_m(q[n]·k[m] / √Dh) v[m], per head. With
+    lengths [2, 0, 3], causal: e20 sees e20; e21 sees e20 e21; e22 sees e20 e21 e22. Returns [N, D].
+
+    The reference sorts rows into buckets whose lengths differ by < √2 and runs SDPA on each bucket
+    padded to its own longest row, so it costs < 2·Σ L_b² (never B × max_len²); right padding and
+    the causal or key mask keep padded slots out of every real row's softmax.
+    """
+    _check_impl(impl)
+    if impl == "triton":
+        return _triton_ops().jagged_attention(q_ND, k_ND, v_ND, lengths, num_heads, causal)
+    N, D = q_ND.shape
+    H, Dh = num_heads, D // num_heads
+    out = q_ND.new_zeros(N, H, Dh)
+    offsets = offsets_of(lengths)
+    bucket = torch.ceil(2 * torch.log2(lengths.clamp(min=1).double())).long()
+    for b in torch.unique(bucket[lengths > 0]).tolist():
+        rows = torch.nonzero((bucket == b) & (lengths > 0)).squeeze(1)
+        lens = lengths[rows]
+        L = int(lens.max())
+        pos = torch.arange(L, device=lengths.device)
+        valid = pos.unsqueeze(0) < lens.unsqueeze(1)  # [R, L]
+        idx = torch.where(valid, offsets[rows].unsqueeze(1) + pos, 0)  # [R, L] into the jagged values
+        q, k, v = (t[idx].view(-1, L, H, Dh).transpose(1, 2) for t in (q_ND, k_ND, v_ND))
+        if causal:  # padding sits after each row's last event, so real queries never reach it
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])
+        out = out.index_put((idx[valid],), a.transpose(1, 2)[valid])
+    return out.view(N, D)
 
 
 def recent_window(values_ND: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

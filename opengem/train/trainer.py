@@ -37,6 +37,7 @@ again"). ``--resume`` then continues exactly. A SIGKILL loses the steps since th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -60,6 +61,7 @@ from opengem.data.parquet import DatasetManifest, read_shard
 from opengem.evaluation.accumulator import RateCounter
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, materialize
+from opengem.ops.fp8 import fp8_saved_activations
 from opengem.parallel import ParallelDims, SparseOptimizerSpec, build_parallel_gem, train_step
 from opengem.parallel.launch import DistInfo, comm_device, destroy_distributed, init_distributed, min_over_ranks
 from opengem.train.checkpoint import latest_checkpoint, save_checkpoint
@@ -290,7 +292,8 @@ def _next_batch(batches, r: _Run) -> tuple[Batch | None, int]:
 def _step(r: _Run, batch: Batch, task_w: torch.Tensor, dense_params: list) -> tuple[float, torch.Tensor, float]:
     """One optimizer step; returns (loss of the global batch, this rank's per-(domain, task) table, lr factor)."""
     lr_f = r.schedule.set(r.step)  # before the forward: the fused CPU table kernel takes its lr there
-    logits = r.model(batch)
+    with fp8_saved_activations(r.model) if r.cfg.train.fp8_activations else contextlib.nullcontext():
+        logits = r.model(batch)
     loss, table = train_step.global_masked_bce(logits, batch.labels, batch.label_mask, batch.weights, task_w,
                                                batch.domain, r.schema.num_domains)
     value = train_step.global_mean(loss).item()
