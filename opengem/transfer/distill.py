@@ -115,7 +115,7 @@ def distill(teacher_run: str | Path, recipe_name: str, data_dir: str | Path, out
     if tcfg.baseline:
         alone = techniques_config([], domains=tcfg.domains)
         trainers.append(make_trainer("alone", cfg, alone, data_schema, teacher, rates, stream.steps))
-    train_students(trainers, stream)
+    train_students(trainers, stream, progress=logging.getLogger("opengem").isEnabledFor(logging.INFO))
     t_train = time.perf_counter() - t0
     scored = {"teacher_calls": teacher.calls - stream.warm_calls, "teacher_rows": teacher.rows - stream.warm_rows,
               "teacher_warmup_rows": stream.warm_rows}

@@ -13,6 +13,7 @@ import math
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 from opengem.config import Config
 from opengem.data.batch import Batch
@@ -132,7 +133,8 @@ class StudentTrainer:
                 **{k: v / n for k, v in self.sums.items()}}
 
 
-def train_students(trainers: list[StudentTrainer], stream, followers: dict | None = None) -> dict:
+def train_students(trainers: list[StudentTrainer], stream, followers: dict | None = None,
+                   progress: bool = False) -> dict:
     """One pass of ``stream`` ((batch, TeacherOutput) pairs), every student stepping on every batch.
 
     ``followers``: {student name: students taught by that student} — hierarchical transfer online:
@@ -141,7 +143,10 @@ def train_students(trainers: list[StudentTrainer], stream, followers: dict | Non
     and reads its logits (and, for ``rep.source=row``, its features)."""
     followers = followers or {}
     batches = 0
+    bar = tqdm(total=getattr(stream, "steps", None), desc="distill", unit="batch", disable=not progress,
+               dynamic_ncols=True)
     for batch, tout in stream:
+        bar.update(1)
         for tr in trainers:
             taught = tr.teach(batch, tout) if followers.get(tr.name) else None
             tr.step(batch, tout)
@@ -151,6 +156,7 @@ def train_students(trainers: list[StudentTrainer], stream, followers: dict | Non
                 for f in followers[tr.name]:
                     f.step(rows, taught)
         batches += 1
+    bar.close()
     return {"batches": batches}
 
 
