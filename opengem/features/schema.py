@@ -272,13 +272,7 @@ class FeatureSchema:
         p = Path(path)
         if p.is_dir():
             p = p / "schema.json"
-        if not p.exists():
-            raise SchemaError(f"schema file not found: {p}")
-        try:
-            d = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise SchemaError(f"{p}: not valid JSON ({e})") from e
-        return cls.from_dict(d)
+        return cls.from_dict(read_json(p, SchemaError, "schema file"))
 
     def fingerprint(self) -> str:
         """A short hash of the structural schema (not ``meta``), stored in checkpoints."""
@@ -287,6 +281,16 @@ class FeatureSchema:
         d = self.to_dict()
         d.pop("meta", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_json(path: Path, error: type[Exception], what: str) -> object:
+    """The parsed JSON file at ``path``; ``error`` names the file when it is missing or not JSON."""
+    if not path.exists():
+        raise error(f"{what} not found: {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: not valid JSON ({e})") from e
 
 
 def _positive_int(v: object, what: str) -> None:

@@ -50,11 +50,11 @@ column, by row order), ``user_time``
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from opengem.data.sources.common import SpecError
+from opengem.features.schema import read_json
 
 _GROUPS = ("user", "ad", "context")
 _TIME_UNITS = {"s": 1, "ms": 1000, "us": 1_000_000}
@@ -76,13 +76,7 @@ _KEYS = {
 def load_spec(path: str | Path) -> dict:
     """Read and check a spec file; returns it with defaults filled in."""
     p = Path(path)
-    if not p.exists():
-        raise SpecError(f"spec file not found: {p}")
-    try:
-        d = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise SpecError(f"{p}: not valid JSON ({e})") from e
-    return check_spec(d, str(p))
+    return check_spec(read_json(p, SpecError, "spec file"), str(p))
 
 
 def check_spec(d: object, where: str = "spec") -> dict:
