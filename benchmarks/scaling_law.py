@@ -1,7 +1,7 @@
 """The scaling curve: held-out NE against training FLOPs along the recipes' size dial (as Wukong fits it).
 
-    python benchmarks/scaling_law.py --quick        # 2 CPU cores, < 5 min: a 1/8-size demo world, 3 sizes
-    python benchmarks/scaling_law.py                # 2 CPU cores, ~30 min: a 1/3-size demo world, 4 sizes
+    python benchmarks/scaling_law.py --quick        # 2 CPU cores, < 5 min: a 1/9-size demo world, 3 sizes
+    python benchmarks/scaling_law.py                # 2 CPU cores, < 30 min: a 4/9-size demo world, 3 sizes
     python benchmarks/scaling_law.py --preset small --recipes demo,small,medium,large   # a GPU host
 
 Every size trains one pass over the same ``train`` days with its recipe's batch and optimizer and is
@@ -41,15 +41,15 @@ from opengem.recipes import recipe
 from opengem.train.losses import masked_bce
 from opengem.train.trainer import train
 
-QUICK = {"users": 12000, "recipes": ["tiny", "demo", "small"]}
-FULL = {"users": 30000, "recipes": ["tiny", "demo", "small", "medium"]}
+QUICK = {"users": 4000, "recipes": ["tiny", "demo", "small"]}  # ~55k training rows
+FULL = {"users": 16000, "recipes": ["tiny", "demo", "small"]}  # ~220k training rows
 
 
 def flops_per_example(cfg, data: Path, batch_size: int = 256) -> float:
     """Forward + backward FLOPs of one real batch of the ``train`` split, per row."""
     model = materialize(build_gem(FeatureSchema.load(data), cfg.model))
     loader = ShardLoader(data, "train", batch_size, shuffle=False, max_seq_len=model.max_seq_len())
-    batch = next(iter(loader))[1]
+    batch = next(iter(loader))
     task_w = torch.ones(len(model.schema.tasks))
     with FlopCounterMode(display=False) as fc:
         loss, _ = masked_bce(model(batch), batch.labels, batch.label_mask, batch.weights, task_w)
