@@ -69,49 +69,68 @@ def build_for_lever(cfg: Config, schema: FeatureSchema, lever: str, device: torc
     return model.train()
 
 
-def timed_steps(model, loader_iter, cfg: Config, lever: str, device: torch.device, warmup: int, steps: int) -> dict:
-    """Per-phase median seconds, examples/s and saved-activation bytes over ``steps`` steps."""
-    parts = set(lever.split("+"))
-    dense_opt, sparse_opt = build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim)
-    opts = [o for o in (dense_opt, sparse_opt) if o is not None]
-    task_w = torch.ones(len(model.schema.tasks), device=device)
-    dtype = torch.bfloat16 if "bf16" in parts else None
-    times = {p: [] for p in PHASES}
-    rows, saved, losses = [], [], []
-    for i in range(warmup + steps):
+class LeverRun:
+    """One lever's model, optimizers and batches; ``step()`` times one training step by phase."""
+
+    def __init__(self, cfg: Config, schema: FeatureSchema, data: Path, lever: str, device: torch.device):
+        self.lever, self.device, self.parts = lever, device, set(lever.split("+"))
+        torch.manual_seed(cfg.train.seed)
+        self.model = build_for_lever(cfg, schema, lever, device)
+        dense_opt, sparse_opt = build_optimizers(self.model.dense_parameters(), self.model.sparse_parameters(),
+                                                 cfg.optim)
+        self.opts = [o for o in (dense_opt, sparse_opt) if o is not None]
+        self.batches = iter(ShardLoader(data, "train", cfg.data.batch_size, shuffle=True, seed=cfg.train.seed,
+                                        epochs=1000, drop_last=True, max_seq_len=self.model.max_seq_len()))
+        self.task_w = torch.ones(len(schema.tasks), device=device)
+        self.dtype = torch.bfloat16 if "bf16" in self.parts else None
+        self.times: dict[str, list[float]] = {p: [] for p in PHASES}
+        self.rows, self.saved, self.losses, self.peak = [], [], [], 0.0
+
+    def step(self, record: bool) -> None:
+        model, dev = self.model, self.device
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        batch = next(loader_iter).to(device)
-        _sync(device)
+        batch = next(self.batches).to(dev)
+        _sync(dev)
         t1 = time.perf_counter()
-        hook = fp8_saved_activations(model, min_bytes=1 << 16 if "fp8" in parts else 1 << 62)  # counts bytes either way
-        with hook as stats, torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        hook = fp8_saved_activations(model, min_bytes=1 << 16 if "fp8" in self.parts else 1 << 62)  # counts bytes
+        with hook as stats, torch.autocast(dev.type, dtype=self.dtype, enabled=self.dtype is not None):
             x, seqs = model.inputs(batch)
-            _sync(device)
+            _sync(dev)
             t2 = time.perf_counter()
             logits = model.heads(model._features(x, seqs), batch.domain, model.batch_low_order(x, batch))
-            loss, _ = masked_bce(logits.float(), batch.labels, batch.label_mask, batch.weights, task_w)
-            _sync(device)
+            loss, _ = masked_bce(logits.float(), batch.labels, batch.label_mask, batch.weights, self.task_w)
+            _sync(dev)
         t3 = time.perf_counter()
-        for o in opts:
+        for o in self.opts:
             o.zero_grad(set_to_none=True)
         loss.backward()
-        _sync(device)
+        _sync(dev)
         t4 = time.perf_counter()
-        for o in opts:
+        for o in self.opts:
             o.step()
-        _sync(device)
+        _sync(dev)
         t5 = time.perf_counter()
-        losses.append(float(loss))
-        if i >= warmup:
+        self.losses.append(float(loss))
+        if record:
             for p, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-                times[p].append(dt)
-            rows.append(batch.batch_size)
-            saved.append(stats.stored)
-    med = {p: statistics.median(v) for p, v in times.items()}
-    step = statistics.median([sum(v[i] for v in times.values()) for i in range(steps)])
-    return {"phase_ms": {p: round(v * 1e3, 2) for p, v in med.items()}, "step_ms": round(step * 1e3, 2),
-            "examples_per_s": round(statistics.median(rows) / step, 1),
-            "saved_activation_mb": round(statistics.median(saved) / 2**20, 2), "losses": losses}
+                self.times[p].append(dt)
+            self.rows.append(batch.batch_size)
+            self.saved.append(stats.stored)
+            if dev.type == "cuda":
+                self.peak = max(self.peak, torch.cuda.max_memory_allocated() / 2**20)
+
+    def summary(self) -> dict:
+        """Per-phase medians, examples/s, saved-activation MB, the losses of every step."""
+        n = len(self.rows)
+        step = statistics.median([sum(v[i] for v in self.times.values()) for i in range(n)])
+        out = {"phase_ms": {p: round(statistics.median(v) * 1e3, 2) for p, v in self.times.items()},
+               "step_ms": round(step * 1e3, 2), "examples_per_s": round(statistics.median(self.rows) / step, 1),
+               "saved_activation_mb": round(statistics.median(self.saved) / 2**20, 2), "losses": self.losses}
+        if self.device.type == "cuda":
+            out["peak_memory_mb"] = round(self.peak, 1)
+        return out
 
 
 def loader_throughput(data: Path, batch_size: int, max_seq_len: dict, seconds: float = 5.0) -> float:
@@ -147,13 +166,14 @@ def run_bench(cfg: Config, data: str | Path | None = None, levers: tuple[str, ..
         probe = build_gem(schema, cfg.model)
         out = {"recipe": cfg.recipe, "device": str(dev), "batch_size": bs,
                "parameters": count_parameters(probe), "levers": {}}
-        for lever in levers:
-            torch.manual_seed(cfg.train.seed)
-            model = build_for_lever(cfg, schema, lever, dev)
-            loader = ShardLoader(data, "train", bs, shuffle=True, seed=cfg.train.seed, epochs=1000, drop_last=True,
-                                 max_seq_len=model.max_seq_len())
-            out["levers"][lever] = timed_steps(model, iter(loader), cfg, lever, dev, warmup, steps)
-            out["levers"][lever]["peak_memory_mb"] = round(peak_memory_mb(dev), 1)
+        # Round robin: step i of every lever runs before step i + 1 of any, so a noisy (shared)
+        # machine slows all levers alike and the ratios to eager stay meaningful.
+        runs = [LeverRun(cfg, schema, data, lever, dev) for lever in levers]
+        for i in range(warmup + steps):
+            for run in runs:
+                run.step(record=i >= warmup)
+        out["levers"] = {run.lever: run.summary() for run in runs}
+        out["peak_rss_mb"] = round(peak_memory_mb(torch.device("cpu")), 1)  # the whole process, every lever
         ref = out["levers"].get("eager")
         if ref:
             for r in out["levers"].values():
