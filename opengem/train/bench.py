@@ -24,6 +24,7 @@ examples/s of ``eager`` (issue goal: ≥ 5, i.e. the input pipeline is never the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import resource
 import statistics
 import tempfile
@@ -37,8 +38,8 @@ from opengem.data.loader import ShardLoader
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, materialize
 from opengem.ops.fp8 import fp8_saved_activations
-from opengem.parallel.activation_checkpoint import checkpoint_blocks
-from opengem.parallel.compile import compile_blocks
+from opengem.parallel.activation_checkpoint import apply_activation_checkpoint
+from opengem.parallel.compile import apply_compile
 from opengem.train.losses import masked_bce
 from opengem.train.optim import build_optimizers
 
@@ -53,20 +54,14 @@ def _sync(device: torch.device) -> None:
 
 def build_for_lever(cfg: Config, schema: FeatureSchema, lever: str, device: torch.device):
     """The recipe's model with the lever's structural changes (compile, activation checkpointing)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     parts = set(lever.split("+"))
     unknown = parts - set(LEVERS)
     if unknown:
         raise ValueError(f"unknown lever(s) {sorted(unknown)}; choose from {LEVERS} joined by '+'")
     model = materialize(build_gem(schema, cfg.model), device, seed=cfg.train.seed)
-    if "ac" in parts:
-        for lst, i in checkpoint_blocks(model):
-            lst[i] = checkpoint_wrapper(lst[i], preserve_rng_state=False)
-    if "compile" in parts:
-        for block in compile_blocks(model):
-            block.compile()
-    return model.train()
+    pcfg = dataclasses.replace(cfg.parallel, activation_checkpoint="full" if "ac" in parts else "none",
+                               compile="compile" in parts)
+    return apply_compile(apply_activation_checkpoint(model, pcfg), pcfg).train()  # the trainer's own functions
 
 
 class LeverRun:
