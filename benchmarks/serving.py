@@ -1,7 +1,20 @@
 """Serving latency and throughput: ``opengem serve`` over loopback vs the training model in eager mode.
 
-    python benchmarks/serving.py --quick                  tiny world, demo-recipe GEM, < 5 min on 2 cores
+    python benchmarks/serving.py --quick                  the default VM (distilled), < 5 min on 2 cores
+    python benchmarks/serving.py --quick --model gem      GEM itself: tiny world, demo-recipe GEM
     python benchmarks/serving.py --artifact A --data D    an existing artifact, requests from D's test rows
+
+The models (``--model``):
+
+- ``vm`` (default): the default vertical model, as ``opengem demo`` builds it: ``distill_demo``
+  (recipe vm_s, video surface) from a teacher GEM. Latency depends on the VM's architecture and on
+  the request's shape, not on its quality, so the world is the ``demo`` preset with fewer users
+  (``--users``: the demo schema's vocabularies and stored history limits, 4096 organic / 512 ads
+  events, and the demo's per-user activity, so request histories have the demo's long tail) and the
+  teacher is a few steps of the ``tiny`` recipe (``--teacher-recipe``, ``--steps``). Requests are
+  test rows of the VM's surface. ``--student-recipe vm_xs`` measures another VM size (a separate row,
+  not the default VM).
+- ``gem``: GEM itself (``--recipe``, default demo) trained ``--steps`` steps on the ``tiny`` world.
 
 What is measured, for 1, 64 and 512 candidates per request:
 
@@ -16,7 +29,10 @@ What is measured, for 1, 64 and 512 candidates per request:
   server core. Building the Arrow table is not timed.
 
 ``speedup_vs_eager_C`` = eager p50 / served p50 at concurrency 1 (HTTP included, so conservative).
-The machine may be shared (the figures are then upper bounds on latency). Ends with ONE JSON line.
+The machine may be shared (the figures are then upper bounds on latency): ``healthz_p99_ms`` (GET
+/healthz on the same server, no model) is the tail the HTTP stack and the machine add by themselves,
+``predictor_cpu_p99_ms_C`` the tail of the work itself in CPU time, and ``loadavg_1m`` the machine's
+load. Ends with ONE JSON line.
 """
 
 from __future__ import annotations
@@ -40,10 +56,16 @@ REPO = Path(__file__).resolve().parents[1]
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="short runs: concurrency 1 and 8, 3 s per level")
+    p.add_argument("--model", choices=["vm", "gem"], default="vm", help="the default VM (distilled) or GEM itself")
     p.add_argument("--artifact", default=None, help="benchmark this artifact (default: train and export one)")
     p.add_argument("--data", default=None, help="world to draw requests from (default: generate the tiny world)")
-    p.add_argument("--recipe", default="demo", help="model recipe when training one (today's default model)")
-    p.add_argument("--steps", type=int, default=20, help="training steps when training one")
+    p.add_argument("--recipe", default="demo", help="--model gem: the GEM recipe to train")
+    p.add_argument("--teacher-recipe", default="tiny", help="--model vm: the teacher GEM's recipe")
+    p.add_argument("--student-recipe", default=None, help="--model vm: another VM preset than the default (vm_s)")
+    p.add_argument("--users", type=int, default=None, help="--model vm: users of the demo world (default 1000; "
+                                                             "not quick 3000)")
+    p.add_argument("--steps", type=int, default=20, help="training steps of the GEM (--model gem) or the teacher")
+    p.add_argument("--table-dtype", choices=["fp32", "fp16", "int8"], default="fp32", help="export's table dtype")
     p.add_argument("--no-compile", action="store_true", help="export without AOTInductor")
     p.add_argument("--candidates", default="1,64,512")
     p.add_argument("--concurrency", default=None, help="comma-separated client counts (default 1,4,16; quick 1,8)")
@@ -54,6 +76,7 @@ def _args() -> argparse.Namespace:
     a = p.parse_args()
     a.concurrency = a.concurrency or ("1,8" if a.quick else "1,4,16")
     a.seconds = a.seconds or (3.0 if a.quick else 10.0)
+    a.users = a.users or (1000 if a.quick else 3000)
     return a
 
 
@@ -65,29 +88,49 @@ def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1")
 
 
-def _prepare(a, work: Path) -> tuple[Path, Path, Path | None]:
-    """(artifact, data, run) — trained and exported here unless given."""
+def _prepare(a, work: Path) -> tuple[Path, Path, dict]:
+    """(artifact, data, what was built) — generated, trained, distilled and exported here unless given."""
+    from opengem.export.artifact import export_run
+
     data = Path(a.data) if a.data else work / "data"
+    built = {}
     if not a.data:
-        _cli("generate", "--preset", "tiny", "--out", str(data), "--seed", "1")
+        world = ["--preset", "tiny"] if a.model == "gem" else \
+            ["--preset", "demo", f"num_users={a.users}", f"users_per_block={min(a.users, 2048)}"]
+        _cli("generate", "--out", str(data), "--seed", "1", *world)
+        built["world"] = " ".join(world[1:])
     if a.artifact:
-        return Path(a.artifact), data, None
+        return Path(a.artifact), data, built
     run, art = work / "run", work / "artifact"
-    _cli("train", "--recipe", a.recipe, "--data", str(data), "--out", str(run), f"train.max_steps={a.steps}",
+    recipe = a.recipe if a.model == "gem" else a.teacher_recipe
+    _cli("train", "--recipe", recipe, "--data", str(data), "--out", str(run), f"train.max_steps={a.steps}",
          "data.batch_size=128")
-    _cli("export", "--run", str(run), "--out", str(art), *(["--no-compile"] if a.no_compile else []))
-    return art, data, run
+    built["trained"] = f"{recipe}, {a.steps} steps" + (" (the VM's teacher)" if a.model == "vm" else "")
+    if a.model == "vm":
+        from opengem.transfer.distill import DEMO_OVERRIDES, DEMO_RECIPE, distill, distill_demo
+
+        student = work / "vm"
+        if a.student_recipe:
+            distill(run, a.student_recipe, data, student, DEMO_OVERRIDES)
+        else:
+            distill_demo(run, data, student)
+        built["distilled"] = f"{a.student_recipe or DEMO_RECIPE} {' '.join(DEMO_OVERRIDES)}"
+        run = student
+    export_run(run, art, compile=not a.no_compile, table_dtype=a.table_dtype)
+    return art, data, built
 
 
-def _requests(schema, data: Path, candidates: int, n: int = 8) -> list[dict]:
-    """``n`` requests from test rows: a row's user, context and history + the ads of ``candidates`` rows."""
+def _requests(schema, data: Path, candidates: int, domains: list[int] | None, n: int = 16) -> list[dict]:
+    """``n`` requests from test rows (of ``domains``): a row's user, context and history + the ads of
+    ``candidates`` rows."""
     from opengem.data.parquet import DatasetManifest, read_shard
     from opengem.export.request import split_row
 
     manifest = DatasetManifest.load(data)
     rows = []
     for info in manifest.split_files("test"):
-        rows += read_shard(data, info, schema.columns()).to_pylist()
+        rows += [r for r in read_shard(data, info, schema.columns()).to_pylist()
+                 if domains is None or r[schema.domains.column] in domains]
         if len(rows) >= 2048:
             break
     rng = np.random.default_rng(0)
@@ -99,6 +142,23 @@ def _requests(schema, data: Path, candidates: int, n: int = 8) -> list[dict]:
     return out
 
 
+def _vm_domains(schema) -> list[int]:
+    """The default VM's surfaces (``distill.DEMO_OVERRIDES``' transfer.domains) as domain ids."""
+    from opengem.transfer.distill import DEMO_OVERRIDES
+
+    names = [v for o in DEMO_OVERRIDES if o.startswith("transfer.domains=") for v in o.split("=", 1)[1].split(",")]
+    return [list(schema.domains.names).index(n) for n in names]
+
+
+def _shape(schema, reqs: list[dict]) -> dict:
+    """Events per stream in the requests (before the model's history limit) and JSON body bytes."""
+    out = {"n": len(reqs), "body_bytes_mean": int(np.mean([len(json.dumps(r)) for r in reqs]))}
+    for s in schema.sequences:
+        n = [len(r[s.ts_column]) for r in reqs]
+        out[f"{s.name}_events"] = {"mean": round(float(np.mean(n)), 1), "max": int(max(n))}
+    return out
+
+
 def _pct(lat: list[float]) -> dict:
     a = np.asarray(lat) * 1e3
     return {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)), "n": len(a)}
@@ -106,14 +166,16 @@ def _pct(lat: list[float]) -> dict:
 
 # ----------------------------------------------------------------------------- the client
 async def _client(port: int, bodies: list[bytes], stop_at: float, warm_until: float, lat: list, errors: list):
+    """One keep-alive connection sending the next request when the last answer is read (no bodies: GET /healthz)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     i = 0
     try:
         while time.perf_counter() < stop_at:
-            body = bodies[i % len(bodies)]
+            body = bodies[i % len(bodies)] if bodies else None
             i += 1
             t0 = time.perf_counter()
-            writer.write(b"POST /v1/score HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n"
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: b\r\n\r\n" if body is None else
+                         b"POST /v1/score HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(body) + body)
             head = await reader.readuntil(b"\r\n\r\n")
             length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
@@ -148,24 +210,29 @@ def _start_server(artifact: Path, port: int, core: int) -> subprocess.Popen:
 
 
 def _timed(fn, n: int) -> dict:
-    lat = []
+    """Wall-clock percentiles, and the CPU time of the calling thread (what the work costs when the
+    core is not shared: on a busy machine the wall-clock tail is mostly waiting for the core)."""
+    lat, cpu = [], []
     for i in range(n + 2):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         fn(i)
         if i >= 2:  # the first calls allocate
             lat.append(time.perf_counter() - t0)
-    return _pct(lat)
+            cpu.append(time.thread_time() - c0)
+    c = _pct(cpu)
+    return {**_pct(lat), "cpu_p50_ms": c["p50_ms"], "cpu_p99_ms": c["p99_ms"]}
 
 
-def _training_model(artifact: Path, schema):
+def _training_model(artifact: Path, schema, table_dtype: str):
     """The plain training model (GEM built from the config, the artifact's weights), eval mode."""
     import torch
 
     from opengem.config import Config
+    from opengem.export.tables import compress
     from opengem.model.build import build_gem, materialize
 
     cfg = Config.from_dict(json.loads((artifact / "config.json").read_text()))
-    model = materialize(build_gem(schema, cfg.model))
+    model = compress(materialize(build_gem(schema, cfg.model)), table_dtype)
     model.load_state_dict(torch.load(artifact / "weights.pt", weights_only=True))
     return model.eval()
 
@@ -199,8 +266,8 @@ def main() -> None:
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {a.server_core})  # the in-process baselines run where the server will
     work = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="opengem-serving-"))
-    t_start = time.perf_counter()
-    artifact, data, _ = _prepare(a, work)
+    t_start, load_start = time.perf_counter(), os.getloadavg()
+    artifact, data, built = _prepare(a, work)
 
     from opengem.export.artifact import load_manifest
     from opengem.export.predictor import Predictor
@@ -211,15 +278,18 @@ def main() -> None:
     manifest = load_manifest(artifact)
     cands = [int(x) for x in a.candidates.split(",")]
     concs = [int(x) for x in a.concurrency.split(",")]
-    reqs = {c: _requests(schema, data, c) for c in cands}
-    model, predictor = _training_model(artifact, schema), Predictor(artifact)
+    table_dtype = manifest.get("tables", {}).get("dtype", "fp32")
+    domains = _vm_domains(schema) if "distilled" in built else None
+    reqs = {c: _requests(schema, data, c, domains) for c in cands}
+    model, predictor = _training_model(artifact, schema, table_dtype), Predictor(artifact)
     eager, inproc = {}, {}
     for c in cands:
         n = 10 if c >= 512 else (30 if a.quick else 100)
         eager[c] = _eager(model, schema, reqs[c], n)
-        inproc[c] = _in_process(predictor, reqs[c], n)
+        inproc[c] = _in_process(predictor, reqs[c], 4 * n if c >= 512 else 10 * n)  # p99 needs samples
         print(f"C={c:4d}  eager p50 {eager[c]['p50_ms']:8.2f} ms   predictor ({predictor.runtime}) "
-              f"p50 {inproc[c]['p50_ms']:8.2f} ms", flush=True)
+              f"p50 {inproc[c]['p50_ms']:8.2f} ms  p99 {inproc[c]['p99_ms']:8.2f} ms  "
+              f"(CPU time p50 {inproc[c]['cpu_p50_ms']:.2f}, p99 {inproc[c]['cpu_p99_ms']:.2f} ms)", flush=True)
     del model, predictor
 
     port = free_port()
@@ -228,6 +298,9 @@ def main() -> None:
     try:
         wait_ready(f"http://127.0.0.1:{port}", server, timeout=300)
         os.sched_setaffinity(0, {a.client_core})
+        floor = _load(port, [], 1, a.seconds)  # GET /healthz: HTTP stack + the machine, no model
+        print(f"GET /healthz (no model) concurrency 1: p50 {floor['p50_ms']:8.2f} ms  p99 {floor['p99_ms']:8.2f} ms",
+              flush=True)
         for c in cands:
             bodies = [json.dumps(r).encode() for r in reqs[c]]
             for k in concs:
@@ -238,8 +311,11 @@ def main() -> None:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
 
-    out = {"model": {"kind": manifest["model"]["kind"], "recipe": manifest["model"]["recipe"],
-                     "parameters": manifest["model"]["parameters"]["total"], "runtime": inproc[cands[0]]["runtime"]},
+    out = {"model": a.model if not a.artifact else "artifact",
+           "artifact": {"kind": manifest["model"]["kind"], "recipe": manifest["model"]["recipe"],
+                        "parameters": manifest["model"]["parameters"]["total"], "runtime": inproc[cands[0]]["runtime"],
+                        "table_dtype": table_dtype, "layout": manifest["layout"]},
+           "built": built, "requests": _shape(schema, reqs[cands[0]]),
            "cores": {"server": a.server_core, "client": a.client_core}, "server_threads": 1,
            "seconds_per_level": a.seconds}
     for c in cands:
@@ -249,10 +325,15 @@ def main() -> None:
         out[f"speedup_vs_eager_{c}"] = round(eager[c]["p50_ms"] / one["p50_ms"], 2)
         out[f"eager_p50_ms_{c}"] = round(eager[c]["p50_ms"], 3)
         out[f"predictor_p50_ms_{c}"] = round(inproc[c]["p50_ms"], 3)
+        out[f"predictor_p99_ms_{c}"] = round(inproc[c]["p99_ms"], 3)
+        out[f"predictor_cpu_p99_ms_{c}"] = round(inproc[c]["cpu_p99_ms"], 3)
+    out["healthz_p50_ms"], out["healthz_p99_ms"] = round(floor["p50_ms"], 3), round(floor["p99_ms"], 3)
     out["levels"] = [{"candidates": c, "concurrency": k, **{m: round(v, 3) for m, v in r.items()}}
                      for (c, k), r in served.items()]
     out["errors"] = sum(r["errors"] for r in served.values())
     out["wall_s"] = round(time.perf_counter() - t_start, 1)
+    out["loadavg_1m"] = {"start": round(load_start[0], 2), "end": round(os.getloadavg()[0], 2),
+                         "cpus": os.cpu_count()}
     print(json.dumps(out))
 
 

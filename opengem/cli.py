@@ -4,7 +4,7 @@
     opengem train    --recipe R --data DIR --out RUN [--resume] [key=value …]
     opengem evaluate --run RUN --data DIR [--split test] [--json FILE] [--signal]
     opengem distill  --teacher RUN --student-recipe R --data DIR --out RUN [--via FM_RUN] [key=value …]
-    opengem export   --run RUN --out ARTIFACT [--data DIR] [--no-compile]
+    opengem export   --run RUN --out ARTIFACT [--data DIR] [--no-compile] [--table-dtype fp32|fp16|int8]
     opengem serve    --artifact ARTIFACT [--host 127.0.0.1] [--port 8000]
     opengem bench    [--recipe R] [--data DIR] [--levers eager,compile,ac,bf16,fp8]
     opengem import   --source S --in PATH --out DIR [--spec FILE]   real data → our Parquet layout + schema
@@ -72,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--data", default=None, help="evaluate on --split now and record the metrics in the manifest")
     x.add_argument("--split", default="test")
     x.add_argument("--no-compile", action="store_true", help="skip the AOTInductor package (faster export)")
+    x.add_argument("--table-dtype", choices=["fp32", "fp16", "int8"], default="fp32",
+                   help="embedding tables in the artifact: fp32, or TorchRec-quantised fp16 / int8 rows (serving only)")
     x.add_argument("--force", action="store_true", help="replace a non-empty --out")
 
     s = sub.add_parser("serve", help="serve an artifact over HTTP (FastAPI + uvicorn)")
@@ -166,7 +168,8 @@ def cmd_distill(args) -> dict:
 def cmd_export(args) -> dict:
     from opengem.export.artifact import export_run
 
-    m = export_run(args.run, args.out, args.data, args.split, compile=not args.no_compile, overwrite=args.force)
+    m = export_run(args.run, args.out, args.data, args.split, compile=not args.no_compile, overwrite=args.force,
+                   table_dtype=args.table_dtype)
     par = max(v for k, v in m["parity"].items() if k.startswith("max_abs_diff"))
     log.info("wrote %s: model %s, parity max |Δp| %.2g vs the training model", args.out, m["model_version"], par)
     return m

@@ -2,6 +2,7 @@
 
     artifact.py   export_run: weights + schema + torch.export program (+ AOTInductor) + manifest
     program.py    ServingGEM: the model as a function of plain tensors, user/history shared per request
+    tables.py     the program's embedding tables: fp32, or TorchRec-quantised fp16 / int8 rows
     request.py    request JSON schema (from the FeatureSchema), validation, parsed form
     layout.py     parsed requests → program inputs (OOV, truncation, ages: the training path's code)
     predictor.py  Predictor: load an artifact, score requests

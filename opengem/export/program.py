@@ -50,11 +50,14 @@ class ServingGEM(nn.Module):
 
     Args:
         gem: a trained ``GEM`` in eval mode.
+        tables: table name → ``PackedTable`` (fp32 or compressed rows, see ``opengem.export.tables``)
+            to look up instead of ``gem``'s TorchRec tables; None: ``gem``'s own tables.
     """
 
-    def __init__(self, gem: GEM):
+    def __init__(self, gem: GEM, tables: nn.ModuleDict | None = None):
         super().__init__()
         self.gem = gem
+        self.tables = tables
         self.schema, self.cfg = gem.schema, gem.cfg
         self.rows = gem.sparse_arch.rows
         self.capped = bool(gem.cfg.sparse.max_rows_per_table)
@@ -63,6 +66,16 @@ class ServingGEM(nn.Module):
 
     def _ids(self, x: torch.Tensor, column: str) -> torch.Tensor:
         return x % self.rows[column] if self.capped else x  # SparseArch._hash, per feature
+
+    def _bag(self, name: str, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if self.tables is not None:
+            return self.tables[name].bag(values, offsets)
+        return self.gem.sparse_arch.ebc.embedding_bags[name](input=values, offsets=offsets).float()
+
+    def _rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        if self.tables is not None:
+            return self.tables[name](ids)
+        return self.gem.sparse_arch.ec.embeddings[name](ids).float()
 
     def _cand_ids(self, x: dict[str, torch.Tensor], feature: str) -> torch.Tensor:
         """[C] the (single-valued) id of ``feature`` for each candidate."""
@@ -74,21 +87,19 @@ class ServingGEM(nn.Module):
         cand_user = x["cand_user"]
         toks = []
         for f in self.schema.sparse:
-            bag = self.gem.sparse_arch.ebc.embedding_bags[f"t_{f.name}"]
-            e = bag(input=self._ids(x[f"sparse.{f.name}.values"], f.name),
-                    offsets=x[f"sparse.{f.name}.offsets"]).float()
+            e = self._bag(f"t_{f.name}", self._ids(x[f"sparse.{f.name}.values"], f.name),
+                          x[f"sparse.{f.name}.offsets"])
             toks.append(e if f.group == "ad" else e[cand_user])
         return torch.stack(toks, dim=1)
 
     def history_tokens(self, x: dict[str, torch.Tensor], tower: nn.Module, stream) -> list[torch.Tensor]:
         """[N, D] per target-match combination: event model + match vector + time embedding, once per event."""
-        tables = self.gem.sparse_arch.ec.embeddings
         cols = [stream.item_column, stream.event_column] + [stream.attribute_column(a) for a in stream.attributes]
         names = [f"t_{stream.name}_item", f"t_{stream.name}_event"] + [f"t_{stream.name}_{a.name}"
                                                                       for a in stream.attributes]
         values = None
         for col, name in zip(cols, names):
-            e = tables[name](self._ids(x[f"seq.{col}"], col)).float()
+            e = self._rows(name, self._ids(x[f"seq.{col}"], col))
             values = e if values is None else values + e  # the order SparseArch.forward_sequences sums in
         age = x[f"seq.{stream.name}.age"]
         A = len(self.match_pairs.get(stream.name, ()))
@@ -207,11 +218,16 @@ def padded_pool(q_CMD: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]
 def serving_module(model: nn.Module) -> nn.Module:
     """The plain-tensor module to export for a trained model.
 
-    GEM has its adapter here; any other model (e.g. a distilled student) exports by defining
-    ``serving_module()`` that returns a module taking the same input dict (see the module docstring).
+    GEM has its adapter here, over ``PackedTable``s of its tables (a GEM whose tables ``quantize_tables``
+    swapped for ``torchrec.quant`` ones serves their compressed rows, see ``opengem.export.tables``),
+    on a copy of GEM without its TorchRec tables (so the program holds each row once); any other model (e.g. a
+    distilled student) exports by defining ``serving_module()`` that returns a module taking the
+    same input dict (see the module docstring).
     """
     if isinstance(model, GEM):
-        return ServingGEM(model).eval()
+        from opengem.export.tables import packed_tables, without_tables
+
+        return ServingGEM(without_tables(model), packed_tables(model.sparse_arch)).eval()
     if hasattr(model, "serving_module"):
         return model.serving_module().eval()
     raise TypeError(f"{type(model).__name__} has no serving adapter: define serving_module() on it "
