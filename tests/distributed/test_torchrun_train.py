@@ -3,6 +3,8 @@
     A  table-wise, 12 steps                      the reference run
     B  row-wise, same data and steps             same losses as A (the layout does not change the math)
     C  A's config, one rank SIGKILLed after a checkpoint, then ``--resume``: A's exact parameters
+    D  A's config, one rank SIGTERMed (a preemption): both ranks stop after the same step, save, exit;
+       ``--resume``: A's exact parameters
     A's checkpoint in one process: ``opengem evaluate``, the same params_sha256, and a resume on
     another world size (refused by default, ``train.resume_reshard=rewind`` continues)
 """
@@ -84,6 +86,29 @@ def test_killed_rank_then_resume_is_bit_identical(tiny_data, run_a, tmp_path):
     a, c = T.final(run_a), T.final(run)
     assert (c["steps"], c["examples"], c["params_sha256"]) == (a["steps"], a["examples"], a["params_sha256"]), killed_at
     assert T.losses(run) == T.losses(run_a)  # steps redone after the checkpoint are logged once
+
+
+def test_sigterm_to_one_rank_checkpoints_both_and_resumes_bit_identical(tiny_data, run_a, tmp_path):
+    run, log = tmp_path / "d", tmp_path / "log"
+    layout = ("parallel.default_sharding=table_wise",)  # no periodic checkpoints: only SIGTERM saves
+    proc = T.start(2, *_train_args(tiny_data, run, *layout), log=log)
+    try:
+        metrics = run / "metrics.jsonl"
+        T.wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240, "two steps", proc, log)
+        pid = T.wait_for(lambda: T.worker_pid(proc, 1), 10, "rank 1's pid", proc, log)
+        os.kill(pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) != 0  # preempted, not finished
+    finally:
+        T.stop(proc)
+    assert not (run / "final.json").exists(), "the run finished before the SIGTERM; nothing was tested"
+    latest = run / "checkpoints" / (run / "checkpoints" / "LATEST").read_text().strip()
+    assert sorted(p.name for p in latest.glob("trainer_state-rank*.pt")) == ["trainer_state-rank0.pt",
+                                                                             "trainer_state-rank1.pt"]
+    assert "exiting with code 75" in log.read_text()
+    T.run(2, *_train_args(tiny_data, run, *layout, resume=True), log=log)
+    a, d = T.final(run_a), T.final(run)
+    assert (d["steps"], d["examples"], d["params_sha256"]) == (a["steps"], a["examples"], a["params_sha256"]), latest
+    assert T.losses(run) == T.losses(run_a)
 
 
 def test_resume_on_another_world_size(tiny_data, run_a, tmp_path, capsys):
