@@ -1,6 +1,8 @@
 """Build a model the way training, evaluation and teachers all do: meta → materialise → init.
 
 ``opengem.parallel`` (sharding, FSDP2) slots in between ``build_gem`` and ``materialize``.
+``model.arch`` picks the model: ``gem`` (GEM), or a peer baseline, ``dlrm`` | ``dlrm_dcn``
+(``opengem.model.peers``: TorchRec's DLRM on the same tables and batches, one process only).
 """
 
 from __future__ import annotations
@@ -9,15 +11,19 @@ import torch
 
 from opengem.features.schema import FeatureSchema
 from opengem.model.foundation import GEM, GEMConfig
+from opengem.model.peers import PeerModel
 
 
-def build_gem(schema: FeatureSchema, cfg: GEMConfig) -> GEM:
-    """The model on the meta device: no memory, any size (a 1B-parameter preset builds instantly)."""
-    return GEM(schema, cfg, device="meta")
+def build_gem(schema: FeatureSchema, cfg: GEMConfig) -> GEM | PeerModel:
+    """The model ``cfg.arch`` names, on the meta device: no memory, any size (a 1B-parameter preset
+    builds instantly). GEM unless ``arch`` names a peer (the trainer and evaluator take either)."""
+    if cfg.arch == "gem":
+        return GEM(schema, cfg, device="meta")
+    return PeerModel(schema, cfg, device="meta")
 
 
-def materialize(model: GEM, device: str | torch.device = "cpu", seed: int = 0,
-                base_rates: list[float] | None = None) -> GEM:
+def materialize(model: GEM | PeerModel, device: str | torch.device = "cpu", seed: int = 0,
+                base_rates: list[float] | None = None) -> GEM | PeerModel:
     model.to_empty(device=device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

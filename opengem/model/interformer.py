@@ -17,7 +17,7 @@ Gating is X ⊙ σ(W X) per token (the common self-gating; the paper's LaTeX rea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -32,6 +32,11 @@ class InterFormerConfig:
     num_pma: int = 2
     num_recent: int = 2
     gate: str = "self"  # self: X⊙σ(WX) | sigmoid_of_product: σ(X⊙WX)
+    # Ablations (benchmarks/quality.py). wukong=False: the non-sequence tokens skip the Wukong layers
+    # (X_l = X_0). interleave=False: no exchange between the sides — Wukong gets no S_sum and the
+    # towers get zeros for X_sum (CLS, PFFN, pooling queries); the heads still read both summaries.
+    wukong: bool = True
+    interleave: bool = True
 
     def validate(self) -> None:
         if self.gate not in ("self", "sigmoid_of_product"):
@@ -115,18 +120,23 @@ class InterFormer(nn.Module):
                  sequence: SequenceConfig, cfg: InterFormerConfig):
         super().__init__()
         self.cfg, self.num_layers, self.num_streams = cfg, wukong.num_layers, num_streams
-        n_extra = num_streams * cfg.tokens_per_stream
-        self.interaction = InteractionArch(n_x, n_extra, dim, wukong)
+        n_extra = num_streams * cfg.tokens_per_stream if cfg.interleave else 0
+        self.interaction = InteractionArch(n_x, n_extra, dim, wukong if cfg.wukong else replace(wukong, num_layers=0))
         self.towers = nn.ModuleList(SequenceTower(cfg.num_sum, dim, wukong.num_layers, sequence)
                                     for _ in range(num_streams))
-        tokens = [n_x] + [wukong.num_out] * wukong.num_layers
+        tokens = [n_x] + [wukong.num_out if cfg.wukong else n_x] * wukong.num_layers
         self.cross = nn.ModuleList(CrossArch(tokens[i], dim, num_streams, sequence.num_heads, cfg)
                                    for i in range(wukong.num_layers + 1))
 
     def forward(self, x_BND: torch.Tensor, seqs: list[tuple[torch.Tensor, torch.Tensor]]):
         x_sum = self.cross[0].summarize_x(x_BND)
-        states = [tw.first_tokens(tok, lengths, x_sum) for tw, (tok, lengths) in zip(self.towers, seqs)]
+        states = [tw.first_tokens(tok, lengths, self.tower_context(x_sum))
+                  for tw, (tok, lengths) in zip(self.towers, seqs)]
         return self.run_layers(x_BND, states, x_sum)
+
+    def tower_context(self, x_sum: torch.Tensor) -> torch.Tensor:
+        """What the towers read as X_sum (CLS tokens, PFFN, pooling queries): zeros without interleaving."""
+        return x_sum if self.cfg.interleave else torch.zeros_like(x_sum)
 
     def run_layers(self, x_BND: torch.Tensor, states: list[tuple[torch.Tensor, torch.Tensor]],
                    x_sum: torch.Tensor | None = None):
@@ -136,9 +146,11 @@ class InterFormer(nn.Module):
         for i in range(self.num_layers):
             if i or x_sum is None:
                 x_sum = self.cross[i].summarize_x(x_BND)
-            s_sum = self.cross[i].summarize_s(states)
-            x_next = self.interaction.forward_layer(i, x_BND, s_sum, history)
-            states = [tw.layer(i, s, v, x_sum) for tw, (s, v) in zip(self.towers, states)]
+            x_next = x_BND
+            if self.cfg.wukong:
+                s_sum = self.cross[i].summarize_s(states) if self.cfg.interleave else None
+                x_next = self.interaction.forward_layer(i, x_BND, s_sum, history)
+            states = [tw.layer(i, s, v, self.tower_context(x_sum)) for tw, (s, v) in zip(self.towers, states)]
             history.append(x_BND)
             x_BND = x_next
         last = self.cross[self.num_layers]

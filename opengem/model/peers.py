@@ -1,0 +1,176 @@
+"""Peer baselines: TorchRec's DLRM and DLRM-DCN on our batches, trained by our trainer unchanged.
+
+Legend: B rows, n sparse tokens (n_f sparse features + S streams + 1 domain), F dense features,
+D dim, T tasks, N events of one stream (jagged).
+
+    batch.sparse    ─► SparseArch (EBC, ours)          ─► [B, n_f, D] ┐
+    batch.sequences ─► SparseArch (EC, ours) ─► mean/row ─► [B, S, D]  ├─ sparse [B, n, D] ┐
+    batch.domain    ─► domain embedding                 ─► [B, 1, D]  ┘                   ├─►
+    batch.dense ─► signed_log ─► DenseArch (torchrec)   ─► [B, D] ───────────────────────┘
+        ─► InteractionArch (dlrm: dot products)  | InteractionDCNArch (dlrm_dcn: low-rank DCN-v2)
+        ─► OverArch (torchrec) ─► [B, T] raw logits ─► task chaining ─► logits [B, T]
+
+``model.arch`` = ``dlrm`` | ``dlrm_dcn`` selects one (``build_gem`` dispatches; ``gem`` is GEM).
+The parts are torchrec.models.dlrm's own ``DenseArch``, ``InteractionArch``,
+``InteractionDCNArch`` and ``OverArch``; only the inputs and outputs are adapted:
+
+- Tables: our ``SparseArch``, so sharding plans, the row-wise Adagrad table optimizer, table
+  init and id hashing are the same as GEM's.
+- Sequences: DLRM has no sequence model. Each behaviour stream enters as ONE token: the mean over
+  the row's events of their embeddings (item + event type + attributes, the same event model GEM's
+  towers start from; an empty history gives zeros) — how DLRM users feed a history (a mean-pooled
+  embedding bag). The history cap is GEM's (``max_seq_len``). ``model.use_sequences=false`` drops them.
+- Domain: one more sparse token (GEM's ``heads.domain_mode=shared`` reading of the surface).
+- Dense: torchrec's ``DenseArch`` [F → 4D → D] on GEM's ``signed_log`` of the values; with no
+  dense features it reads a constant 1 (a learned vector), since DLRM's interaction needs one.
+- Tasks: one ``OverArch`` [in → heads.trunk_dims → heads.task_dims → T] (GEM's head widths) with
+  one output per task; a task that ``requires`` another is chained as GEM's heads chain it
+  (``heads.chain_required``): p(conversion) = p(click) · σ(own logit) ≤ p(click), trained on all
+  impressions. Output biases start at the base rates, as GEM's do.
+- DLRM-DCN: torchrec's ``LowRankCrossNet`` with ``DCN_LAYERS`` layers of rank
+  ``DCN_RANK_PER_DIM × D`` over the (n + 1)·D concatenation.
+
+Single process only: ``opengem.parallel`` shards and wraps GEM's blocks by name (InterFormer,
+heads), so a peer under torchrun stops with a clear error at the first such access (see
+``interformer`` below). Export (``ServingGEM``) handles GEM only, too.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+from torchrec.models.dlrm import DenseArch, InteractionArch, InteractionDCNArch, OverArch, choose
+from torchrec.modules.crossnet import LowRankCrossNet
+
+from opengem.data.batch import Batch
+from opengem.features.schema import FeatureSchema
+from opengem.model.foundation import GEMConfig, signed_log
+from opengem.model.heads import chained_logit
+from opengem.model.sparse_arch import SparseArch
+from opengem.ops.jagged import row_ids
+
+PEER_ARCHS = ("dlrm", "dlrm_dcn")
+DCN_LAYERS = 3  # torchrec's DLRM-DCN reference setting (torchrec/examples dlrm_main: 3 layers)
+DCN_RANK_PER_DIM = 2  # low rank = 2·D
+
+
+def mean_pool(values_ND: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
+    """[B, D] mean of each row's jagged values; rows without events give zeros.
+
+    lengths [2, 0, 1], values [v0 v1 | | v2] → [(v0+v1)/2, 0, v2].
+    """
+    B = lengths_B.numel()
+    sums = values_ND.new_zeros(B, values_ND.shape[1]).index_add_(0, row_ids(lengths_B), values_ND)
+    return sums / lengths_B.clamp(min=1).unsqueeze(1).to(values_ND.dtype)
+
+
+class PeerModel(nn.Module):
+    """DLRM or DLRM-DCN (``cfg.arch``) with GEM's interface: ``forward(batch)`` → logits [B, T].
+
+    Args:
+        schema: the data's features and tasks.  cfg: the same ``GEMConfig`` a GEM run uses
+            (``arch``, ``embedding_dim``, ``sparse``, ``heads``, ``use_sequences``, ``max_seq_len``).
+        device: where to build (``meta`` for the trainer's build → materialise → init path).
+    """
+
+    def __init__(self, schema: FeatureSchema, cfg: GEMConfig, device: torch.device | str | None = None):
+        super().__init__()
+        cfg.validate()
+        if cfg.arch not in PEER_ARCHS:
+            raise ValueError(f"PeerModel builds {PEER_ARCHS}, got model.arch={cfg.arch!r}")
+        self.schema, self.cfg = schema, cfg
+        D = cfg.embedding_dim
+        device = torch.device(device) if device is not None else None
+        self.streams = [s.name for s in schema.sequences] if cfg.use_sequences else []
+        n = len(schema.sparse) + len(self.streams) + 1
+        with torch.device(device) if device is not None else nullcontext():
+            self.sparse_arch = SparseArch(schema, cfg.sparse, D, device)
+            self.domain_emb = nn.Embedding(schema.num_domains, D)
+            self.dense_arch = DenseArch(max(len(schema.dense), 1), [4 * D, D])
+            if cfg.arch == "dlrm":
+                self.inter_arch = InteractionArch(num_sparse_features=n)
+                self.feature_dim = D + choose(n + 1, 2)
+            else:
+                cross = LowRankCrossNet((n + 1) * D, DCN_LAYERS, DCN_RANK_PER_DIM * D)
+                self.inter_arch = InteractionDCNArch(num_sparse_features=n, crossnet=cross)
+                self.feature_dim = (n + 1) * D
+            hidden = [*cfg.heads.trunk_dims, *cfg.heads.task_dims] or [4 * D]
+            self.over_arch = OverArch(self.feature_dim, [*hidden, len(schema.tasks)])
+        self.parent = [schema.task_names.index(t.requires) if (t.requires and cfg.heads.chain_required) else -1
+                       for t in schema.tasks]
+
+    @property
+    def interformer(self) -> nn.Module:
+        # opengem.parallel (FSDP units, activation checkpointing, compile) and export start here
+        raise NotImplementedError(
+            f"model.arch={self.cfg.arch} is a single-process peer baseline: opengem.parallel and export "
+            "handle GEM's blocks (InterFormer, heads) only; train it without torchrun, or use model.arch=gem")
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def init_weights(self, base_rates: list[float] | None = None, seed: int = 0) -> None:
+        """(Re)initialise every parameter (and the dot interaction's index buffer, which ``to_empty``
+        leaves undefined); call after ``to_empty`` when built on meta."""
+        tables = {id(m) for m in self.sparse_arch.modules()}
+        for m in self.modules():
+            if m is self or id(m) in tables:
+                continue
+            if isinstance(m, LowRankCrossNet):  # torchrec initialises it in __init__ only
+                for w in [*m.W_kernels, *m.V_kernels]:
+                    nn.init.xavier_normal_(w)
+                for b in m.bias:
+                    nn.init.zeros_(b)
+            elif hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        if isinstance(self.inter_arch, InteractionArch):
+            F = self.inter_arch.F
+            self.inter_arch.triu_indices = torch.triu_indices(F + 1, F + 1, offset=1,
+                                                              device=self.domain_emb.weight.device)
+        self.sparse_arch.init_weights(seed)
+        if base_rates is not None:
+            self._init_bias(base_rates)
+
+    def _init_bias(self, base_rates: list[float]) -> None:
+        """Output biases at each task's base rate (conditional rate for chained tasks), as ``Heads``."""
+        if len(base_rates) != len(self.parent):
+            raise ValueError(f"got {len(base_rates)} base rates for tasks {self.schema.task_names}")
+        bias = self.over_arch.model[-1].bias
+        for t, r in enumerate(base_rates):
+            if self.parent[t] >= 0:
+                r = r / max(base_rates[self.parent[t]], 1e-6)
+            r = min(max(r, 1e-6), 1 - 1e-6)
+            bias[t] = torch.logit(torch.tensor(r, dtype=torch.float64)).item()
+
+    def sparse_parameters(self) -> list[nn.Parameter]:
+        return self.sparse_arch.sparse_parameters()
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        sparse = {id(p) for p in self.sparse_parameters()}
+        return [p for p in self.parameters() if id(p) not in sparse]
+
+    # ------------------------------------------------------------------ forward
+    def max_seq_len(self) -> dict[str, int]:
+        """Per-stream history cap for ``collate``: the same as GEM's for the same config."""
+        return {s.name: (min(self.cfg.max_seq_len, s.max_len) if self.cfg.max_seq_len else s.max_len)
+                for s in self.schema.sequences}
+
+    def features(self, batch: Batch) -> torch.Tensor:
+        """[B, feature_dim]: the interaction output the OverArch reads."""
+        B = batch.batch_size
+        tokens = [self.sparse_arch.forward_sparse(batch.sparse, B)]
+        if self.streams:
+            emb = self.sparse_arch.forward_sequences(batch.sequences)
+            tokens += [mean_pool(*emb[name]).unsqueeze(1) for name in self.streams]
+        tokens.append(self.domain_emb(batch.domain).unsqueeze(1))
+        dense = signed_log(batch.dense) if self.schema.dense else batch.dense.new_ones(B, 1)
+        return self.inter_arch(self.dense_arch(dense), torch.cat(tokens, dim=1))
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """logits [B, T] in schema task order."""
+        raw = self.over_arch(self.features(batch))
+        out: list[torch.Tensor] = []
+        for t, p in enumerate(self.parent):
+            out.append(raw[:, t] if p < 0 else chained_logit(out[p], raw[:, t]))
+        return torch.stack(out, dim=1)
