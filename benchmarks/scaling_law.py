@@ -1,6 +1,6 @@
 """The scaling curve: held-out NE against training FLOPs along the recipes' size dial (as Wukong fits it).
 
-    python benchmarks/scaling_law.py --quick        # 2 CPU cores, < 5 min: a 1/9-size demo world, 3 sizes
+    python benchmarks/scaling_law.py --quick        # 2 CPU cores, < 5 min: a 1/18-size demo world, 3 sizes
     python benchmarks/scaling_law.py                # 2 CPU cores, < 30 min: a 4/9-size demo world, 3 sizes
     python benchmarks/scaling_law.py --preset small --recipes demo,small,medium,large   # a GPU host
 
@@ -41,7 +41,7 @@ from opengem.recipes import recipe
 from opengem.train.losses import masked_bce
 from opengem.train.trainer import train
 
-QUICK = {"users": 4000, "recipes": ["tiny", "demo", "small"]}  # ~55k training rows
+QUICK = {"users": 2000, "recipes": ["tiny", "demo", "small"]}  # ~27k training rows
 FULL = {"users": 16000, "recipes": ["tiny", "demo", "small"]}  # ~220k training rows
 
 

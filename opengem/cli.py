@@ -93,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=10)
     b.add_argument("--warmup", type=int, default=3)
     b.add_argument("--json", default=None, help="write the figures here")
+    b.add_argument("--quick", action="store_true",
+                   help="the headline figures in a few CPU minutes: jagged vs padded, loader vs training, FP8 and "
+                        "int8 memory, time to DLRM-DCN's quality; ends with one JSON line")
     b.add_argument("overrides", nargs="*", help="config overrides key=value")
 
     d = sub.add_parser("demo", help="the main job: generate, train, evaluate, distil, export, serve (demo world)")
@@ -194,6 +197,14 @@ def cmd_bench(args) -> dict:
     from opengem.recipes import recipe
     from opengem.train.bench import format_bench, run_bench
 
+    if args.quick:
+        from opengem.train.bench import quick_bench
+
+        out = quick_bench()
+        print(json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)}))
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2))
+        return out
     cfg = apply_overrides(recipe(args.recipe), list(args.overrides))
     out = run_bench(cfg, args.data, tuple(args.levers.split(",")), args.warmup, args.steps)
     print(format_bench(out))

@@ -107,7 +107,7 @@ class LeverRun:
             o.step()
         _sync(dev)
         t5 = time.perf_counter()
-        self.losses.append(float(loss))
+        self.losses.append(loss.item())
         if record:
             for p, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
                 self.times[p].append(dt)
@@ -191,3 +191,91 @@ def format_bench(out: dict) -> str:
     lines.append(f"loader alone: {out['loader_examples_per_s']:,.0f} examples/s"
                  + (f" = {out['loader_over_training']:.1f}× eager training" if "loader_over_training" in out else ""))
     return "\n".join(lines)
+
+
+def train_with_evals(cfg: Config, data: Path, eval_every: int, split: str = "valid",
+                     task: str = "click") -> dict:
+    """One pass over ``train`` with the recipe's optimizers and lr schedule, pausing the clock every
+    ``eval_every`` steps to evaluate ``all/<task>`` NE on ``split``: [(train seconds, examples, NE)]."""
+    from opengem.evaluation.evaluate import evaluate_model
+    from opengem.train.optim import Schedule
+    from opengem.train.trainer import train_base_rates
+
+    schema = FeatureSchema.load(data)
+    rates = train_base_rates(data, schema, cfg.data.train_split)
+    torch.manual_seed(cfg.train.seed)
+    model = materialize(build_gem(schema, cfg.model), seed=cfg.train.seed,
+                        base_rates=[rates.get(t, 0.5) for t in schema.task_names])
+    loader = ShardLoader(data, cfg.data.train_split, cfg.data.batch_size, schema, shuffle=True, seed=cfg.data.seed,
+                         epochs=cfg.train.epochs, drop_last=True, max_seq_len=model.max_seq_len())
+    dense_opt, sparse_opt = build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim)
+    opts = [o for o in (dense_opt, sparse_opt) if o is not None]
+    schedule = Schedule(opts, loader.rows_per_epoch * cfg.train.epochs // cfg.data.batch_size, cfg.optim)
+    task_w = torch.ones(len(schema.tasks))
+    curve, clock, examples = [], 0.0, 0
+
+    def evaluate() -> None:
+        m = evaluate_model(model.eval(), schema, data, split, rates, progress=False)["metrics"][f"all/{task}"]
+        curve.append((round(clock, 3), examples, m["ne"]))
+        model.train()
+
+    for step, batch in enumerate(loader, start=1):
+        t0 = time.perf_counter()
+        schedule.set(step - 1)
+        loss, _ = masked_bce(model(batch), batch.labels, batch.label_mask, batch.weights, task_w,
+                             batch.domain, schema.num_domains)
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        loss.backward()
+        for o in opts:
+            o.step()
+        clock += time.perf_counter() - t0
+        examples += batch.batch_size
+        if step % eval_every == 0:
+            evaluate()
+    if not curve or curve[-1][1] != examples:
+        evaluate()
+    return {"arch": cfg.model.arch, "parameters": count_parameters(model), "curve": curve,
+            "train_s": round(clock, 2), "examples_per_s": round(examples / max(clock, 1e-9), 1),
+            "final_ne": curve[-1][2]}
+
+
+def time_to_quality(gem: dict, peer: dict) -> dict:
+    """Seconds GEM needs to reach the NE the peer ends with, against the peer's full time."""
+    target = peer["final_ne"]
+    reached = next((t for t, _, v in gem["curve"] if v <= target), None)
+    return {"target_ne": target, "peer_s": peer["train_s"], "gem_s_to_target": reached,
+            "speedup": round(peer["train_s"] / reached, 3) if reached else None,
+            "gem_final_ne": gem["final_ne"]}
+
+
+def quick_bench(cfg_name: str = "tiny", ttq_users: int = 3000, eval_every: int = 20) -> dict:
+    """``opengem bench --quick``: the headline figures on 2 CPU cores in a few minutes."""
+    from opengem.config import apply_overrides
+    from opengem.data.synthetic import generate, world_config
+    from opengem.ops.quantize import quantize_tables, table_bytes
+    from opengem.recipes import recipe
+    from opengem.train.bench_ops import attention_case
+
+    levers = run_bench(recipe(cfg_name), None, ("eager", "fp8"), warmup=2, steps=4, loader_seconds=2.0)
+    att = attention_case(32, 70, 3000, 32, heads=2, reps=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data"
+        generate(world_config("demo", seed=0, num_users=ttq_users), data, progress=False)
+        schema = FeatureSchema.load(data)
+        fp32 = materialize(build_gem(schema, recipe("demo").model))
+        int8_saved = table_bytes(fp32) / table_bytes(quantize_tables(fp32, "int8"))
+        runs = {arch: train_with_evals(apply_overrides(recipe("demo"), [f"model.arch={arch}"]), data, eval_every)
+                for arch in ("gem", "dlrm_dcn")}
+    ttq = time_to_quality(runs["gem"], runs["dlrm_dcn"])
+    lv = levers["levers"]
+    return {"padded_over_jagged_time": round(att["padded_over_jagged_time"], 2),
+            "max_over_mean_len": round(att["max_len"] / att["mean_len"], 2),
+            "loader_over_train_eps": levers["loader_over_training"],
+            "time_to_dcn_quality_speedup": ttq["speedup"],
+            "fp8_act_mem_saved": round(lv["eager"]["saved_activation_mb"] / lv["fp8"]["saved_activation_mb"], 2),
+            "int8_table_mem_saved": round(int8_saved, 2),
+            "ttq": ttq, "gem_examples_per_s": runs["gem"]["examples_per_s"],
+            "dcn_examples_per_s": runs["dlrm_dcn"]["examples_per_s"],
+            "params": {a: r["parameters"]["total"] for a, r in runs.items()}, "attention": att,
+            "levers": {k: {kk: v[kk] for kk in ("examples_per_s", "saved_activation_mb")} for k, v in lv.items()}}

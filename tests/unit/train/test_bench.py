@@ -59,3 +59,24 @@ def test_trainer_fp8_activations_stay_near_fp32(tmp_path):
         losses[flag] = [json.loads(x)["loss"] for x in (tmp_path / flag / "metrics.jsonl").read_text().splitlines()]
     assert len(losses["true"]) == 4
     assert max(abs(a - b) / b for a, b in zip(losses["true"], losses["false"])) < TOL["fp8"]
+
+
+def test_time_to_quality_reads_the_first_crossing():
+    from opengem.train.bench import time_to_quality
+
+    gem = {"curve": [(1.0, 100, 0.99), (2.0, 200, 0.95), (3.0, 300, 0.90)], "final_ne": 0.90}
+    peer = {"curve": [(0.5, 300, 0.95)], "final_ne": 0.95, "train_s": 4.0}
+    ttq = time_to_quality(gem, peer)
+    assert ttq["gem_s_to_target"] == 2.0 and ttq["speedup"] == 2.0
+    assert time_to_quality(gem, {**peer, "final_ne": 0.5})["speedup"] is None  # never reached: no figure
+
+
+def test_train_with_evals_records_a_learning_curve(tmp_path):
+    from opengem.data.synthetic import generate, world_config
+    from opengem.train.bench import train_with_evals
+
+    generate(world_config("tiny", seed=0), tmp_path, progress=False)
+    out = train_with_evals(recipe("tiny"), tmp_path, eval_every=5)
+    times, rows, nes = zip(*out["curve"])
+    assert len(nes) >= 3 and list(times) == sorted(times) and list(rows) == sorted(rows)
+    assert all(0 < v < 1.5 for v in nes) and out["final_ne"] == nes[-1] and out["examples_per_s"] > 0
