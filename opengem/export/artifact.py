@@ -191,6 +191,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | 
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ArtifactError(f"{out} exists and is not empty (artifacts are immutable; pick a new directory)")
     model, cfg, schema = load_run_model(run)
+    if cfg.model.arch != "gem":
+        raise ArtifactError(f"{run}: model.arch={cfg.model.arch} is a peer baseline; only GEM runs (and the "
+                            "vertical models distilled from them) export")
     layout = layout_of(model, cfg)
     fp32_model, fp32_bytes, parameters = None, table_bytes(model), count_parameters(model)
     if table_dtype != "fp32":

@@ -163,7 +163,7 @@ class ServingGEM(nn.Module):
         states = []
         for tower, stream in zip(gem.interformer.towers, [self.schema.stream(s) for s in gem.streams]):
             toks = self.history_tokens(x, tower, stream)
-            states.append(self.first_tokens(x, tower, stream.name, toks, x_sum))
+            states.append(self.first_tokens(x, tower, stream.name, toks, gem.interformer.tower_context(x_sum)))
         return x_BND, states
 
     def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:

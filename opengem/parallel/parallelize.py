@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from opengem.parallel.activation_checkpoint import apply_activation_checkpoint
 from opengem.parallel.compile import apply_compile
 from opengem.parallel.dense import apply_fsdp
-from opengem.parallel.dims import ParallelConfig, ParallelDims
+from opengem.parallel.dims import ParallelConfig, ParallelConfigError, ParallelDims
 from opengem.parallel.sparse import SparseOptimizerSpec, SparseSharding, apply_sparse_sharding
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,9 @@ def build_parallel_gem(schema, model_cfg, dims: ParallelDims, cfg: ParallelConfi
 
     from opengem.model.build import build_gem
 
+    if model_cfg.arch != "gem":  # parallelize() wraps GEM's own blocks (InterFormer, heads) by name
+        raise ParallelConfigError(f"model.arch={model_cfg.arch} (a peer baseline) trains in one process only; "
+                                  "run `opengem train` without torchrun")
     model = build_gem(schema, model_cfg)
     sparse = parallelize(model, dims, cfg, sparse_optim, device)
     materialize_parallel(model, sparse, device)

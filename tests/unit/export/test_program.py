@@ -14,6 +14,7 @@ from opengem.export.request import parse, request_models, rows_of, synthetic_req
 from opengem.model.build import build_gem, materialize
 from opengem.model.foundation import GEMConfig
 from opengem.model.interaction_arch import WukongConfig
+from opengem.model.interformer import InterFormerConfig
 from opengem.model.sequence_arch import SequenceConfig
 from opengem.model.sparse_arch import SparseArchConfig
 from opengem.ops.jagged import pool_attention
@@ -22,9 +23,9 @@ from opengem.testing import tiny_schema
 TOL = 1e-5
 
 
-def _model(schema, max_rows=0, max_seq_len=12, cross_max_cells=0):
+def _model(schema, max_rows=0, max_seq_len=12, cross_max_cells=0, interleave=True):
     cfg = GEMConfig(embedding_dim=16, max_seq_len=max_seq_len, sparse=SparseArchConfig(max_rows_per_table=max_rows),
-                    cross_max_cells=cross_max_cells,
+                    cross_max_cells=cross_max_cells, interformer=InterFormerConfig(interleave=interleave),
                     wukong=WukongConfig(num_layers=2, num_fm=4, num_lc=4, fm_rank=4, mlp_dims=(32,)),
                     sequence=SequenceConfig(num_heads=2, recent_len=8, min_recent=2, num_pooled=2))
     model = materialize(build_gem(schema, cfg), base_rates=[0.1, 0.01])
@@ -99,6 +100,14 @@ def test_serving_module_with_feature_crosses(max_rows):
     assert model.crosses is not None and len(model.crosses.pairs) >= 2
     diff, reports = _compare(model, schema, _requests(schema, [(4, 9), (3, 2), (2, 0)], seed=7))
     assert diff < TOL and reports[0]["oov"]
+
+
+def test_serving_module_equals_gem_without_interleaving():
+    """The ablation without InterFormer's exchange (towers read zeros for X_sum) serves as it trains."""
+    schema = tiny_schema()
+    model = _model(schema, interleave=False)
+    diff, _ = _compare(model, schema, _requests(schema, [(3, 9), (2, 0)], seed=11))
+    assert diff < TOL
 
 
 def test_target_match_is_exercised():

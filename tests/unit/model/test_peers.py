@@ -138,3 +138,5 @@ def test_dlrm_dcn_trains_and_evaluates_through_the_cli(tiny_data, tmp_path, caps
     assert main(["--quiet", "train", "--recipe", "tiny", "--data", str(tiny_data), "--out", str(tmp_path / "x"),
                  "model.arch=xgboost"]) == 2
     assert "model.arch must be gem|dlrm|dlrm_dcn" in capsys.readouterr().err
+    assert main(["--quiet", "export", "--run", str(run), "--out", str(tmp_path / "art"), "--no-compile"]) == 2
+    assert "peer baseline; only GEM runs" in capsys.readouterr().err
