@@ -95,7 +95,29 @@ def signed_log(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * torch.log1p(x.abs())
 
 
-class GEM(nn.Module):
+class TableModel(nn.Module):
+    """What training, evaluation and teachers use of any model built from a schema (GEM, the peers):
+    which parameters are table rows (row-wise Adagrad, TorchRec-sharded) and the history caps.
+    Subclasses set ``schema``, ``cfg`` (a ``GEMConfig``) and ``sparse_arch``."""
+
+    schema: FeatureSchema
+    cfg: GEMConfig
+    sparse_arch: SparseArch
+
+    def sparse_parameters(self) -> list[nn.Parameter]:
+        return self.sparse_arch.sparse_parameters()
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        sparse = {id(p) for p in self.sparse_parameters()}
+        return [p for p in self.parameters() if id(p) not in sparse]
+
+    def max_seq_len(self) -> dict[str, int]:
+        """Per-stream history cap for ``collate`` (the loader applies it, never the model)."""
+        return {s.name: (min(self.cfg.max_seq_len, s.max_len) if self.cfg.max_seq_len else s.max_len)
+                for s in self.schema.sequences}
+
+
+class GEM(TableModel):
     def __init__(self, schema: FeatureSchema, cfg: GEMConfig, device: torch.device | str | None = None):
         super().__init__()
         cfg.validate()
@@ -138,19 +160,7 @@ class GEM(nn.Module):
         if base_rates is not None:
             self.heads.init_bias(base_rates)
 
-    def sparse_parameters(self) -> list[nn.Parameter]:
-        return self.sparse_arch.sparse_parameters()
-
-    def dense_parameters(self) -> list[nn.Parameter]:
-        sparse = {id(p) for p in self.sparse_parameters()}
-        return [p for p in self.parameters() if id(p) not in sparse]
-
     # ------------------------------------------------------------------ forward
-    def max_seq_len(self) -> dict[str, int]:
-        """Per-stream history cap for ``collate`` (the loader applies it, never the model)."""
-        return {s.name: (min(self.cfg.max_seq_len, s.max_len) if self.cfg.max_seq_len else s.max_len)
-                for s in self.schema.sequences}
-
     def inputs(self, batch: Batch) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """X_0 [B, n_x, D] (sparse, dense and domain tokens) and per stream (tokens [N, D], lengths [B])."""
         B = batch.batch_size

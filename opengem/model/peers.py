@@ -46,7 +46,7 @@ from torchrec.modules.crossnet import LowRankCrossNet
 
 from opengem.data.batch import Batch
 from opengem.features.schema import FeatureSchema
-from opengem.model.foundation import GEMConfig, signed_log
+from opengem.model.foundation import GEMConfig, TableModel, signed_log
 from opengem.model.heads import chained_logit
 from opengem.model.sparse_arch import SparseArch
 from opengem.ops.jagged import row_ids
@@ -66,7 +66,7 @@ def mean_pool(values_ND: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
     return sums / lengths_B.clamp(min=1).unsqueeze(1).to(values_ND.dtype)
 
 
-class PeerModel(nn.Module):
+class PeerModel(TableModel):
     """DLRM or DLRM-DCN (``cfg.arch``) with GEM's interface: ``forward(batch)`` → logits [B, T].
 
     Args:
@@ -143,19 +143,7 @@ class PeerModel(nn.Module):
             r = min(max(r, 1e-6), 1 - 1e-6)
             bias[t] = torch.logit(torch.tensor(r, dtype=torch.float64)).item()
 
-    def sparse_parameters(self) -> list[nn.Parameter]:
-        return self.sparse_arch.sparse_parameters()
-
-    def dense_parameters(self) -> list[nn.Parameter]:
-        sparse = {id(p) for p in self.sparse_parameters()}
-        return [p for p in self.parameters() if id(p) not in sparse]
-
     # ------------------------------------------------------------------ forward
-    def max_seq_len(self) -> dict[str, int]:
-        """Per-stream history cap for ``collate``: the same as GEM's for the same config."""
-        return {s.name: (min(self.cfg.max_seq_len, s.max_len) if self.cfg.max_seq_len else s.max_len)
-                for s in self.schema.sequences}
-
     def features(self, batch: Batch) -> torch.Tensor:
         """[B, feature_dim]: the interaction output the OverArch reads."""
         B = batch.batch_size
