@@ -80,6 +80,7 @@ class LeverRun:
         self.dtype = torch.bfloat16 if "bf16" in self.parts else None
         self.times: dict[str, list[float]] = {p: [] for p in PHASES}
         self.rows, self.saved, self.losses, self.peak = [], [], [], 0.0
+        self.first_step_s: float | None = None  # includes compilation (compile lever): the start-up cost
 
     def step(self, record: bool) -> None:
         model, dev = self.model, self.device
@@ -107,6 +108,8 @@ class LeverRun:
             o.step()
         _sync(dev)
         t5 = time.perf_counter()
+        if self.first_step_s is None:
+            self.first_step_s = round(t5 - t0, 3)
         self.losses.append(loss.item())
         if record:
             for p, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
@@ -122,7 +125,8 @@ class LeverRun:
         step = statistics.median([sum(v[i] for v in self.times.values()) for i in range(n)])
         out = {"phase_ms": {p: round(statistics.median(v) * 1e3, 2) for p, v in self.times.items()},
                "step_ms": round(step * 1e3, 2), "examples_per_s": round(statistics.median(self.rows) / step, 1),
-               "saved_activation_mb": round(statistics.median(self.saved) / 2**20, 2), "losses": self.losses}
+               "saved_activation_mb": round(statistics.median(self.saved) / 2**20, 2), "losses": self.losses,
+               "first_step_s": self.first_step_s}
         if self.device.type == "cuda":
             out["peak_memory_mb"] = round(self.peak, 1)
         return out
@@ -183,11 +187,11 @@ def run_bench(cfg: Config, data: str | Path | None = None, levers: tuple[str, ..
 
 def format_bench(out: dict) -> str:
     lines = [f"{'lever':<16}" + "".join(f"{p + ' ms':>12}" for p in PHASES)
-             + f"{'ex/s':>10}{'× eager':>9}{'saved MB':>10}"]
+             + f"{'ex/s':>10}{'× eager':>9}{'saved MB':>10}{'1st step s':>12}"]
     for name, r in out["levers"].items():
         lines.append(f"{name:<16}" + "".join(f"{r['phase_ms'][p]:>12.1f}" for p in PHASES)
                      + f"{r['examples_per_s']:>10.0f}{r.get('speedup_vs_eager', float('nan')):>9.2f}"
-                     + f"{r['saved_activation_mb']:>10.1f}")
+                     + f"{r['saved_activation_mb']:>10.1f}{r['first_step_s']:>12.2f}")
     lines.append(f"loader alone: {out['loader_examples_per_s']:,.0f} examples/s"
                  + (f" = {out['loader_over_training']:.1f}× eager training" if "loader_over_training" in out else ""))
     return "\n".join(lines)
