@@ -42,6 +42,20 @@ class HeadsConfig:
             raise ValueError(f"model.heads.domain_mode must be output|shared, got {self.domain_mode!r}")
 
 
+def base_rate_logits(base_rates: list[float], parent: list[int], tasks: list[str]) -> list[float]:
+    """Each task's output bias at its base rate: logit(rate), the conditional rate rate/rate(parent)
+    for a chained task (``parent[t] >= 0``)."""
+    if len(base_rates) != len(tasks):
+        raise ValueError(f"got {len(base_rates)} base rates for tasks {tasks}")
+    out = []
+    for t, r in enumerate(base_rates):
+        if parent[t] >= 0:
+            r = r / max(base_rates[parent[t]], 1e-6)
+        r = min(max(r, 1e-6), 1 - 1e-6)
+        out.append(math.log(r / (1 - r)))
+    return out
+
+
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 − exp(x)) for x < 0, stable at both ends."""
     x = x.clamp(max=-1e-7)
@@ -78,14 +92,9 @@ class Heads(nn.Module):
 
     def init_bias(self, base_rates: list[float]) -> None:
         """Start each output at its task's base rate (conditional rate for chained tasks)."""
-        if len(base_rates) != len(self.tasks):
-            raise ValueError(f"got {len(base_rates)} base rates for tasks {self.tasks}")
         with torch.no_grad():
-            for t, r in enumerate(base_rates):
-                if self.parent[t] >= 0:
-                    r = r / max(base_rates[self.parent[t]], 1e-6)
-                r = min(max(r, 1e-6), 1 - 1e-6)
-                self.out_b[:, t] = math.log(r / (1 - r))
+            for t, b in enumerate(base_rate_logits(base_rates, self.parent, self.tasks)):
+                self.out_b[:, t] = b
 
     def forward(self, feats_BF: torch.Tensor, domain_B: torch.Tensor,
                 shortcut_BT: torch.Tensor | None = None) -> torch.Tensor:

@@ -47,7 +47,7 @@ from torchrec.modules.crossnet import LowRankCrossNet
 from opengem.data.batch import Batch
 from opengem.features.schema import FeatureSchema
 from opengem.model.foundation import GEMConfig, TableModel, signed_log
-from opengem.model.heads import chained_logit
+from opengem.model.heads import base_rate_logits, chained_logit
 from opengem.model.sparse_arch import SparseArch
 from opengem.ops.jagged import row_ids
 
@@ -134,14 +134,9 @@ class PeerModel(TableModel):
 
     def _init_bias(self, base_rates: list[float]) -> None:
         """Output biases at each task's base rate (conditional rate for chained tasks), as ``Heads``."""
-        if len(base_rates) != len(self.parent):
-            raise ValueError(f"got {len(base_rates)} base rates for tasks {self.schema.task_names}")
         bias = self.over_arch.model[-1].bias
-        for t, r in enumerate(base_rates):
-            if self.parent[t] >= 0:
-                r = r / max(base_rates[self.parent[t]], 1e-6)
-            r = min(max(r, 1e-6), 1 - 1e-6)
-            bias[t] = torch.logit(torch.tensor(r, dtype=torch.float64)).item()
+        for t, b in enumerate(base_rate_logits(base_rates, self.parent, self.schema.task_names)):
+            bias[t] = b
 
     # ------------------------------------------------------------------ forward
     def features(self, batch: Batch) -> torch.Tensor:
