@@ -1,6 +1,6 @@
 import torch
 
-from opengem.ops.jagged import offsets_of, pool_attention, recent_window, row_ids, segment_softmax
+from opengem.ops.jagged import offsets_of, pool_attention, recent_window, row_ids
 
 
 def _rows(values, lengths):
@@ -12,16 +12,6 @@ def test_row_ids_and_offsets():
     lengths = torch.tensor([2, 0, 3])
     assert row_ids(lengths).tolist() == [0, 0, 2, 2, 2]
     assert offsets_of(lengths).tolist() == [0, 2, 2, 5]
-
-
-def test_segment_softmax_matches_per_row_softmax():
-    torch.manual_seed(0)
-    lengths = torch.tensor([3, 1, 0, 4])
-    scores = torch.randn(8, 2)
-    out, _ = segment_softmax(scores, row_ids(lengths), 4)
-    for r, s in zip(_rows(out, lengths), _rows(scores, lengths)):
-        if len(s):
-            torch.testing.assert_close(r, torch.softmax(s, dim=0))
 
 
 def test_pool_attention_matches_dense_reference_values_and_grads():
