@@ -48,7 +48,8 @@ class ParallelConfig:
                     stay in one shard).
     replica_sync_every: steps between averages of the table copies when sparse_group < world
                     (weights and row-wise optimizer state, ReduceOp.AVG, DMPCollection.sync).
-    activation_checkpoint: none | full (recompute every block in backward).
+    activation_checkpoint: none | full (recompute every block in backward) | selective (keep the
+                    matmul and attention outputs of every block, recompute the rest).
     compile:        torch.compile every block (before FSDP wraps it).
     mixed_precision: fp32 | bf16 (bf16 compute for FSDP blocks; fp32 master weights and reductions).
     backend:        auto (nccl with CUDA, gloo otherwise) | gloo | nccl.
@@ -83,9 +84,9 @@ class ParallelConfig:
             raise ParallelConfigError(f"parallel.column_wise_dim must be >= 0, got {self.column_wise_dim}")
         if self.replica_sync_every < 1:
             raise ParallelConfigError(f"parallel.replica_sync_every must be >= 1, got {self.replica_sync_every}")
-        if self.activation_checkpoint not in ("none", "full"):
+        if self.activation_checkpoint not in ("none", "full", "selective"):
             raise ParallelConfigError(
-                f"parallel.activation_checkpoint must be none|full, got {self.activation_checkpoint!r}")
+                f"parallel.activation_checkpoint must be none|full|selective, got {self.activation_checkpoint!r}")
         if self.mixed_precision not in ("fp32", "bf16"):
             raise ParallelConfigError(f"parallel.mixed_precision must be fp32|bf16, got {self.mixed_precision!r}")
         if self.backend not in ("auto", "gloo", "nccl"):

@@ -10,11 +10,16 @@ timed steps of each phase of the step::
     backward  loss.backward() (tables' and dense gradients)
     optim     dense AdamW + sparse row-wise Adagrad steps
 
-and the activation bytes autograd saved for backward (counted by a saved-tensor hook: the memory a
-step holds at its peak beyond parameters and optimizer state), plus peak RSS (CPU) or peak CUDA
-memory. Levers (``--levers``): ``eager`` (fp32, the reference), ``compile`` (torch.compile per
-block), ``ac`` (activation checkpointing of every Wukong / tower layer), ``bf16`` (autocast),
-``fp8`` (saved activations stored as e4m3, ``opengem.ops.fp8``), and ``+``-joined combinations.
+and two memory figures: ``saved_activation_mb``, the bytes autograd's saved-tensor hook sees (what
+FP8 storage compresses; a checkpointed block's own bookkeeping is invisible to it), and
+``held_activation_mb``, every byte allocated during one extra, untimed forward and still alive when
+it returns (the CPU profiler's allocation records, or ``torch.cuda.memory_allocated`` on a GPU): what
+a step holds at its peak beyond parameters and optimizer state, whatever holds it (autograd, a
+checkpoint's cache, an FP8 hook); plus peak RSS (CPU) or peak CUDA memory. Levers (``--levers``):
+``eager`` (fp32, the reference), ``compile`` (torch.compile per block), ``ac`` (full activation
+checkpointing of every Wukong / tower layer), ``sac`` (selective: keep matmul and attention outputs,
+recompute the rest), ``bf16`` (autocast), ``fp8`` (saved activations stored as e4m3,
+``opengem.ops.fp8``), and ``+``-joined combinations.
 Each lever's examples/s is also given as a ratio to ``eager`` measured in the same process.
 
 The loader alone: examples/s of iterating the same split with no model, against training
@@ -43,7 +48,7 @@ from opengem.parallel.compile import apply_compile
 from opengem.train.losses import masked_bce
 from opengem.train.optim import build_optimizers
 
-LEVERS = ("eager", "compile", "ac", "bf16", "fp8")
+LEVERS = ("eager", "compile", "ac", "sac", "bf16", "fp8")
 PHASES = ("data", "embed", "dense", "backward", "optim")
 
 
@@ -58,9 +63,11 @@ def build_for_lever(cfg: Config, schema: FeatureSchema, lever: str, device: torc
     unknown = parts - set(LEVERS)
     if unknown:
         raise ValueError(f"unknown lever(s) {sorted(unknown)}; choose from {LEVERS} joined by '+'")
+    if {"ac", "sac"} <= parts:
+        raise ValueError(f"lever {lever!r}: 'ac' (full) and 'sac' (selective) checkpointing exclude each other")
     model = materialize(build_gem(schema, cfg.model), device, seed=cfg.train.seed)
-    pcfg = dataclasses.replace(cfg.parallel, activation_checkpoint="full" if "ac" in parts else "none",
-                               compile="compile" in parts)
+    ac = "full" if "ac" in parts else "selective" if "sac" in parts else "none"
+    pcfg = dataclasses.replace(cfg.parallel, activation_checkpoint=ac, compile="compile" in parts)
     return apply_compile(apply_activation_checkpoint(model, pcfg), pcfg).train()  # the trainer's own functions
 
 
@@ -81,6 +88,31 @@ class LeverRun:
         self.times: dict[str, list[float]] = {p: [] for p in PHASES}
         self.rows, self.saved, self.losses, self.peak = [], [], [], 0.0
         self.first_step_s: float | None = None  # includes compilation (compile lever): the start-up cost
+        self.held_mb: float | None = None
+
+    def _hooks(self):
+        """The saved-tensor hook (FP8 storage for ``fp8``, else only counting) and the autocast context."""
+        fp8 = fp8_saved_activations(self.model, min_bytes=1 << 16 if "fp8" in self.parts else 1 << 62)
+        return fp8, torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None)
+
+    def _loss(self, x, seqs, batch) -> torch.Tensor:
+        logits = self.model.heads(self.model._features(x, seqs), batch.domain, self.model.batch_low_order(x, batch))
+        return masked_bce(logits.float(), batch.labels, batch.label_mask, batch.weights, self.task_w)[0]
+
+    def measure_memory(self) -> None:
+        """One untimed step whose forward runs under ``forward_held_bytes`` (no optimizer step)."""
+        batch = next(self.batches).to(self.device)
+
+        def forward() -> torch.Tensor:
+            fp8, autocast = self._hooks()
+            with fp8, autocast:
+                return self._loss(*self.model.inputs(batch), batch)
+
+        loss, held = forward_held_bytes(forward, self.device)
+        loss.backward()
+        for o in self.opts:
+            o.zero_grad(set_to_none=True)
+        self.held_mb = held / 2**20
 
     def step(self, record: bool) -> None:
         model, dev = self.model, self.device
@@ -90,13 +122,12 @@ class LeverRun:
         batch = next(self.batches).to(dev)
         _sync(dev)
         t1 = time.perf_counter()
-        hook = fp8_saved_activations(model, min_bytes=1 << 16 if "fp8" in self.parts else 1 << 62)  # counts bytes
-        with hook as stats, torch.autocast(dev.type, dtype=self.dtype, enabled=self.dtype is not None):
+        hook, autocast = self._hooks()  # the hook counts saved bytes
+        with hook as stats, autocast:
             x, seqs = model.inputs(batch)
             _sync(dev)
             t2 = time.perf_counter()
-            logits = model.heads(model._features(x, seqs), batch.domain, model.batch_low_order(x, batch))
-            loss, _ = masked_bce(logits.float(), batch.labels, batch.label_mask, batch.weights, self.task_w)
+            loss = self._loss(x, seqs, batch)
             _sync(dev)
         t3 = time.perf_counter()
         for o in self.opts:
@@ -127,6 +158,8 @@ class LeverRun:
                "step_ms": round(step * 1e3, 2), "examples_per_s": round(statistics.median(self.rows) / step, 1),
                "saved_activation_mb": round(statistics.median(self.saved) / 2**20, 2), "losses": self.losses,
                "first_step_s": self.first_step_s}
+        if self.held_mb is not None:
+            out["held_activation_mb"] = round(self.held_mb, 2)
         if self.device.type == "cuda":
             out["peak_memory_mb"] = round(self.peak, 1)
         return out
@@ -141,6 +174,26 @@ def loader_throughput(data: Path, batch_size: int, max_seq_len: dict, seconds: f
     while time.perf_counter() - t0 < seconds:
         rows += next(it).batch_size
     return rows / (time.perf_counter() - t0)
+
+
+def forward_held_bytes(fn, device: torch.device) -> tuple[object, int]:
+    """(fn(), bytes allocated while ``fn`` ran and still alive when it returned).
+
+    Run on a forward, that is what the step holds for backward, whoever holds it. On CPU the
+    profiler's allocation records give it (the sum of every op's self allocations minus frees); on
+    a GPU the caching allocator's counter.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, torch.cuda.memory_allocated() - before
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    return out, int(sum(e.self_cpu_memory_usage for e in prof.key_averages()))
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -171,6 +224,8 @@ def run_bench(cfg: Config, data: str | Path | None = None, levers: tuple[str, ..
         for i in range(warmup + steps):
             for run in runs:
                 run.step(record=i >= warmup)
+        for run in runs:
+            run.measure_memory()
         out["levers"] = {run.lever: run.summary() for run in runs}
         out["peak_rss_mb"] = round(peak_memory_mb(torch.device("cpu")), 1)  # the whole process, every lever
         ref = out["levers"].get("eager")
@@ -178,6 +233,7 @@ def run_bench(cfg: Config, data: str | Path | None = None, levers: tuple[str, ..
             for r in out["levers"].values():
                 r["speedup_vs_eager"] = round(r["examples_per_s"] / ref["examples_per_s"], 3)
                 r["saved_activation_ratio_vs_eager"] = round(ref["saved_activation_mb"] / max(r["saved_activation_mb"], 1e-9), 3)
+                r["held_activation_ratio_vs_eager"] = round(ref["held_activation_mb"] / max(r["held_activation_mb"], 1e-9), 3)
         loader_eps = loader_throughput(data, bs, probe.max_seq_len(), loader_seconds)
         out["loader_examples_per_s"] = round(loader_eps, 1)
         if ref:
@@ -187,11 +243,12 @@ def run_bench(cfg: Config, data: str | Path | None = None, levers: tuple[str, ..
 
 def format_bench(out: dict) -> str:
     lines = [f"{'lever':<16}" + "".join(f"{p + ' ms':>12}" for p in PHASES)
-             + f"{'ex/s':>10}{'× eager':>9}{'saved MB':>10}{'1st step s':>12}"]
+             + f"{'ex/s':>10}{'× eager':>9}{'saved MB':>10}{'held MB':>9}{'1st step s':>12}"]
     for name, r in out["levers"].items():
         lines.append(f"{name:<16}" + "".join(f"{r['phase_ms'][p]:>12.1f}" for p in PHASES)
                      + f"{r['examples_per_s']:>10.0f}{r.get('speedup_vs_eager', float('nan')):>9.2f}"
-                     + f"{r['saved_activation_mb']:>10.1f}{r['first_step_s']:>12.2f}")
+                     + f"{r['saved_activation_mb']:>10.1f}{r.get('held_activation_mb', float('nan')):>9.1f}"
+                     + f"{r['first_step_s']:>12.2f}")
     lines.append(f"loader alone: {out['loader_examples_per_s']:,.0f} examples/s"
                  + (f" = {out['loader_over_training']:.1f}× eager training" if "loader_over_training" in out else ""))
     return "\n".join(lines)

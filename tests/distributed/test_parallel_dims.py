@@ -40,7 +40,7 @@ def test_direct_construction_checks_the_product():
     ({"dp_shard": 0}, "parallel.dp_shard"),
     ({"sparse_group": -2}, "parallel.sparse_group"),
     ({"replica_sync_every": 0}, "parallel.replica_sync_every"),
-    ({"activation_checkpoint": "selective"}, "parallel.activation_checkpoint"),
+    ({"activation_checkpoint": "some"}, "parallel.activation_checkpoint"),
     ({"mixed_precision": "fp16"}, "parallel.mixed_precision"),
     ({"backend": "mpi"}, "parallel.backend"),
 ])

@@ -32,6 +32,7 @@ CASES_2 = {
                             "per-shard accumulators"),
     "table_row_wise": ({"default_sharding": "table_row_wise"}, "rowwise_adagrad", EXACT),
     "auto_with_activation_checkpoint": ({"activation_checkpoint": "full"}, "rowwise_adagrad", EXACT),
+    "selective_activation_checkpoint": ({"activation_checkpoint": "selective"}, "rowwise_adagrad", EXACT),
     "bf16": ({"default_sharding": "row_wise", "mixed_precision": "bf16"}, "rowwise_adagrad", "bf16"),
 }
 CASES_4 = {
