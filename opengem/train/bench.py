@@ -310,6 +310,50 @@ def time_to_quality(gem: dict, peer: dict) -> dict:
             "gem_final_ne": gem["final_ne"]}
 
 
+def widen_to_params(cfg: Config, schema: FeatureSchema, target_dense: int) -> Config:
+    """``cfg`` (a peer) with its head widths (``heads.trunk_dims``, ``heads.task_dims``) scaled so its
+    dense parameters come within 3 % of ``target_dense`` (bisection on one width factor)."""
+    base_trunk, base_task = cfg.model.heads.trunk_dims, cfg.model.heads.task_dims
+
+    def at(f: float) -> tuple[Config, int]:
+        heads = dataclasses.replace(cfg.model.heads, trunk_dims=tuple(max(1, round(d * f)) for d in base_trunk),
+                                    task_dims=tuple(max(1, round(d * f)) for d in base_task))
+        c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, heads=heads))
+        return c, count_parameters(build_gem(schema, c.model))["dense"]
+
+    lo, hi = 0.05, 64.0
+    for _ in range(40):
+        mid = (lo * hi) ** 0.5
+        c, n = at(mid)
+        if abs(n - target_dense) <= 0.03 * target_dense:
+            return c
+        lo, hi = (mid, hi) if n < target_dense else (lo, mid)
+    raise ValueError(f"no head width gives {target_dense:,} dense parameters for {cfg.model.arch}")
+
+
+def training_examples_per_s(cfg: Config, data: Path, steps: int = 12, warmup: int = 3) -> float:
+    """Plain training steps (forward, loss, backward, both optimizers) of any arch: examples/s."""
+    schema = FeatureSchema.load(data)
+    torch.manual_seed(cfg.train.seed)
+    model = materialize(build_gem(schema, cfg.model), seed=cfg.train.seed)
+    opts = [o for o in build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim) if o]
+    batches = iter(ShardLoader(data, cfg.data.train_split, cfg.data.batch_size, schema, shuffle=True, epochs=1000,
+                               drop_last=True, max_seq_len=model.max_seq_len()))
+    task_w, times = torch.ones(len(schema.tasks)), []
+    for i in range(warmup + steps):
+        batch = next(batches)
+        t0 = time.perf_counter()
+        loss, _ = masked_bce(model(batch), batch.labels, batch.label_mask, batch.weights, task_w)
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        loss.backward()
+        for o in opts:
+            o.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return cfg.data.batch_size / statistics.median(times)
+
+
 def quick_bench(cfg_name: str = "tiny", ttq_users: int = 3000, eval_every: int = 20) -> dict:
     """``opengem bench --quick``: the headline figures on 2 CPU cores in a few minutes."""
     from opengem.config import apply_overrides
@@ -328,6 +372,18 @@ def quick_bench(cfg_name: str = "tiny", ttq_users: int = 3000, eval_every: int =
         int8_saved = table_bytes(fp32) / table_bytes(quantize_tables(fp32, "int8"))
         runs = {arch: train_with_evals(apply_overrides(recipe("demo"), [f"model.arch={arch}"]), data, eval_every)
                 for arch in ("gem", "dlrm_dcn")}
+        # Examples/s at equal dense parameters: DLRM-DCN's heads widened to GEM's dense size, timed
+        # alternately with GEM on the same data (round robin, as the levers are).
+        dcn_wide = widen_to_params(apply_overrides(recipe("demo"), ["model.arch=dlrm_dcn"]), schema,
+                                   runs["gem"]["parameters"]["dense"])
+        eq = {"gem": [], "dlrm_dcn": []}
+        for _ in range(2):
+            eq["gem"].append(training_examples_per_s(recipe("demo"), data))
+            eq["dlrm_dcn"].append(training_examples_per_s(dcn_wide, data))
+        equal = {"dense_parameters": {"gem": runs["gem"]["parameters"]["dense"],
+                                      "dlrm_dcn": count_parameters(build_gem(schema, dcn_wide.model))["dense"]},
+                 "dcn_head_dims": [*dcn_wide.model.heads.trunk_dims, *dcn_wide.model.heads.task_dims],
+                 "examples_per_s": {k: round(max(v), 1) for k, v in eq.items()}}
     ttq = time_to_quality(runs["gem"], runs["dlrm_dcn"])
     lv = levers["levers"]
     return {"padded_over_jagged_time": round(att["padded_over_jagged_time"], 2),
@@ -338,5 +394,7 @@ def quick_bench(cfg_name: str = "tiny", ttq_users: int = 3000, eval_every: int =
             "int8_table_mem_saved": round(int8_saved, 2),
             "ttq": ttq, "gem_examples_per_s": runs["gem"]["examples_per_s"],
             "dcn_examples_per_s": runs["dlrm_dcn"]["examples_per_s"],
+            "gem_over_dcn_eps_equal_params": round(equal["examples_per_s"]["gem"] / equal["examples_per_s"]["dlrm_dcn"], 3),
+            "equal_params": equal,
             "params": {a: r["parameters"]["total"] for a, r in runs.items()}, "attention": att,
             "levers": {k: {kk: v[kk] for kk in ("examples_per_s", "saved_activation_mb")} for k, v in lv.items()}}

@@ -102,3 +102,20 @@ def test_train_with_evals_records_a_learning_curve(tmp_path):
     times, rows, nes = zip(*out["curve"])
     assert len(nes) >= 3 and list(times) == sorted(times) and list(rows) == sorted(rows)
     assert all(0 < v < 1.5 for v in nes) and out["final_ne"] == nes[-1] and out["examples_per_s"] > 0
+
+
+def test_widen_to_params_matches_gems_dense_size(tmp_path):
+    from opengem.config import apply_overrides
+    from opengem.data.synthetic import generate, world_config
+    from opengem.features.schema import FeatureSchema
+    from opengem.model.build import build_gem, count_parameters
+    from opengem.train.bench import training_examples_per_s, widen_to_params
+
+    generate(world_config("tiny", seed=0), tmp_path, progress=False)
+    schema = FeatureSchema.load(tmp_path)
+    target = count_parameters(build_gem(schema, recipe("tiny").model))["dense"]
+    dcn = apply_overrides(recipe("tiny"), ["model.arch=dlrm_dcn"])
+    wide = widen_to_params(dcn, schema, target)
+    got = count_parameters(build_gem(schema, wide.model))["dense"]
+    assert abs(got - target) <= 0.03 * target and wide.model.arch == "dlrm_dcn"
+    assert training_examples_per_s(wide, tmp_path, steps=2, warmup=1) > 0
