@@ -256,8 +256,9 @@ def format_bench(out: dict) -> str:
 
 def train_with_evals(cfg: Config, data: Path, eval_every: int, split: str = "valid",
                      task: str = "click") -> dict:
-    """One pass over ``train`` with the recipe's optimizers and lr schedule, pausing the clock every
-    ``eval_every`` steps to evaluate ``all/<task>`` NE on ``split``: [(train seconds, examples, NE)]."""
+    """One pass over ``train`` with the recipe's optimizers and lr schedule (and FP8 saved activations
+    when ``train.fp8_activations``), pausing the clock every ``eval_every`` steps to evaluate
+    ``all/<task>`` NE on ``split``: [(train seconds, examples, NE)]."""
     from opengem.evaluation.evaluate import evaluate_model
     from opengem.train.optim import Schedule
     from opengem.train.trainer import train_base_rates
@@ -283,11 +284,12 @@ def train_with_evals(cfg: Config, data: Path, eval_every: int, split: str = "val
     for step, batch in enumerate(loader, start=1):
         t0 = time.perf_counter()
         schedule.set(step - 1)
-        loss, _ = masked_bce(model(batch), batch.labels, batch.label_mask, batch.weights, task_w,
-                             batch.domain, schema.num_domains)
-        for o in opts:
-            o.zero_grad(set_to_none=True)
-        loss.backward()
+        with fp8_saved_activations(model) if cfg.train.fp8_activations else contextlib.nullcontext():
+            loss, _ = masked_bce(model(batch), batch.labels, batch.label_mask, batch.weights, task_w,
+                                 batch.domain, schema.num_domains)
+            for o in opts:
+                o.zero_grad(set_to_none=True)
+            loss.backward()
         for o in opts:
             o.step()
         clock += time.perf_counter() - t0
@@ -372,6 +374,9 @@ def quick_bench(cfg_name: str = "tiny", ttq_users: int = 3000, eval_every: int =
         int8_saved = table_bytes(fp32) / table_bytes(quantize_tables(fp32, "int8"))
         runs = {arch: train_with_evals(apply_overrides(recipe("demo"), [f"model.arch={arch}"]), data, eval_every)
                 for arch in ("gem", "dlrm_dcn")}
+        # FP8's NE cost: the same GEM pass with saved activations stored as e4m3.
+        fp8_run = train_with_evals(apply_overrides(recipe("demo"), ["train.fp8_activations=true"]), data,
+                                   eval_every * 1000)
         # Examples/s at equal dense parameters: DLRM-DCN's heads widened to GEM's dense size, timed
         # alternately with GEM on the same data (round robin, as the levers are).
         dcn_wide = widen_to_params(apply_overrides(recipe("demo"), ["model.arch=dlrm_dcn"]), schema,
@@ -392,6 +397,7 @@ def quick_bench(cfg_name: str = "tiny", ttq_users: int = 3000, eval_every: int =
             "time_to_dcn_quality_speedup": ttq["speedup"],
             "fp8_act_mem_saved": round(lv["eager"]["saved_activation_mb"] / lv["fp8"]["saved_activation_mb"], 2),
             "int8_table_mem_saved": round(int8_saved, 2),
+            "fp8_ne_cost_pct": round(100 * (fp8_run["final_ne"] / runs["gem"]["final_ne"] - 1), 3),
             "ttq": ttq, "gem_examples_per_s": runs["gem"]["examples_per_s"],
             "dcn_examples_per_s": runs["dlrm_dcn"]["examples_per_s"],
             "gem_over_dcn_eps_equal_params": round(equal["examples_per_s"]["gem"] / equal["examples_per_s"]["dlrm_dcn"], 3),

@@ -102,6 +102,11 @@ def test_train_with_evals_records_a_learning_curve(tmp_path):
     times, rows, nes = zip(*out["curve"])
     assert len(nes) >= 3 and list(times) == sorted(times) and list(rows) == sorted(rows)
     assert all(0 < v < 1.5 for v in nes) and out["final_ne"] == nes[-1] and out["examples_per_s"] > 0
+    # The same pass with FP8 saved activations ends near the fp32 NE (the quick bench's fp8_ne_cost_pct).
+    from opengem.config import apply_overrides
+
+    fp8 = train_with_evals(apply_overrides(recipe("tiny"), ["train.fp8_activations=true"]), tmp_path, eval_every=10**6)
+    assert len(fp8["curve"]) == 1 and abs(fp8["final_ne"] / out["final_ne"] - 1) < TOL["fp8"]
 
 
 def test_widen_to_params_matches_gems_dense_size(tmp_path):
