@@ -306,9 +306,10 @@ def train_with_evals(cfg: Config, data: Path, eval_every: int, split: str = "val
 def time_to_quality(gem: dict, peer: dict) -> dict:
     """Seconds GEM needs to reach the NE the peer ends with, against the peer's full time."""
     target = peer["final_ne"]
-    reached = next((t for t, _, v in gem["curve"] if v <= target), None)
-    return {"target_ne": target, "peer_s": peer["train_s"], "gem_s_to_target": reached,
-            "speedup": round(peer["train_s"] / reached, 3) if reached else None,
+    t, n = next(((t, n) for t, n, v in gem["curve"] if v <= target), (None, None))
+    return {"target_ne": target, "peer_s": peer["train_s"], "gem_s_to_target": t,
+            "gem_pass_fraction_to_target": round(n / gem["curve"][-1][1], 3) if n else None,
+            "speedup": round(peer["train_s"] / t, 3) if t else None,
             "gem_final_ne": gem["final_ne"]}
 
 

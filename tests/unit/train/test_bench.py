@@ -89,7 +89,7 @@ def test_time_to_quality_reads_the_first_crossing():
     gem = {"curve": [(1.0, 100, 0.99), (2.0, 200, 0.95), (3.0, 300, 0.90)], "final_ne": 0.90}
     peer = {"curve": [(0.5, 300, 0.95)], "final_ne": 0.95, "train_s": 4.0}
     ttq = time_to_quality(gem, peer)
-    assert ttq["gem_s_to_target"] == 2.0 and ttq["speedup"] == 2.0
+    assert ttq["gem_s_to_target"] == 2.0 and ttq["speedup"] == 2.0 and ttq["gem_pass_fraction_to_target"] == 0.667
     assert time_to_quality(gem, {**peer, "final_ne": 0.5})["speedup"] is None  # never reached: no figure
 
 
