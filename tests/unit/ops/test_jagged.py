@@ -16,8 +16,9 @@ def test_row_ids_and_offsets():
 
 def test_pool_attention_matches_dense_reference_values_and_grads():
     torch.manual_seed(1)
-    B, M, D, H = 4, 3, 8, 2
-    lengths = torch.tensor([5, 0, 1, 2500])  # empty and very long rows
+    B, M, D, H = 7, 3, 8, 2
+    # empty and very long rows; 6 & 7 and 2400 & 2500 share a length bucket (padded to its longest)
+    lengths = torch.tensor([5, 0, 1, 2500, 6, 7, 2400])
     N = int(lengths.sum())
     q = torch.randn(B, M, D, requires_grad=True)
     k = torch.randn(N, D, requires_grad=True)
@@ -66,9 +67,9 @@ def test_recent_window_has_k_slots_whatever_the_batch():
 
 def test_pool_attention_sink_is_one_more_softmax_slot():
     torch.manual_seed(2)
-    B, M, D, H = 3, 2, 4, 1
-    lengths = torch.tensor([2, 0, 3])
-    q, k, v = torch.randn(B, M, D), torch.randn(5, D), torch.randn(5, D)
+    B, M, D, H = 4, 2, 4, 1
+    lengths = torch.tensor([2, 0, 3, 4])  # 3 and 4 share a bucket
+    q, k, v = torch.randn(B, M, D), torch.randn(9, D), torch.randn(9, D)
     sink_logit, sink_value = torch.randn(M, H), torch.randn(M, D)
     out = pool_attention(q, k, v, lengths, H, sink_logit, sink_value)
     off = offsets_of(lengths).tolist()
@@ -80,5 +81,5 @@ def test_pool_attention_sink_is_one_more_softmax_slot():
             ref = (a[:-1, None] * vb).sum(0) + a[-1] * sink_value[m]
             torch.testing.assert_close(out[b, m], ref, atol=1e-5, rtol=1e-5)
     # no events at all: every row returns the sink value
-    out0 = pool_attention(q, k[:0], v[:0], torch.zeros(3, dtype=torch.long), H, sink_logit, sink_value)
-    torch.testing.assert_close(out0, sink_value.expand(3, M, D))
+    out0 = pool_attention(q, k[:0], v[:0], torch.zeros(B, dtype=torch.long), H, sink_logit, sink_value)
+    torch.testing.assert_close(out0, sink_value.expand(B, M, D))
