@@ -45,6 +45,7 @@ from opengem.model.build import build_gem, count_parameters, materialize
 from opengem.ops.fp8 import fp8_saved_activations
 from opengem.parallel.activation_checkpoint import apply_activation_checkpoint
 from opengem.parallel.compile import apply_compile
+from opengem.train.bench_ops import plain_step
 from opengem.train.losses import masked_bce
 from opengem.train.optim import build_optimizers
 
@@ -285,13 +286,7 @@ def train_with_evals(cfg: Config, data: Path, eval_every: int, split: str = "val
         t0 = time.perf_counter()
         schedule.set(step - 1)
         with fp8_saved_activations(model) if cfg.train.fp8_activations else contextlib.nullcontext():
-            loss, _ = masked_bce(model(batch), batch.labels, batch.label_mask, batch.weights, task_w,
-                                 batch.domain, schema.num_domains)
-            for o in opts:
-                o.zero_grad(set_to_none=True)
-            loss.backward()
-        for o in opts:
-            o.step()
+            plain_step(model, opts, batch, task_w, schema.num_domains)
         clock += time.perf_counter() - t0
         examples += batch.batch_size
         if step % eval_every == 0:
@@ -346,12 +341,7 @@ def training_examples_per_s(cfg: Config, data: Path, steps: int = 12, warmup: in
     for i in range(warmup + steps):
         batch = next(batches)
         t0 = time.perf_counter()
-        loss, _ = masked_bce(model(batch), batch.labels, batch.label_mask, batch.weights, task_w)
-        for o in opts:
-            o.zero_grad(set_to_none=True)
-        loss.backward()
-        for o in opts:
-            o.step()
+        plain_step(model, opts, batch, task_w)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return cfg.data.batch_size / statistics.median(times)

@@ -28,6 +28,20 @@ from opengem.train.losses import masked_bce
 from opengem.train.optim import build_optimizers
 
 
+def plain_step(model: torch.nn.Module, optimizers: list, batch, task_w: torch.Tensor,
+               num_domains: int | None = None) -> torch.Tensor:
+    """One training step without the trainer's machinery (benchmarks): masked BCE (per domain × task
+    when ``num_domains`` is given), backward, every optimizer. Returns the loss."""
+    by_domain = (batch.domain, num_domains) if num_domains else ()
+    loss, _ = masked_bce(model(batch), batch.labels, batch.label_mask, batch.weights, task_w, *by_domain)
+    for o in optimizers:
+        o.zero_grad(set_to_none=True)
+    loss.backward()
+    for o in optimizers:
+        o.step()
+    return loss
+
+
 def lognormal_lengths(b: int, median: float, max_len: int, sigma: float = 1.0, seed: int = 0) -> torch.Tensor:
     g = np.random.default_rng(seed)
     lengths = np.clip(np.round(median * np.exp(sigma * g.standard_normal(b))), 1, max_len).astype(np.int64)
@@ -101,12 +115,7 @@ def trained_tiny(tmp: str, epochs: int):
     pos = torch.zeros(len(schema.tasks))
     seen = 0
     for batch in loader:
-        loss, _ = masked_bce(model(batch), batch.labels, batch.label_mask, batch.weights, task_w)
-        for o in opts:
-            o.zero_grad(set_to_none=True)
-        loss.backward()
-        for o in opts:
-            o.step()
+        plain_step(model, opts, batch, task_w)
         pos += (batch.labels * batch.label_mask).sum(0)
         seen += batch.labels.shape[0]
     test = list(ShardLoader(tmp, "test", 512, shuffle=False, epochs=1, max_seq_len=model.max_seq_len()))
