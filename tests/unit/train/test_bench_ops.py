@@ -1,0 +1,47 @@
+"""The op measurements behind ``benchmarks/jagged.py`` and ``opengem bench --quick``, at toy sizes:
+each figure is computed from real runs and has the value its definition implies."""
+
+import torch
+
+from opengem.train import bench_ops
+
+
+def test_attention_case_figures_follow_their_definitions():
+    out = bench_ops.attention_case(8, 20, 200, 16, heads=2, reps=1)
+    lengths = bench_ops.lognormal_lengths(8, 20, 200)
+    assert int(lengths.max()) == 200 and out["events"] == int(lengths.sum())
+    assert out["padded_over_jagged_time"] == out["padded_s"] / out["jagged_s"] > 0
+    assert out["ideal_flops_ratio"] == 8 * 200**2 / float((lengths.double() ** 2).sum())
+    # padded attention saves [B, H, max_len, Dh] tensors; jagged ones scale with the real events
+    assert out["jagged_saved_bytes"] < out["padded_saved_bytes"]
+
+
+def test_trained_tiny_fp8_and_table_compression(tmp_path):
+    model, test, rates = bench_ops.trained_tiny(str(tmp_path), epochs=1)
+    assert len(rates) == 2 and 0 < rates[1] < rates[0] < 1 and test
+    fp8 = bench_ops.fp8_step(model, test[0])
+    assert fp8["fp8_saved_bytes_ratio"] > 2 and fp8["fp8_tensors"] > 0
+    assert 0 < fp8["fp8_grad_rel_l2_err"] < 0.1 and fp8["fp8_grad_min_cosine"] > 0.9
+    t = bench_ops.table_ne(model, test, rates)
+    assert t["fp16_table_bytes_ratio"] == 2.0 and t["int8_table_bytes_ratio"] > 3
+    assert all(abs(c) < 1.0 for c in t["ne_cost_int8_pct"] + t["ne_cost_fp16_pct"])  # < 1 % NE either way
+
+
+def test_plain_step_updates_parameters_and_returns_the_loss(tmp_path):
+    from opengem.data.loader import ShardLoader
+    from opengem.data.synthetic import generate, world_config
+    from opengem.features.schema import FeatureSchema
+    from opengem.model.build import build_gem, materialize
+    from opengem.recipes import recipe
+    from opengem.train.optim import build_optimizers
+
+    generate(world_config("tiny", seed=0), tmp_path, progress=False)
+    schema, cfg = FeatureSchema.load(tmp_path), recipe("tiny")
+    model = materialize(build_gem(schema, cfg.model))
+    opts = [o for o in build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim) if o]
+    batch = next(iter(ShardLoader(tmp_path, "train", 64, schema, max_seq_len=model.max_seq_len())))
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = bench_ops.plain_step(model, opts, batch, torch.ones(len(schema.tasks)), schema.num_domains)
+    assert 0 < loss.item() < 2
+    moved = sum(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert moved > len(before) // 2
