@@ -36,17 +36,79 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def _tile(PTR, rows, stride, col0, offs_d, mask):
+    """[len(rows), BLOCK_D] values of one head (columns col0 ..) of a row-major [*, D] tensor; 0 off ``mask``."""
+    return tl.load(PTR + rows[:, None] * stride + col0 + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _work_item(offsets, blk_row, blk_start):
+    """This program's (first value of its row, the row's length, first position of its block)."""
+    pid = tl.program_id(0)
+    row, start = tl.load(blk_row + pid), tl.load(blk_start + pid)
+    seq0 = tl.load(offsets + row).to(tl.int64)
+    return seq0, tl.load(offsets + row + 1) - seq0, start
+
+
+@triton.jit
+def _kv_block(K, V, seq0, start_n, L, sk, sv, h, offs_d, d_ok, DH: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Positions, validity, mask and the K, V tiles (one head) of the key block at ``start_n``."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < L
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    return offs_n, n_ok, kv_mask, _tile(K, seq0 + offs_n, sk, h * DH, offs_d, kv_mask), _tile(
+        V, seq0 + offs_n, sv, h * DH, offs_d, kv_mask)
+
+
+@triton.jit
+def _query_side(Q, DO, LSE, DELTA, rows_m, m_ok, q_mask, sq, sdo, h, offs_d, H: tl.constexpr, DH: tl.constexpr):
+    """What backward reads per query block: Q, dO (one head), the saved log-sum-exp and Δ."""
+    q = _tile(Q, rows_m, sq, h * DH, offs_d, q_mask)
+    do = _tile(DO, rows_m, sdo, h * DH, offs_d, q_mask)
+    lse = tl.load(LSE + rows_m * H + h, mask=m_ok, other=0.0)
+    return q, do, lse, tl.load(DELTA + rows_m * H + h, mask=m_ok, other=0.0)
+
+
+@triton.jit
+def _keep(m_ok, n_ok, offs_m, offs_n, CAUSAL: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] pairs that count: real query and key, and key not after query when causal."""
+    keep = m_ok[:, None] & n_ok[None, :]
+    if CAUSAL:
+        keep = keep & (offs_m[:, None] >= offs_n[None, :])
+    return keep
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
+    """Fold one key/value block into the running max ``m_i``, denominator ``l_i`` and output ``acc``
+    (base-2 exponent; scores off ``keep`` are -inf; a query with no key yet keeps p = 0, no NaN)."""
+    s = tl.where(keep, tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+
+
+@triton.jit
+def _probs_and_dscores(q, k, v, do, lse, delta, keep, qk_scale, PREC: tl.constexpr):
+    """Backward of one (query block, key block): probabilities P from the saved log-sum-exp, and
+    dS = P ⊙ (dO·Vᵀ − Δ) with Δ = rowsum(dO ⊙ O)."""
+    p = tl.where(keep, tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
 def _attn_fwd(Q, K, V, O, LSE, offsets, blk_row, blk_start, sq, sk, sv, so, qk_scale,
               H: tl.constexpr, DH: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid, h = tl.program_id(0), tl.program_id(1)
-    row, start_m = tl.load(blk_row + pid), tl.load(blk_start + pid)
-    seq0 = tl.load(offsets + row).to(tl.int64)
-    L = tl.load(offsets + row + 1) - seq0
+    h = tl.program_id(1)
+    seq0, L, start_m = _work_item(offsets, blk_row, blk_start)
     offs_m, offs_d = start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
     m_ok, d_ok = offs_m < L, offs_d < DH
     rows_m = seq0 + offs_m
-    q = tl.load(Q + rows_m[:, None] * sq + h * DH + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q = _tile(Q, rows_m, sq, h * DH, offs_d, m_ok[:, None] & d_ok[None, :])
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -54,23 +116,9 @@ def _attn_fwd(Q, K, V, O, LSE, offsets, blk_row, blk_start, sq, sk, sv, so, qk_s
     if CAUSAL:  # a query block sees key blocks up to its own last row
         hi = tl.minimum(L, start_m + BLOCK_M)
     for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < L
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + (seq0 + offs_n)[:, None] * sk + h * DH + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + (seq0 + offs_n)[:, None] * sv + h * DH + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        keep = n_ok[None, :]
-        if CAUSAL:
-            keep = keep & (offs_m[:, None] >= offs_n[None, :])
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep p = 0, no NaN
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        offs_n, n_ok, _, k, v = _kv_block(K, V, seq0, start_n, L, sk, sv, h, offs_d, d_ok, DH, BLOCK_N)
+        keep = _keep(m_ok, n_ok, offs_m, offs_n, CAUSAL)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, PREC)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     tl.store(O + rows_m[:, None] * so + h * DH + offs_d[None, :], out.to(O.dtype.element_ty),
@@ -83,16 +131,14 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, blk_row, blk_start,
                    H: tl.constexpr, DH: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (row, key block, head): dK, dV over every query block that sees the keys."""
-    pid, h = tl.program_id(0), tl.program_id(1)
-    row, start_n = tl.load(blk_row + pid), tl.load(blk_start + pid)
-    seq0 = tl.load(offsets + row).to(tl.int64)
-    L = tl.load(offsets + row + 1) - seq0
+    h = tl.program_id(1)
+    seq0, L, start_n = _work_item(offsets, blk_row, blk_start)
     offs_n, offs_d = start_n + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
     n_ok, d_ok = offs_n < L, offs_d < DH
     rows_n = seq0 + offs_n
     kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + rows_n[:, None] * sk + h * DH + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + rows_n[:, None] * sv + h * DH + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = _tile(K, rows_n, sk, h * DH, offs_d, kv_mask)
+    v = _tile(V, rows_n, sv, h * DH, offs_d, kv_mask)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     lo = start_n * 0
@@ -103,18 +149,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, blk_row, blk_start,
         m_ok = offs_m < L
         rows_m = seq0 + offs_m
         q_mask = m_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + rows_m[:, None] * sq + h * DH + offs_d[None, :], mask=q_mask, other=0.0)
-        do = tl.load(DO + rows_m[:, None] * sdo + h * DH + offs_d[None, :], mask=q_mask, other=0.0)
-        lse = tl.load(LSE + rows_m * H + h, mask=m_ok, other=0.0)
-        delta = tl.load(DELTA + rows_m * H + h, mask=m_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        keep = m_ok[:, None] & n_ok[None, :]
-        if CAUSAL:
-            keep = keep & (offs_m[:, None] >= offs_n[None, :])
-        p = tl.where(keep, tl.math.exp2(s - lse[:, None]), 0.0)
+        q, do, lse, delta = _query_side(Q, DO, LSE, DELTA, rows_m, m_ok, q_mask, sq, sdo, h, offs_d, H, DH)
+        keep = _keep(m_ok, n_ok, offs_m, offs_n, CAUSAL)
+        p, ds = _probs_and_dscores(q, k, v, do, lse, delta, keep, qk_scale, PREC)
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)
     tl.store(DK + rows_n[:, None] * DH * H + h * DH + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
              mask=kv_mask)
@@ -126,35 +164,21 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, offsets, blk_row, blk_start, sq, s
                  H: tl.constexpr, DH: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (row, query block, head): dQ over every key block the queries see."""
-    pid, h = tl.program_id(0), tl.program_id(1)
-    row, start_m = tl.load(blk_row + pid), tl.load(blk_start + pid)
-    seq0 = tl.load(offsets + row).to(tl.int64)
-    L = tl.load(offsets + row + 1) - seq0
+    h = tl.program_id(1)
+    seq0, L, start_m = _work_item(offsets, blk_row, blk_start)
     offs_m, offs_d = start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
     m_ok, d_ok = offs_m < L, offs_d < DH
     rows_m = seq0 + offs_m
     q_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + rows_m[:, None] * sq + h * DH + offs_d[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DO + rows_m[:, None] * sdo + h * DH + offs_d[None, :], mask=q_mask, other=0.0)
-    lse = tl.load(LSE + rows_m * H + h, mask=m_ok, other=0.0)
-    delta = tl.load(DELTA + rows_m * H + h, mask=m_ok, other=0.0)
+    q, do, lse, delta = _query_side(Q, DO, LSE, DELTA, rows_m, m_ok, q_mask, sq, sdo, h, offs_d, H, DH)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = L
     if CAUSAL:  # a query block sees key blocks up to its own last row
         hi = tl.minimum(L, start_m + BLOCK_M)
     for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < L
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + (seq0 + offs_n)[:, None] * sk + h * DH + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + (seq0 + offs_n)[:, None] * sv + h * DH + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        keep = m_ok[:, None] & n_ok[None, :]
-        if CAUSAL:
-            keep = keep & (offs_m[:, None] >= offs_n[None, :])
-        p = tl.where(keep, tl.math.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - delta[:, None])
+        offs_n, n_ok, _, k, v = _kv_block(K, V, seq0, start_n, L, sk, sv, h, offs_d, d_ok, DH, BLOCK_N)
+        keep = _keep(m_ok, n_ok, offs_m, offs_n, CAUSAL)
+        _, ds = _probs_and_dscores(q, k, v, do, lse, delta, keep, qk_scale, PREC)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
     tl.store(DQ + rows_m[:, None] * DH * H + h * DH + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=q_mask)
@@ -182,20 +206,8 @@ def _pool_fwd(Q, K, V, SL, SV, O, LSE, offsets, sqb, sqm, sk, sv, qk_scale,
         l_i = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     for start_n in range(0, L, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < L
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + (seq0 + offs_n)[:, None] * sk + h * DH + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + (seq0 + offs_n)[:, None] * sv + h * DH + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        _, n_ok, _, k, v = _kv_block(K, V, seq0, start_n, L, sk, sv, h, offs_d, d_ok, DH, BLOCK_N)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, n_ok[None, :], m_i, l_i, acc, qk_scale, PREC)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     tl.store(O + (b * M + offs_q)[:, None] * (H * DH) + h * DH + offs_d[None, :], out.to(O.dtype.element_ty),
@@ -220,17 +232,10 @@ def _pool_bwd(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, offsets, sqb, sqm, sk, sv, qk
     delta = tl.load(DELTA + (b * M + offs_q) * H + h, mask=q_ok, other=0.0)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     for start_n in range(0, L, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < L
+        offs_n, n_ok, kv_mask, k, v = _kv_block(K, V, seq0, start_n, L, sk, sv, h, offs_d, d_ok, DH, BLOCK_N)
         rows_n = seq0 + offs_n
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + rows_n[:, None] * sk + h * DH + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + rows_n[:, None] * sv + h * DH + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        p = tl.where(q_ok[:, None] & n_ok[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
+        p, ds = _probs_and_dscores(q, k, v, do, lse, delta, q_ok[:, None] & n_ok[None, :], qk_scale, PREC)
         dv = tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - delta[:, None])
         dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC) * sm_scale
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
         tl.store(DK + rows_n[:, None] * (H * DH) + h * DH + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
