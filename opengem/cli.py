@@ -192,12 +192,6 @@ def cmd_serve(args) -> dict:
     return {}
 
 
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
 def cmd_bench(args) -> dict:
     from opengem.config import apply_overrides
     from opengem.recipes import recipe
@@ -211,13 +205,13 @@ def cmd_bench(args) -> dict:
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=2))
         return out
+    import torch
+
     cfg = apply_overrides(recipe(args.recipe), list(args.overrides))
     if cfg.train.threads:  # as ``train`` does, so bench and training figures are comparable
-        import torch
-
         torch.set_num_threads(cfg.train.threads)
     out = run_bench(cfg, args.data, tuple(args.levers.split(",")), args.warmup, args.steps)
-    out["threads"] = torch_threads()
+    out["threads"] = torch.get_num_threads()
     print(format_bench(out))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
