@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--data", required=True)
     e.add_argument("--split", default="test")
     e.add_argument("--json", default=None, help="write the evaluation JSON here")
-    e.add_argument("--batch-size", type=int, default=4096)
+    e.add_argument("--batch-size", type=int, default=None, help="rows per forward (default: EVAL_BATCH, 1024)")
     e.add_argument("--signal", action="store_true",
                    help="synthetic data: slope of the model's logit on each true term of the world")
 
@@ -146,9 +146,9 @@ def cmd_train(args) -> dict:
 
 
 def cmd_evaluate(args) -> dict:
-    from opengem.evaluation.evaluate import evaluate_run
+    from opengem.evaluation.evaluate import EVAL_BATCH, evaluate_run
 
-    out = evaluate_run(args.run, args.data, args.split, args.batch_size, progress=not args.quiet,
+    out = evaluate_run(args.run, args.data, args.split, args.batch_size or EVAL_BATCH, progress=not args.quiet,
                        signal=args.signal)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=_json_default))

@@ -23,6 +23,7 @@ import torch
 
 from opengem.data.loader import ShardLoader
 from opengem.data.parquet import DatasetManifest
+from opengem.evaluation.evaluate import EVAL_BATCH
 from opengem.features.schema import FeatureSchema
 
 
@@ -45,7 +46,7 @@ def _logit(p: np.ndarray) -> np.ndarray:
 
 @torch.no_grad()
 def signal_decomposition(model, schema: FeatureSchema, data_dir: str | Path, split: str = "test",
-                         batch_size: int = 4096) -> dict:
+                         batch_size: int = EVAL_BATCH) -> dict:
     """Slopes of the model's click logit and conditional conversion logit on the world's terms.
 
     ``model(batch)`` returns logits [B, T] in schema task order (click, then conversion chained on it).

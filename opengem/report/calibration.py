@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from opengem.evaluation.evaluate import EVAL_BATCH
 from opengem.evaluation.metrics import reliability_bins
 
 __all__ = ["compute_bins", "reliability_bins", "slice_bins"]
@@ -21,7 +22,7 @@ MIN_ROWS = 100  # fewer rows per bin and a bin's observed rate is mostly noise
 
 
 def compute_bins(run_dir: str | Path, data_dir: str | Path, split: str = "test", n_bins: int = 20,
-                 batch_size: int = 4096) -> dict[str, dict[str, list]]:
+                 batch_size: int = EVAL_BATCH) -> dict[str, dict[str, list]]:
     """Reliability bins per slice of a run's model on ``split`` (one pass over the split's rows)."""
     import torch
 
