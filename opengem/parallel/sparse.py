@@ -47,7 +47,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.remote_device import _remote_device
 from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedTensor
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
@@ -215,7 +217,7 @@ class SparseSharding:
     modules: dict[str, nn.Module]  # collection FQN → sharded module
     sharding_pg: dist.ProcessGroup | None
     replica_pg: dist.ProcessGroup | None
-    optimizer: torch.optim.Optimizer | None = None  # train_step.FusedSparseOptimizer
+    optimizer: torch.optim.Optimizer | None = None  # FusedSparseOptimizer (below)
     dmp_collection: object | None = None  # TorchRec DMPCollection (CUDA path only)
 
     def rows(self) -> list[tuple[str, str, str, str, str]]:
@@ -359,8 +361,6 @@ def apply_sparse_sharding(model: nn.Module, dims: ParallelDims, cfg: ParallelCon
     asked = {t.name: cfg.sharding.get(t.name, cfg.default_sharding) for t in tables}
     result = SparseSharding(tables, asked, plan, dims, cfg.replica_sync_every, modules, sharding_pg,
                             replica_pg, dmp_collection=dmpc)
-    from opengem.parallel.train_step import FusedSparseOptimizer  # (train_step imports this module)
-
     result.optimizer = FusedSparseOptimizer(model, result, optim, device)
     return result
 
@@ -438,3 +438,181 @@ def _shard_dmp_collection(model, dims, plan, sharders, device):  # pragma: no co
         modules[p] = sharded
         plan.plan[p] = sub_plan.plan[f"m{i}"]
     return modules, dmpc, dmpc._default_ctx.sharding_pg, dmpc._default_ctx.replica_pg
+
+
+# ---------------------------------------------------------------------------------- optimizer view
+class FusedSparseOptimizer(torch.optim.Optimizer):
+    """The fused table optimizer as the trainer and ``get_state_dict`` see it.
+
+    - ``param_groups``: one group over the table weights (model FQNs), with the keys of the
+      single-process optimizer. Setting ``lr`` there (the trainer's ``Schedule`` does, before the
+      forward) pushes it into the kernels at once: the CPU kernel takes the learning rate at
+      *forward* time for the update it applies in backward, so pushing it in ``zero_grad`` (after
+      the forward) would apply the previous step's lr (measured: the first update 2× too large
+      under a 2-step warm-up).
+    - ``state[param]`` = ``{"step": tensor, "sum": [rows, 1]}`` (row-wise Adagrad), where ``sum``
+      is a ShardedTensor over the kernel's own accumulator (no copy) for table-, row- and
+      table-row-wise tables, and a width-weighted mean refreshed by ``state_dict()`` for
+      column-wise tables. ``load_state_dict`` writes loaded values back into the kernels.
+    """
+
+    def __init__(self, model: nn.Module, sharding: SparseSharding, spec: SparseOptimizerSpec,
+                 device: torch.device | None = None):
+        named = dict(model.named_parameters())
+        params = [named[t.fqn] for t in sharding.tables]
+        super().__init__(params, spec.defaults())
+        device = device or torch.device("cpu")
+        self.spec, self.sharding = spec, sharding
+        self._fused = [m.fused_optimizer for m in sharding.modules.values()]
+        self.param_groups[0] = _LrGroup(self.param_groups[0], self._push_lr)
+        self._device = device
+        self._cw: dict[str, tuple[TableInfo, list]] = {}  # column-wise tables: fqn → (table, pieces)
+        self._fused_state: dict[str, dict] = {}
+        self._steps = 0
+        if spec.kind == "rowwise_adagrad":  # plain SGD (no momentum) has no state at all
+            for t, p in zip(sharding.tables, params):
+                self.state[p] = {"step": torch.tensor(0.0), "sum": self._sum_view(t)}
+
+    # -------------------------------------------------------------- lr
+    def _push_lr(self) -> None:
+        lr = self.param_groups[0]["lr"]
+        for fo in self._fused:
+            for g in fo.param_groups:
+                g["lr"] = lr
+            fo.zero_grad()  # torchrec: sets the kernels' learning rate (no gradients to clear)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._push_lr()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """The update already happened in backward: count the step, push the lr, 2-D sync when due."""
+        self._push_lr()
+        self._steps += 1
+        for st in self.state.values():
+            st["step"] += 1
+        self.sharding.after_step(self._steps)
+
+    def reset_steps(self) -> None:
+        self._steps = 0
+        for st in self.state.values():
+            st["step"].zero_()
+
+    # -------------------------------------------------------------- state ↔ kernels
+    def _momentum_pieces(self, t: TableInfo) -> list[tuple[int, torch.Tensor]]:
+        """(offset in torchrec's momentum1 layout, local 1-D accumulator view) for table ``t``."""
+        if t.module not in self._fused_state:  # one state_dict per collection (they are views)
+            self._fused_state[t.module] = self.sharding.modules[t.module].fused_optimizer.state_dict()["state"]
+        st = self._fused_state[t.module].get(t.fqn[len(t.module) + 1:], {}).get(f"{t.name}.momentum1")
+        if st is None:
+            return []
+        if isinstance(st, ShardedTensor):
+            return [(s.metadata.shard_offsets[0], s.tensor) for s in st.local_shards()]
+        local = st.to_local()
+        return [(o[0], s) for s, o in zip(local.local_shards(), local.local_offsets())]
+
+    def _weight_metadata(self, t: TableInfo) -> list[ShardMetadata]:
+        ps = self.sharding.plan.plan[t.module][t.name]  # type: ignore[index]
+        return list(ps.sharding_spec.shards)  # type: ignore[union-attr]
+
+    def _sum_view(self, t: TableInfo) -> ShardedTensor:
+        shards_md = self._weight_metadata(t)
+        column_wise = any(md.shard_offsets[1] for md in shards_md)
+        rank = dist.get_rank()
+        gmd, local = [], []
+        pieces = dict(self._momentum_pieces(t))
+        col_order = sorted(md.shard_offsets[1] for md in shards_md)
+        for md in shards_md:
+            r0, c0 = md.shard_offsets
+            n = md.shard_sizes[0]
+            if c0:
+                continue  # column shards > 0 fold into the first one (see _sync_cw)
+            smd = ShardMetadata([r0, 0], [n, 1], md.placement)
+            gmd.append(smd)
+            if md.placement.rank() == rank:
+                if column_wise:
+                    local.append(Shard(torch.zeros(n, 1, device=self._device), smd))
+                else:
+                    local.append(Shard(pieces[r0].view(n, 1), smd))
+        if column_wise:
+            self._cw[t.fqn] = (t, [(col_order.index(md.shard_offsets[1]) * t.rows, md)
+                                   for md in shards_md if md.placement.rank() == rank])
+        meta = ShardedTensorMetadata(gmd, torch.Size([t.rows, 1]), TensorProperties(dtype=torch.float32))
+        pg = self.sharding.sharding_pg if self.sharding.dims.sparse_2d else None
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta, process_group=pg)
+
+    @torch.no_grad()
+    def _sync_cw(self, to_kernels: bool) -> None:
+        """Column-wise tables: kernels → canonical sum (width-weighted mean) or back (a collective)."""
+        pg = self.sharding.sharding_pg if self.sharding.dims.sparse_2d else None
+        params = dict(zip([t.fqn for t in self.sharding.tables], self.param_groups[0]["params"]))
+        for fqn in sorted(self._cw):
+            t, mine = self._cw[fqn]
+            pieces = dict(self._momentum_pieces(t))
+            canon = self.state[params[fqn]]["sum"]
+            buf = torch.zeros(t.rows, device=self._device)
+            if to_kernels:
+                for s in canon.local_shards():
+                    buf += s.tensor.view(-1)
+                dist.all_reduce(buf, group=pg)
+                for off, md in mine:
+                    pieces[off].copy_(buf)
+            else:
+                for off, md in mine:
+                    buf += pieces[off] * (md.shard_sizes[1] / t.dim)
+                dist.all_reduce(buf, group=pg)
+                for s in canon.local_shards():
+                    s.tensor.copy_(buf.view(-1, 1))
+
+    def state_dict(self):
+        if self._cw:
+            self._sync_cw(to_kernels=False)
+        return super().state_dict()
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict) -> None:
+        own = {id(p): self.state[p] for p in self.param_groups[0]["params"]}
+        loaded_groups = state_dict["param_groups"]
+        if len(loaded_groups) != 1 or len(loaded_groups[0]["params"]) != len(own):
+            raise ValueError(f"sparse optimizer state has {len(loaded_groups)} groups / "
+                             f"{[len(g['params']) for g in loaded_groups]} tables; expected 1 group of {len(own)}")
+        for k, v in loaded_groups[0].items():
+            if k != "params":
+                self.param_groups[0][k] = v
+        for idx, p in zip(loaded_groups[0]["params"], self.param_groups[0]["params"]):
+            src = state_dict["state"].get(idx, {})
+            dst = self.state[p]
+            for key, val in src.items():
+                _copy_into(dst[key], val)
+        if self._cw:
+            self._sync_cw(to_kernels=True)
+        steps = [int(st["step"]) for st in self.state.values() if "step" in st]
+        self._steps = max(steps, default=self._steps)
+        self._push_lr()
+
+
+class _LrGroup(dict):
+    """A param group that pushes ``lr`` into the fused kernels whenever it is set."""
+
+    def __init__(self, group: dict, push):
+        super().__init__(group)
+        self._push = push
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        if key == "lr":
+            self._push()
+
+
+def _copy_into(dst, src) -> None:
+    if isinstance(dst, ShardedTensor):
+        if src is dst:
+            return
+        if not isinstance(src, ShardedTensor):
+            raise TypeError(f"cannot load a {type(src).__name__} into a sharded optimizer state")
+        for d, s in zip(dst.local_shards(), src.local_shards()):
+            if d.tensor.data_ptr() != s.tensor.data_ptr():
+                d.tensor.copy_(s.tensor)
+        return
+    if src is not dst:
+        dst.copy_(src)
