@@ -83,7 +83,7 @@ def test_trainer_fp8_activations_stay_near_fp32(tmp_path):
     assert max(abs(a - b) / b for a, b in zip(losses["true"], losses["false"])) < TOL["fp8"]
 
 
-def test_time_to_quality_reads_the_first_crossing():
+def test_time_to_quality_interpolates_the_first_crossing():
     from opengem.train.bench import time_to_quality
 
     gem = {"curve": [(1.0, 100, 0.99), (2.0, 200, 0.95), (3.0, 300, 0.90)], "final_ne": 0.90}
@@ -91,6 +91,11 @@ def test_time_to_quality_reads_the_first_crossing():
     ttq = time_to_quality(gem, peer)
     assert ttq["gem_s_to_target"] == 2.0 and ttq["speedup"] == 2.0 and ttq["gem_pass_fraction_to_target"] == 0.667
     assert time_to_quality(gem, {**peer, "final_ne": 0.5})["speedup"] is None  # never reached: no figure
+    between = time_to_quality(gem, {**peer, "final_ne": 0.93})  # 40 % of the way from the 2nd to the 3rd eval
+    assert between["gem_s_to_target"] == 2.4 and between["gem_s_at_eval"] == 3.0
+    assert between["gem_pass_fraction_to_target"] == 0.8 and between["speedup"] == round(4.0 / 2.4, 3)
+    first = time_to_quality(gem, {**peer, "final_ne": 0.995})  # reached at the first eval: nothing before it
+    assert first["gem_s_to_target"] == 1.0
 
 
 def test_train_with_evals_records_a_learning_curve(tmp_path):
