@@ -378,13 +378,16 @@ def quick_bench(cfg_name: str = "tiny", ttq_users: int = 3000, eval_every: int =
         int8_saved = table_bytes(fp32) / table_bytes(quantize_tables(fp32, "int8"))
         # The demo recipe's warm-up (200 steps) is longer than this world's whole pass (~160 steps at
         # 3,000 users): every run here warms up over its first 10 % instead, the same for each arch.
-        base = recipe("demo")
-        steps = ShardLoader(data, base.data.train_split, base.data.batch_size, schema).rows_per_epoch // base.data.batch_size
-        base = apply_overrides(base, [f"optim.warmup_steps={max(1, steps // 10)}"])
-        runs = {arch: train_with_evals(apply_overrides(base, [f"model.arch={arch}"]), data, eval_every)
-                for arch in ("gem", "dlrm_dcn")}
+        demo = recipe("demo")
+        steps = ShardLoader(data, demo.data.train_split, demo.data.batch_size, schema).rows_per_epoch // demo.data.batch_size
+        warmup = max(1, steps // 10)
+
+        def ttq_cfg(*overrides: str) -> Config:  # a fresh config per run: apply_overrides mutates its argument
+            return apply_overrides(recipe("demo"), [f"optim.warmup_steps={warmup}", *overrides])
+
+        runs = {arch: train_with_evals(ttq_cfg(f"model.arch={arch}"), data, eval_every) for arch in ("gem", "dlrm_dcn")}
         # FP8's NE cost: the same GEM pass with saved activations stored as e4m3.
-        fp8_run = train_with_evals(apply_overrides(base, ["train.fp8_activations=true"]), data, eval_every * 1000)
+        fp8_run = train_with_evals(ttq_cfg("train.fp8_activations=true"), data, eval_every * 1000)
         # Examples/s at equal dense parameters: DLRM-DCN's heads widened to GEM's dense size, timed
         # alternately with GEM on the same data (round robin, as the levers are).
         dcn_wide = widen_to_params(apply_overrides(recipe("demo"), ["model.arch=dlrm_dcn"]), schema,
@@ -397,7 +400,7 @@ def quick_bench(cfg_name: str = "tiny", ttq_users: int = 3000, eval_every: int =
                                       "dlrm_dcn": count_parameters(build_gem(schema, dcn_wide.model))["dense"]},
                  "dcn_head_dims": [*dcn_wide.model.heads.trunk_dims, *dcn_wide.model.heads.task_dims],
                  "examples_per_s": {k: round(max(v), 1) for k, v in eq.items()}}
-    ttq = {**time_to_quality(runs["gem"], runs["dlrm_dcn"]), "steps": steps, "warmup_steps": base.optim.warmup_steps}
+    ttq = {**time_to_quality(runs["gem"], runs["dlrm_dcn"]), "steps": steps, "warmup_steps": warmup}
     lv = levers["levers"]
     return {"padded_over_jagged_time": round(att["padded_over_jagged_time"], 2),
             "max_over_mean_len": round(att["max_len"] / att["mean_len"], 2),
