@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from opengem.config import Config, apply_overrides
+from opengem.evaluation.evaluate import EVAL_BATCH
 from opengem.features.schema import FeatureSchema, SchemaError
 from opengem.model.build import count_parameters
 from opengem.model.heads import HeadsConfig
@@ -42,15 +43,11 @@ from opengem.transfer.teacher import TeacherService
 from opengem.transfer.trainer import StudentTrainer, evaluate_students, train_students, transfer_ratio
 
 log = logging.getLogger(__name__)
-EVAL_BATCH = 4096
-
-
 def parse_overrides(cfg: Config, tcfg: TransferConfig, overrides: list[str]) -> tuple[Config, TransferConfig]:
     """``transfer.*`` keys go to the techniques, every other key to the student's recipe. A list
     of names may be written bare: ``transfer.domains=feed,video``."""
-    apply_overrides(tcfg, [_json_list(o[len("transfer."):]) for o in overrides if o.startswith("transfer.")])
-    apply_overrides(cfg, [o for o in overrides if not o.startswith("transfer.")])
-    return cfg, tcfg
+    tcfg = apply_overrides(tcfg, [_json_list(o[len("transfer."):]) for o in overrides if o.startswith("transfer.")])
+    return apply_overrides(cfg, [o for o in overrides if not o.startswith("transfer.")]), tcfg
 
 
 def _json_list(item: str) -> str:
