@@ -10,13 +10,15 @@ Module configs live beside their modules (``opengem.model.*.Config``); this file
       train: TrainConfig
       parallel: ParallelConfig (opengem.parallel.dims; used only under torchrun)
 
-``apply_overrides(cfg, ["optim.lr=3e-3", "model.wukong.num_layers=3"])`` parses values by the
-field's declared type and fails with the list of valid keys when a key is unknown. Dict fields take
+``apply_overrides(cfg, ["optim.lr=3e-3", "model.wukong.num_layers=3"])`` returns a copy of ``cfg``
+with them set; it parses values by the field's declared type and fails with the list of valid keys
+when a key is unknown. Dict fields take
 JSON: ``'parallel.sharding={"t_user_id": "row_wise"}'``.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import types
@@ -194,7 +196,11 @@ def _keys(obj, prefix: str = "") -> list[str]:
 
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
-    """Apply ``key=value`` strings (dotted keys) in order; returns ``cfg`` (mutated) validated."""
+    """A validated copy of ``cfg`` with ``key=value`` strings (dotted keys) applied in order.
+
+    ``cfg`` itself is left as it was: one base config can seed several runs (it once did not, and a
+    shared base silently carried one run's ``model.arch`` into the next)."""
+    cfg = copy.deepcopy(cfg)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value")

@@ -11,6 +11,18 @@ def test_overrides_parse_by_declared_type():
     assert cfg.model.wukong.mlp_dims == (32, 16) and cfg.model.wukong.cross_layer == "dense"
 
 
+
+def test_overrides_leave_the_base_config_alone():
+    """One base can seed several runs: overriding ``model.arch`` for one must not reach the next."""
+    base = recipe("tiny")
+    dcn = apply_overrides(base, ["model.arch=dlrm_dcn", "optim.warmup_steps=7"])
+    fp8 = apply_overrides(base, ["train.fp8_activations=true"])
+    assert dcn.model.arch == "dlrm_dcn" and dcn.optim.warmup_steps == 7
+    assert fp8.model.arch == base.model.arch == "gem" and fp8.optim.warmup_steps == base.optim.warmup_steps
+    assert fp8.train.fp8_activations and not base.train.fp8_activations
+    assert base == recipe("tiny")
+
+
 @pytest.mark.parametrize("item, message", [
     ("optim.lrr=1", "unknown config key 'optim.lrr'"),
     ("nonsense=1", "unknown config key 'nonsense'"),
