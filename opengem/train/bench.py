@@ -381,13 +381,11 @@ def quick_bench(cfg_name: str = "tiny", ttq_users: int = 3000, eval_every: int =
         demo = recipe("demo")
         steps = ShardLoader(data, demo.data.train_split, demo.data.batch_size, schema).rows_per_epoch // demo.data.batch_size
         warmup = max(1, steps // 10)
-
-        def ttq_cfg(*overrides: str) -> Config:  # a fresh config per run: apply_overrides mutates its argument
-            return apply_overrides(recipe("demo"), [f"optim.warmup_steps={warmup}", *overrides])
-
-        runs = {arch: train_with_evals(ttq_cfg(f"model.arch={arch}"), data, eval_every) for arch in ("gem", "dlrm_dcn")}
+        base = apply_overrides(demo, [f"optim.warmup_steps={warmup}"])  # each run below gets its own copy
+        runs = {arch: train_with_evals(apply_overrides(base, [f"model.arch={arch}"]), data, eval_every)
+                for arch in ("gem", "dlrm_dcn")}
         # FP8's NE cost: the same GEM pass with saved activations stored as e4m3.
-        fp8_run = train_with_evals(ttq_cfg("train.fp8_activations=true"), data, eval_every * 1000)
+        fp8_run = train_with_evals(apply_overrides(base, ["train.fp8_activations=true"]), data, eval_every * 1000)
         # Examples/s at equal dense parameters: DLRM-DCN's heads widened to GEM's dense size, timed
         # alternately with GEM on the same data (round robin, as the levers are).
         dcn_wide = widen_to_params(apply_overrides(recipe("demo"), ["model.arch=dlrm_dcn"]), schema,
