@@ -120,6 +120,21 @@ class ServingGEM(nn.Module):
             g = flag if g is None else g + flag
         return g
 
+    def history_counts(self, x: dict[str, torch.Tensor], stream: str) -> torch.Tensor:
+        """[C, (1 + A)·E·K]: ``HistoryCounts.stream_counts`` per candidate; the decayed weights are
+        summed once per user, only the target-matched sums are per candidate."""
+        hc, cand_user = self.gem.history_counts, x["cand_user"]
+        w_NE = hc.event_weights(stream, x[f"seq.{stream}.event"], x[f"seq.{stream}.age"])
+        idx_UL, valid_UL = x[f"seq.{stream}.pool_idx"], x[f"seq.{stream}.pool_valid"]
+        w_ULE = w_NE[idx_UL] * valid_UL.unsqueeze(-1).to(w_NE.dtype)
+        out = [w_ULE.sum(1)[cand_user]]
+        w_CLE = w_ULE[cand_user]
+        for (col, feat, oov) in self.match_pairs.get(stream, ()):
+            ev_CL = x[f"seq.{col}"][idx_UL][cand_user]
+            flag_CL = ((ev_CL == self._cand_ids(x, feat)[:, None]) & (ev_CL != oov)).to(w_NE.dtype)
+            out.append(torch.einsum("cl,cle->ce", flag_CL, w_CLE))
+        return torch.cat(out, dim=1)
+
     def first_tokens(self, x: dict[str, torch.Tensor], tower: nn.Module, name: str, toks: list[torch.Tensor],
                      x_sum_CSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``SequenceTower.first_tokens`` with each user's keys, values and recent window computed once."""
@@ -158,6 +173,8 @@ class ServingGEM(nn.Module):
         if gem.dense_arch is not None:
             tokens.append(gem.dense_arch(signed_log(dense)).view(C, self.cfg.dense_tokens, -1))
         tokens.append(gem.domain_emb(domain).unsqueeze(1))
+        if gem.history_counts is not None:
+            tokens.append(gem.history_counts([self.history_counts(x, s) for s in gem.streams]).unsqueeze(1))
         x_BND = torch.cat(tokens, dim=1)
         x_sum = gem.interformer.cross[0].summarize_x(x_BND)
         states = []

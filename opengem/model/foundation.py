@@ -3,9 +3,12 @@
 Legend: B rows, n sparse features, F dense features, D dim, T tasks.
 
     batch.sparse ─► SparseArch (EBC) ─► [B, n, D] ┐
-    batch.dense  ─► DenseArch        ─► [B, k, D] ├─ X_0 [B, n+k+1, D] ─┐
-    batch.domain ─► domain embedding ─► [B, 1, D] ┘                      ├─► InterFormer ─► Heads ─► logits [B, T]
+    batch.dense  ─► DenseArch        ─► [B, k, D] │
+    batch.domain ─► domain embedding ─► [B, 1, D] ├─ X_0 [B, n+k+2, D] ─┐
+    batch.sequences ─► HistoryCounts ─► [B, 1, D] ┘                      ├─► InterFormer ─► Heads ─► logits [B, T]
     batch.sequences ─► SparseArch (EC) + ages ─► per stream jagged [N, D] ┘   (Wukong ⇄ pyramid towers)
+
+Both sequence paths read the target match (event attribute == the candidate's id of that name).
 
 Distribution never appears here: ``opengem.parallel`` (sharding) and the trainer wrap it from
 outside. Build on ``meta``, materialise with ``to_empty``, then call ``init_weights()``.
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.functional import one_hot
 
 from opengem.data.batch import Batch
 from opengem.features.schema import FeatureSchema
@@ -39,6 +43,7 @@ class GEMConfig:
     shortcut: str = "fwfm"  # fwfm | linear | none: low-order logits from X_0 (heads.LowOrderShortcut)
     target_match: bool = True  # flag events whose attribute equals the candidate's feature of that name
     cross_max_cells: int = 0  # > 0: a learned logit table per (user|context) × ad feature pair this small
+    count_decay_hours: tuple[float, ...] = (1.0, 24.0, 168.0, 720.0)  # HistoryCounts token; () = off
     sparse: SparseArchConfig = field(default_factory=SparseArchConfig)
     wukong: WukongConfig = field(default_factory=WukongConfig)
     sequence: SequenceConfig = field(default_factory=SequenceConfig)
@@ -51,6 +56,8 @@ class GEMConfig:
         if self.embedding_dim < 1 or self.dense_tokens < 1 or self.max_seq_len < 0 or self.cross_max_cells < 0:
             raise ValueError("model.embedding_dim and model.dense_tokens must be >= 1, "
                              "max_seq_len and cross_max_cells >= 0")
+        if any(not h > 0 for h in self.count_decay_hours):
+            raise ValueError(f"model.count_decay_hours must all be > 0 hours, got {self.count_decay_hours}")
         if self.shortcut not in ("fwfm", "linear", "none"):
             raise ValueError(f"model.shortcut must be fwfm|linear|none, got {self.shortcut!r}")
         self.wukong.validate()
@@ -95,6 +102,52 @@ def signed_log(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * torch.log1p(x.abs())
 
 
+class HistoryCounts(nn.Module):
+    """One X_0 token from time-decayed event counts of each stream: per event type and decay time τ,
+    log1p(Σ_e e^(−age_e/τ)) over all of a row's events and over those whose attribute matches the
+    candidate (``match_attributes``), through a 2-layer MLP.
+
+    Why (a choice; the public record is silent): softmax attention reads a *share* of matching
+    events, never how many there are, and a tower recovers a count only through its sink logit; but
+    "how often, how recently did this user engage with this advertiser" is the classic ads feature
+    (SIM's hard search reduced to counts). The sums are O(N) jagged segment sums. τ is
+    ``model.count_decay_hours`` (fixed, log-spaced: the MLP mixes them); () turns the token off.
+    Counts see the history the loader keeps (``model.max_seq_len``). Measured on the demo world (one
+    pass, seed 0): click captured 0.875 → 0.912, the model's slope on the true ads-history term
+    0.65 → 0.89; τ = (6, 48, 168) h gave 0.898.
+    """
+
+    def __init__(self, schema: FeatureSchema, streams: list[str], match_pairs: dict[str, list],
+                 decay_hours: tuple[float, ...], dim: int):
+        super().__init__()
+        self.decay_hours = tuple(float(h) for h in decay_hours)  # constants, not a buffer: nothing to shard or load
+        self.num_events = {s: schema.stream(s).num_event_types + 1 for s in streams}  # + the OOV event id
+        n = sum((1 + len(match_pairs[s])) * self.num_events[s] * len(decay_hours) for s in streams)
+        self.num_counts = n
+        self.mlp = mlp([n, 4 * dim, dim])
+
+    def event_weights(self, stream: str, events_N: torch.Tensor, age_N: torch.Tensor) -> torch.Tensor:
+        """[N, E·K]: event n's one-hot event type ⊗ its decays e^(−age/τ_k)."""
+        E = self.num_events[stream]
+        inv_tau_K = age_N.new_tensor([1.0 / (3600.0 * h) for h in self.decay_hours], dtype=torch.float32)
+        decay_NK = torch.exp(-age_N.float().clamp(min=0)[:, None] * inv_tau_K)
+        return (one_hot(events_N.clamp(0, E - 1), E).float()[:, :, None] * decay_NK[:, None, :]).flatten(1)
+
+    def stream_counts(self, stream: str, events_N: torch.Tensor, age_N: torch.Tensor,
+                      flags_NA: torch.Tensor | None, lengths_B: torch.Tensor) -> torch.Tensor:
+        """[B, (1 + A)·E·K] decayed counts of one stream (before log1p)."""
+        B = lengths_B.numel()
+        w_NEK = self.event_weights(stream, events_N, age_N)
+        sel = [w_NEK.new_ones(w_NEK.shape[0], 1)] + ([flags_NA.to(w_NEK.dtype)] if flags_NA is not None else [])
+        x = (torch.cat(sel, dim=1)[:, :, None] * w_NEK[:, None, :]).flatten(1)
+        row = torch.repeat_interleave(torch.arange(B, device=lengths_B.device), lengths_B)
+        return x.new_zeros(B, x.shape[1]).index_add_(0, row, x)
+
+    def forward(self, counts: list[torch.Tensor]) -> torch.Tensor:
+        """[B, D] from each stream's ``stream_counts``."""
+        return self.mlp(torch.log1p(torch.cat(counts, dim=1)))
+
+
 class TableModel(nn.Module):
     """What training, evaluation and teachers use of any model built from a schema (GEM, the peers):
     which parameters are table rows (row-wise Adagrad, TorchRec-sharded) and the history caps.
@@ -129,10 +182,12 @@ class GEM(TableModel):
             F = len(schema.dense)
             self.dense_arch = mlp([F, 4 * D, cfg.dense_tokens * D]) if F else None
             self.domain_emb = nn.Embedding(schema.num_domains, D)
-            n_x = len(schema.sparse) + (cfg.dense_tokens if F else 0) + 1
             self.streams = [s.name for s in schema.sequences] if cfg.use_sequences else []
             self.match_pairs = {name: match_attributes(schema, name) if cfg.target_match else []
                                 for name in self.streams}
+            self.history_counts = (HistoryCounts(schema, self.streams, self.match_pairs, cfg.count_decay_hours, D)
+                                   if cfg.count_decay_hours and self.streams else None)
+            n_x = len(schema.sparse) + (cfg.dense_tokens if F else 0) + 1 + (self.history_counts is not None)
             self.target_match = nn.ModuleDict({name: nn.Linear(len(cols), D, bias=False)
                                                for name, cols in self.match_pairs.items() if cols})
             self.interformer = InterFormer(n_x, D, len(self.streams), cfg.wukong, cfg.sequence, cfg.interformer)
@@ -168,15 +223,23 @@ class GEM(TableModel):
         if self.dense_arch is not None:
             tokens.append(self.dense_arch(signed_log(batch.dense)).view(B, self.cfg.dense_tokens, -1))
         tokens.append(self.domain_emb(batch.domain).unsqueeze(1))
-        seqs = []
+        seqs, counts = [], []
         if self.streams:
             emb = self.sparse_arch.forward_sequences(batch.sequences)
             ages = batch.seq_age.to_dict()
+            seq = batch.sequences.to_dict() if self.history_counts is not None else {}
             for tower, name in zip(self.interformer.towers, self.streams):
                 values, lengths = emb[name]
+                flags = self._match_flags(batch, name, lengths) if self.match_pairs[name] else None
                 if name in self.target_match:
-                    values = values + self.target_match[name](self._match_flags(batch, name, lengths))
-                seqs.append((tower.embed(values, ages[name].values()), lengths))
+                    values = values + self.target_match[name](flags.to(self.target_match[name].weight.dtype))
+                age = ages[name].values()
+                seqs.append((tower.embed(values, age), lengths))
+                if self.history_counts is not None:
+                    counts.append(self.history_counts.stream_counts(
+                        name, seq[f"{name}.event"].values(), age, flags, lengths))
+        if counts:
+            tokens.append(self.history_counts(counts).unsqueeze(1))
         return torch.cat(tokens, dim=1), seqs
 
     def _match_flags(self, batch: Batch, stream: str, lengths: torch.Tensor) -> torch.Tensor:
@@ -187,7 +250,7 @@ class GEM(TableModel):
         for col, feat, oov in self.match_pairs[stream]:
             ids = seq[col].values()
             flags.append((ids == sparse[feat].values()[row]) & (ids != oov))  # OOV never matches
-        return torch.stack(flags, dim=1).to(self.target_match[stream].weight.dtype)
+        return torch.stack(flags, dim=1)
 
     def _features(self, x_BND: torch.Tensor, seqs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         x_sum, s_sum, _ = self.interformer(x_BND, seqs)

@@ -9,7 +9,7 @@ before use and frees them after, so peak memory is about one block)::
     interformer.towers[k]                    tower embeddings, pooling          embed, first_tokens
     interformer.cross[i].seq[k]              sequence summaries                 forward
     interformer.cross[i]                     non-sequence summary (LCE, gate)   summarize_x
-    heads, dense_arch                                                           forward
+    heads, dense_arch, history_counts                                           forward
     root (GEM)                               domain embedding + anything left   forward
 
 Towers and cross arches are called through methods rather than ``forward``; those methods are
@@ -40,8 +40,7 @@ def fsdp_units(model: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
         units += [(m, ()) for m in cross.seq]
         units.append((cross, ("summarize_x",)))
     units.append((model.heads, ()))
-    if model.dense_arch is not None:
-        units.append((model.dense_arch, ()))
+    units += [(m, ()) for m in (model.dense_arch, getattr(model, "history_counts", None)) if m is not None]
     return [(m, meths) for m, meths in units if any(True for _ in m.parameters())]
 
 

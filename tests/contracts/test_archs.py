@@ -210,6 +210,48 @@ def test_target_match_flags_events_equal_to_the_candidate():
     assert 0 < flags.sum() < len(cats)  # the seeded rows hold both cases
 
 
+def test_history_counts_are_decayed_counts_per_event_type_all_and_matched():
+    """HistoryCounts: per row, Σ e^(−age/τ) over events of each type, over all events and over those
+    whose attribute equals the candidate's (OOV never matches), against a loop over the rows."""
+    schema = tiny_schema()
+    cfg = GEMConfig(embedding_dim=D, count_decay_hours=(0.5, 24.0), wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2),
+                    sequence=SequenceConfig(num_heads=2, recent_len=4, min_recent=2, num_pooled=1))
+    model = _gem(cfg, schema)
+    hc = model.history_counts
+    b = _batch(schema, n=5, lengths={"s0": np.array([3, 0, 6, 1, 4]), "s1": np.array([2, 2, 0, 5, 1])})
+    seq, sp, ages = b.sequences.to_dict(), b.sparse.to_dict(), b.seq_age.to_dict()
+    taus = np.array([0.5, 24.0]) * 3600.0
+    for stream, attrs in (("s0", [("s0.category", "category", 5)]), ("s1", [])):
+        assert model.match_pairs[stream] == attrs
+        lengths = seq[f"{stream}.item"].lengths()
+        flags = model._match_flags(b, stream, lengths) if attrs else None
+        got = hc.stream_counts(stream, seq[f"{stream}.event"].values(), ages[stream].values(), flags, lengths)
+        E = schema.stream(stream).num_event_types + 1
+        assert got.shape == (5, (1 + len(attrs)) * E * 2)
+        ev, age = seq[f"{stream}.event"].values().numpy(), ages[stream].values().double().numpy()
+        cats = seq["s0.category"].values().numpy() if attrs else None
+        want = np.zeros((5, 1 + len(attrs), E, 2))
+        start = 0
+        for r, n in enumerate(lengths.tolist()):
+            for i in range(start, start + n):
+                w = np.exp(-age[i] / taus)
+                want[r, 0, ev[i]] += w
+                if attrs and cats[i] == sp["category"].values()[r].item() and cats[i] != 5:
+                    want[r, 1, ev[i]] += w
+            start += n
+        np.testing.assert_allclose(got.numpy(), want.reshape(5, -1), rtol=1e-5, atol=1e-7)
+        if attrs:
+            assert 0 < want[:, 1].sum() < want[:, 0].sum()  # some events match, not all
+    token = hc([hc.stream_counts(s, seq[f"{s}.event"].values(), ages[s].values(),
+                                 model._match_flags(b, s, seq[f"{s}.item"].lengths()) if model.match_pairs[s] else None,
+                                 seq[f"{s}.item"].lengths()) for s in model.streams])
+    assert token.shape == (5, D) and torch.isfinite(token).all()
+    off = _gem(GEMConfig(embedding_dim=D, count_decay_hours=()), schema)
+    assert off.history_counts is None and torch.isfinite(off(b)).all()
+    with pytest.raises(ValueError, match="count_decay_hours"):
+        GEMConfig(count_decay_hours=(24.0, 0.0)).validate()
+
+
 def test_shortcut_starts_at_zero_and_reads_pairs():
     from opengem.model.heads import LowOrderShortcut
 

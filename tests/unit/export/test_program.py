@@ -23,9 +23,10 @@ from opengem.testing import tiny_schema
 TOL = 1e-5
 
 
-def _model(schema, max_rows=0, max_seq_len=12, cross_max_cells=0, interleave=True):
+def _model(schema, max_rows=0, max_seq_len=12, cross_max_cells=0, interleave=True, count_decay_hours=()):
     cfg = GEMConfig(embedding_dim=16, max_seq_len=max_seq_len, sparse=SparseArchConfig(max_rows_per_table=max_rows),
                     cross_max_cells=cross_max_cells, interformer=InterFormerConfig(interleave=interleave),
+                    count_decay_hours=count_decay_hours,
                     wukong=WukongConfig(num_layers=2, num_fm=4, num_lc=4, fm_rank=4, mlp_dims=(32,)),
                     sequence=SequenceConfig(num_heads=2, recent_len=8, min_recent=2, num_pooled=2))
     model = materialize(build_gem(schema, cfg), base_rates=[0.1, 0.01])
@@ -107,6 +108,16 @@ def test_serving_module_equals_gem_without_interleaving():
     schema = tiny_schema()
     model = _model(schema, interleave=False)
     diff, _ = _compare(model, schema, _requests(schema, [(3, 9), (2, 0)], seed=11))
+    assert diff < TOL
+
+
+@pytest.mark.parametrize("specs", [[(3, -1), (2, 0), (5, 7)], [(4, 9), (1, 3)]])
+def test_serving_module_with_history_counts(specs):
+    """The history-counts token (all and target-matched decayed counts) serves as it trains."""
+    schema = tiny_schema()
+    model = _model(schema, count_decay_hours=(0.5, 24.0, 720.0))
+    assert model.history_counts is not None
+    diff, _ = _compare(model, schema, _requests(schema, specs, seed=13))
     assert diff < TOL
 
 
