@@ -58,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--signal", action="store_true",
                    help="synthetic data: slope of the model's logit on each true term of the world")
 
+    r = sub.add_parser("recalibrate", help="fit one logit offset per (domain, task) on held-out days (RUN/recalibration.json)")
+    r.add_argument("--run", required=True)
+    r.add_argument("--data", required=True)
+    r.add_argument("--split", default="valid", help="the days to fit on (never test)")
+    r.add_argument("--prior-std", type=float, default=0.1, help="Gaussian prior on each offset (keeps thin slices near 0)")
+
     k = sub.add_parser("distill", help="distil a vertical model from a trained GEM (directly or --via a domain FM)")
     k.add_argument("--teacher", required=True, help="the GEM run")
     k.add_argument("--student-recipe", default="vm_s", help="vm_xs | vm_s | vm_m | fm_domain (or a train recipe)")
@@ -102,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="./opengem-demo")
     d.add_argument("--preset", default="demo", help="world preset and recipe (tiny for a smoke run)")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-recalibrate", action="store_true", help="skip fitting the per-(domain, task) offsets on valid")
     d.add_argument("--no-distill", action="store_true", help="skip distilling a vertical model (then GEM is served)")
     d.add_argument("--no-serve", action="store_true", help="skip the last step: export, serve, score one request")
     d.add_argument("overrides", nargs="*", help="training config overrides key=value")
@@ -157,6 +164,21 @@ def cmd_evaluate(args) -> dict:
         print(f"\n{part}: slope of the model's logit on each true term (1 = fully learned), corr {d['corr']:.3f}")
         print("  " + ", ".join(f"{k} {v:+.2f}" for k, v in d["slopes"].items()))
     return out
+
+
+def cmd_recalibrate(args) -> dict:
+    from opengem.evaluation.recalibrate import recalibrate_run
+
+    rec = recalibrate_run(args.run, args.data, args.split, args.prior_std, progress=not args.quiet)
+    print(_recalibration_line(rec))
+    return rec
+
+
+def _recalibration_line(rec: dict) -> str:
+    before, after = rec["calibration_before"], rec["calibration_after"]
+    return (f"recalibrated on {rec['split']} ({rec['rows']:,} rows): "
+            + ", ".join(f"{k} {rec['offsets'][k]:+.3f} (calibration {before[k]:.3f} → {after[k]:.3f})"
+                        for k in before))
 
 
 def cmd_distill(args) -> dict:
@@ -220,6 +242,7 @@ def cmd_bench(args) -> dict:
 
 def cmd_demo(args) -> dict:
     from opengem.config import apply_overrides
+    from opengem.data.parquet import DatasetManifest
     from opengem.data.synthetic import generate, world_config
     from opengem.evaluation.evaluate import evaluate_run
     from opengem.recipes import recipe
@@ -236,6 +259,15 @@ def cmd_demo(args) -> dict:
     t1 = time.perf_counter()
     final = train(cfg, data, run)
     times["train_s"] = time.perf_counter() - t1
+    recal = None
+    manifest = DatasetManifest.load(data)
+    if not args.no_recalibrate and cfg.data.eval_split != "valid" and "valid" in manifest.splits \
+            and manifest.split_files("valid"):
+        from opengem.evaluation.recalibrate import recalibrate_run
+
+        t = time.perf_counter()
+        recal = recalibrate_run(run, data, "valid", progress=not args.quiet)
+        times["recalibrate_s"] = time.perf_counter() - t
     t2 = time.perf_counter()
     ev = evaluate_run(run, data, cfg.data.eval_split, progress=not args.quiet)
     times["evaluate_s"] = time.perf_counter() - t2
@@ -259,6 +291,8 @@ def cmd_demo(args) -> dict:
     ev["times"] = times
     (out / "evaluation.json").write_text(json.dumps(ev, indent=2, default=_json_default))
     print(format_table(ev["metrics"]))
+    if recal is not None:
+        print("\n" + _recalibration_line(recal))
     print(f"\nparameters {final['parameters']['total']:,} (dense {final['parameters']['dense']:,}); "
           f"{final['examples']:,} examples at {final['examples_per_s']:,.0f}/s; "
           + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))
@@ -305,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     from opengem.train.resume import Preempted
 
     try:
-        {"generate": cmd_generate, "train": cmd_train, "evaluate": cmd_evaluate, "distill": cmd_distill,
+        {"generate": cmd_generate, "train": cmd_train, "evaluate": cmd_evaluate, "recalibrate": cmd_recalibrate,
+         "distill": cmd_distill,
          "export": cmd_export, "serve": cmd_serve, "bench": cmd_bench, "demo": cmd_demo,
          "import": import_cli.run, "report": report_cli.run}[args.cmd](args)
     except (ConfigError, DataError, SchemaError, CheckpointError, ArtifactError, ValueError) as e:

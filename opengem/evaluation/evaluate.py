@@ -21,8 +21,10 @@ from opengem.model.build import build_gem, materialize
 from opengem.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 
 
-def load_run_model(run_dir: str | Path) -> tuple[torch.nn.Module, Config, FeatureSchema]:
-    """The trained model of a run (latest checkpoint), single process, in eval mode."""
+def load_run_model(run_dir: str | Path, recalibrated: bool = True) -> tuple[torch.nn.Module, Config, FeatureSchema]:
+    """The trained model of a run (latest checkpoint), single process, in eval mode; with
+    ``recalibrated``, plus the offsets of ``RUN/recalibration.json`` if the run has been recalibrated
+    (``opengem.evaluation.recalibrate``)."""
     run = Path(run_dir)
     if not (run / "config.json").exists():
         raise CheckpointError(f"{run}: no config.json (not a training run directory)")
@@ -33,6 +35,10 @@ def load_run_model(run_dir: str | Path) -> tuple[torch.nn.Module, Config, Featur
         raise CheckpointError(f"{run}: no checkpoint (did training finish?)")
     model = materialize(build_gem(schema, cfg.model), "cpu")
     load_checkpoint(ckpt, model, expect={"schema": schema.fingerprint()})
+    if recalibrated:
+        from opengem.evaluation.recalibrate import apply_recalibration
+
+        apply_recalibration(model, run, schema)
     return model.eval(), cfg, schema
 
 
@@ -70,6 +76,9 @@ def evaluate_run(run_dir: str | Path, data_dir: str | Path, split: str = "test",
     out = evaluate_model(model, schema, data_dir, split, rates, batch_size, progress)
     out["run"] = str(run_dir)
     out["recipe"] = cfg.recipe
+    recal = Path(run_dir) / "recalibration.json"
+    if recal.exists():
+        out["recalibration"] = json.loads(recal.read_text())
     if signal:
         from opengem.evaluation.signal import signal_decomposition
 

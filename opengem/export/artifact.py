@@ -248,7 +248,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | 
         "model": {"kind": type(model).__name__, "recipe": cfg.recipe, "parameters": parameters,
                   "schema_fingerprint": schema.fingerprint(), "tasks": schema.task_names},
         "run": {"name": run.name, "checkpoint": final.get("checkpoint"), "steps": final.get("steps"),
-                "params_sha256": final.get("params_sha256")},
+                "params_sha256": final.get("params_sha256"),  # of the checkpoint, before any recalibration
+                "recalibration": (json.loads((run / "recalibration.json").read_text())["offsets"]
+                                  if (run / "recalibration.json").exists() else None)},
         "layout": layout.to_dict(),
         "tables": tables_info(model, table_dtype, fp32_bytes),
         "export": {"method": "torch.export (non-strict, dynamic shapes)", "aoti": "aoti" in programs,

@@ -100,16 +100,27 @@ class Heads(nn.Module):
                 shortcut_BT: torch.Tensor | None = None) -> torch.Tensor:
         """logits [B, T]; ``shortcut_BT`` (low-order logits, see ``LowOrderShortcut``) is added to
         each task's own logit before chaining."""
+        return self.chain(self.raw_logits(feats_BF, domain_B, shortcut_BT))
+
+    def output_group(self, domain_B: torch.Tensor) -> torch.Tensor:
+        """Which row of ``out_w`` / ``out_b`` each row uses: its domain, or 0 when shared."""
+        return domain_B if self.cfg.domain_mode == "output" else torch.zeros_like(domain_B)
+
+    def raw_logits(self, feats_BF: torch.Tensor, domain_B: torch.Tensor,
+                   shortcut_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T] each task's own logit before chaining (a chained task's is logit p(task | parent))."""
         h = self.trunk(feats_BF)
-        g = domain_B if self.cfg.domain_mode == "output" else torch.zeros_like(domain_B)
+        g = self.output_group(domain_B)
         w, b = self.out_w[g], self.out_b[g]  # [B, T, H], [B, T]
-        raw = [(tower(h) * w[:, t]).sum(-1) + b[:, t] for t, tower in enumerate(self.towers)]
-        if shortcut_BT is not None:
-            raw = [r + shortcut_BT[:, t] for t, r in enumerate(raw)]
+        raw = torch.stack([(tower(h) * w[:, t]).sum(-1) + b[:, t] for t, tower in enumerate(self.towers)], dim=1)
+        return raw if shortcut_BT is None else raw + shortcut_BT
+
+    def chain(self, raw_BT: torch.Tensor) -> torch.Tensor:
+        """[B, T] final logits: a chained task's is logit(p(parent) · p(task | parent))."""
         out: list[torch.Tensor] = []
-        for t, logit in enumerate(raw):
+        for t in range(raw_BT.shape[1]):
             p = self.parent[t]
-            out.append(logit if p < 0 else chained_logit(out[p], logit))
+            out.append(raw_BT[:, t] if p < 0 else chained_logit(out[p], raw_BT[:, t]))
         return torch.stack(out, dim=1)
 
 

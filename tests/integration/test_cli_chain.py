@@ -60,6 +60,37 @@ def test_training_is_deterministic_and_resume_is_exact(tiny_data, tmp_path):
     assert c["params_sha256"] == a["params_sha256"]
 
 
+def test_recalibrate_on_valid_then_every_reader_sees_the_offsets(tiny_data, tmp_path, capsys):
+    import torch
+
+    from opengem.data.loader import ShardLoader
+    from opengem.evaluation.evaluate import load_run_model
+
+    run = tmp_path / "run"
+    assert _train(tiny_data, run) == 0
+    assert main(["--quiet", "recalibrate", "--run", str(run), "--data", str(tiny_data), "--split", "test"]) == 2
+    assert "test split" in capsys.readouterr().err and not (run / "recalibration.json").exists()
+    assert main(["--quiet", "recalibrate", "--run", str(run), "--data", str(tiny_data)]) == 0
+    rec = json.loads((run / "recalibration.json").read_text())
+    assert rec["split"] == "valid" and rec["rows"] > 0
+    assert set(rec["offsets"]) == {f"{d}/{t}" for d in ("feed", "video", "messaging") for t in ("click", "conversion")}
+    assert any(abs(v) > 1e-4 for v in rec["offsets"].values())
+    assert "recalibrated on valid" in capsys.readouterr().out
+    # the recalibrated model's click logit is the raw model's plus its domain's offset
+    raw, _, schema = load_run_model(run, recalibrated=False)
+    cal, _, _ = load_run_model(run)
+    batch = next(iter(ShardLoader(tiny_data, "test", 64, schema, shuffle=False, epochs=1,
+                                  max_seq_len=raw.max_seq_len(), prefetch=0)))
+    with torch.no_grad():
+        diff = cal(batch)[:, 0] - raw(batch)[:, 0]
+    names = list(schema.domains.names)
+    want = torch.tensor([rec["offsets"][f"{names[d]}/click"] for d in batch.domain.tolist()])
+    assert torch.allclose(diff, want, atol=1e-5)
+    out = tmp_path / "eval.json"
+    assert main(["--quiet", "evaluate", "--run", str(run), "--data", str(tiny_data), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["recalibration"]["offsets"] == rec["offsets"]
+
+
 def test_cli_errors_are_clear(tiny_data, tmp_path, capsys):
     assert _train(tiny_data, tmp_path / "r", "optim.lrr=1") == 2
     assert "unknown config key 'optim.lrr'" in capsys.readouterr().err
@@ -79,7 +110,8 @@ def test_demo_runs_every_stage_and_serves(tmp_path, capsys):
     ev = json.loads((out / "evaluation.json").read_text())
     assert ev["metrics"]["all/click"]["n"] > 0 and ev["train"]["steps"] > 0
     assert ev["serving"]["runtime"] and (out / "artifact" / "manifest.json").exists()
-    assert set(ev["times"]) >= {"generate_s", "train_s", "evaluate_s", "distill_s", "serve_s", "total_s"}
+    assert set(ev["times"]) >= {"generate_s", "train_s", "recalibrate_s", "evaluate_s", "distill_s", "serve_s", "total_s"}
+    assert ev["recalibration"]["split"] == "valid"
     vm = ev["distill"]
     assert vm["domains"] == ["video"] and vm["metrics"]["all/click"]["n"] > 0 and "click" in vm["transfer_ratio"]
     served = json.loads((out / "artifact" / "manifest.json").read_text())

@@ -1,0 +1,178 @@
+"""Recalibration: one logit offset per (domain, task), fitted on held-out days, folded into the heads.
+
+Legend: R rows of the fitting split, T tasks, G output groups (domains, or 1 with shared heads).
+
+A model trained by log loss is calibrated on average over its training rows, but where it stops
+depends on its last steps: on the demo world, four training seeds end with test-day click
+calibration (Σp / Σy) between 0.86 and 1.02. Production ads systems correct this with a calibration
+layer fitted on the freshest held-out labels (He et al. 2014 fit one on top of the model). Ours is
+the smallest such layer: δ_{g,t} added to each task's own logit before chaining,
+
+    δ_t = argmin_δ Σ_r ω_r m_rt BCE(chain(raw_r + δ_{g_r})_t, y_rt) + ½ Σ_g δ_gt² / σ²
+
+task by task in schema order (a chained task is fitted with its parent's offsets in place). The
+prior σ (``prior_std``, 0.1) is the spread of the click offsets over four training seeds of the demo
+(−0.05 to +0.17); it keeps a slice with few labels near 0: σ = 0.5 fitted +0.13 to video conversion
+from ~70 valid conversions, and that slice's test calibration went 1.04 → 1.21. The offsets are written to
+``RUN/recalibration.json``; ``load_run_model`` adds them to ``heads.out_b``, so evaluation, export,
+serving and teachers all read the recalibrated model, and the checkpoint itself is never changed.
+The fitting split must not be the evaluation split: ``valid`` (the days between train and test).
+
+Measured on the demo world (four training seeds, test day): click calibration 0.86–1.02 → 0.97–0.98,
+click captured 0.894 / 0.912 / 0.912 / 0.907 → 0.900 / 0.914 / 0.912 / 0.920; conversion captured
+unchanged (0.885 ± 0.004 mean either way).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from opengem.data.loader import ShardLoader
+from opengem.features.schema import FeatureSchema
+
+RECALIBRATION_FILE = "recalibration.json"
+
+
+class RecalibrationError(ValueError):
+    """The run or split cannot be recalibrated; the message says why."""
+
+
+def _heads(model: torch.nn.Module):
+    from opengem.model.heads import Heads
+
+    heads = getattr(model, "heads", None)
+    if not isinstance(heads, Heads):
+        raise RecalibrationError(f"{type(model).__name__} has no GEM heads to recalibrate (peer baselines have none)")
+    return heads
+
+
+@torch.no_grad()
+def head_inputs(model: torch.nn.Module, schema: FeatureSchema, data_dir: str | Path, split: str,
+                batch_size: int, progress: bool = True) -> dict[str, torch.Tensor]:
+    """Each row's raw (pre-chain) logits [R, T], output group [R], labels, label mask [R, T] and
+    weight [R] on ``split``, read through a forward hook on the heads (any model with GEM heads)."""
+    heads = _heads(model)
+    loader = ShardLoader(data_dir, split, batch_size, schema, shuffle=False, epochs=1,
+                         max_seq_len=model.max_seq_len(), prefetch=2)
+    seen: list[tuple] = []
+    hook = heads.register_forward_hook(lambda m, args, out: seen.append(args))
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("raw", "group", "labels", "mask", "weights")}
+    try:
+        for batch in tqdm(loader, desc=f"recalibrate on {split}", unit="batch", disable=not progress):
+            seen.clear()
+            model(batch)
+            feats, domain, *rest = seen[0]
+            parts["raw"].append(heads.raw_logits(feats, domain, *rest).double())
+            parts["group"].append(heads.output_group(domain))
+            parts["labels"].append(batch.labels.double())
+            parts["mask"].append(batch.label_mask)
+            parts["weights"].append(batch.weights.double())
+    finally:
+        hook.remove()
+    if not parts["raw"]:
+        raise RecalibrationError(f"{data_dir}: split {split!r} has no rows to fit the recalibration on")
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
+def fit_offsets(heads, rows: dict[str, torch.Tensor], num_groups: int, prior_std: float = 0.1) -> torch.Tensor:
+    """δ [G, T] (see the module docstring), by L-BFGS per task; a group without labels keeps 0."""
+    if not prior_std > 0:
+        raise RecalibrationError(f"prior_std must be > 0, got {prior_std}")
+    delta = rows["raw"].new_zeros(num_groups, rows["raw"].shape[1])
+    for t in range(delta.shape[1]):
+        w = rows["mask"][:, t].double() * rows["weights"]
+        if w.sum() > 0:
+            delta[:, t] = _fit_task(heads, rows, w, delta, t, prior_std)
+    return delta
+
+
+def _fit_task(heads, rows: dict[str, torch.Tensor], w_R: torch.Tensor, delta: torch.Tensor, t: int,
+              prior_std: float) -> torch.Tensor:
+    """Task t's offsets [G], the other tasks' as in ``delta``."""
+    raw, group, y = rows["raw"], rows["group"], rows["labels"][:, t]
+    d = torch.zeros(delta.shape[0], dtype=raw.dtype, requires_grad=True)
+    opt = torch.optim.LBFGS([d], lr=1.0, max_iter=100, tolerance_grad=1e-10, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        shift = delta.clone()
+        shift[:, t] = d
+        z = heads.chain(raw + shift[group])[:, t]
+        loss = (F.binary_cross_entropy_with_logits(z, y, reduction="none") * w_R).sum()
+        loss = loss + 0.5 * (d**2).sum() / prior_std**2
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return d.detach()
+
+
+def offsets_tensor(heads, offsets: dict[str, float], schema: FeatureSchema) -> torch.Tensor:
+    """{"<domain>/<task>": δ} → [G, T] in the heads' layout ("all/<task>" with shared heads)."""
+    G = heads.out_b.shape[0]
+    groups = list(schema.domains.names) if G == schema.num_domains else ["all"]
+    out = torch.zeros(G, len(schema.task_names), dtype=torch.float64)
+    for key, value in offsets.items():
+        g, _, t = key.partition("/")
+        if g not in groups or t not in schema.task_names:
+            raise RecalibrationError(f"{RECALIBRATION_FILE}: unknown slice {key!r} (groups {groups}, "
+                                     f"tasks {schema.task_names})")
+        out[groups.index(g), schema.task_names.index(t)] = float(value)
+    return out
+
+
+def apply_recalibration(model: torch.nn.Module, run_dir: str | Path, schema: FeatureSchema) -> dict | None:
+    """Add the run's fitted offsets (if any) to the heads' output biases; returns the file's record."""
+    path = Path(run_dir) / RECALIBRATION_FILE
+    if not path.exists():
+        return None
+    record = json.loads(path.read_text())
+    heads = _heads(model)
+    with torch.no_grad():
+        heads.out_b.add_(offsets_tensor(heads, record["offsets"], schema).to(heads.out_b.dtype))
+    return record
+
+
+def recalibrate_run(run_dir: str | Path, data_dir: str | Path, split: str = "valid", prior_std: float = 0.1,
+                    batch_size: int | None = None, progress: bool = True) -> dict:
+    """Fit the offsets of a run on ``split`` and write ``RUN/recalibration.json``; returns its record
+    (offsets and each slice's calibration Σp/Σy on ``split`` before and after)."""
+    from opengem.evaluation.evaluate import EVAL_BATCH, load_run_model
+
+    if split == "test":
+        raise RecalibrationError("fitting the recalibration on the test split would grade the model on its own "
+                                 "answer key; use valid (the days between train and test)")
+    model, _, schema = load_run_model(run_dir, recalibrated=False)
+    data_schema = FeatureSchema.load(data_dir)
+    if data_schema.fingerprint() != schema.fingerprint():
+        raise RecalibrationError(f"{data_dir}: its schema differs from the one run {run_dir} was trained on")
+    heads = _heads(model)
+    rows = head_inputs(model, schema, data_dir, split, batch_size or EVAL_BATCH, progress)
+    G = heads.out_b.shape[0]
+    delta = fit_offsets(heads, rows, G, prior_std)
+    groups = list(schema.domains.names) if G == schema.num_domains else ["all"]
+
+    def calibration(shift: torch.Tensor) -> dict[str, float]:
+        p = torch.sigmoid(heads.chain(rows["raw"] + shift[rows["group"]]))
+        out = {}
+        for g, name in enumerate(groups):
+            for t, task in enumerate(schema.task_names):
+                w = rows["mask"][:, t].double() * rows["weights"] * (rows["group"] == g)
+                y = (rows["labels"][:, t] * w).sum()
+                if y > 0:
+                    out[f"{name}/{task}"] = round(float((p[:, t] * w).sum() / y), 4)
+        return out
+
+    with torch.no_grad():
+        before, after = calibration(torch.zeros_like(delta)), calibration(delta)
+    record = {"split": split, "rows": int(rows["raw"].shape[0]), "prior_std": prior_std,
+              "offsets": {f"{g}/{t}": round(float(delta[i, j]), 6) for i, g in enumerate(groups)
+                          for j, t in enumerate(schema.task_names)},
+              "calibration_before": before, "calibration_after": after}
+    (Path(run_dir) / RECALIBRATION_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    return record

@@ -1,0 +1,70 @@
+"""Recalibration: the fitted offsets recover known ones (a plain and a chained task), a thin slice
+stays near 0, and the offsets file is validated."""
+
+import json
+
+import pytest
+import torch
+
+from opengem.evaluation.recalibrate import RecalibrationError, apply_recalibration, fit_offsets, offsets_tensor
+from opengem.model.heads import Heads, HeadsConfig
+from opengem.testing import tiny_schema
+
+
+def _rows(delta, n=40_000, seed=0):
+    """Raw logits and labels drawn from σ(raw + δ[group]) through the heads' chain (click → conversion)."""
+    g = torch.Generator().manual_seed(seed)
+    group = torch.randint(0, delta.shape[0], (n,), generator=g)
+    raw = torch.stack([torch.randn(n, generator=g) - 1.0, 0.7 * torch.randn(n, generator=g) - 1.0], 1).double()
+    true = raw + delta[group]
+    click = torch.bernoulli(torch.sigmoid(true[:, 0]), generator=g)
+    conv = click * torch.bernoulli(torch.sigmoid(true[:, 1]), generator=g)
+    return {"raw": raw, "group": group, "labels": torch.stack([click, conv], 1).double(),
+            "mask": torch.ones(n, 2, dtype=torch.bool), "weights": torch.ones(n, dtype=torch.float64)}
+
+
+def test_fit_recovers_known_offsets_for_plain_and_chained_tasks():
+    heads = Heads(8, tiny_schema(), HeadsConfig())
+    assert heads.parent == [-1, 0]  # conversion is chained below click
+    delta = torch.tensor([[0.3, -0.2], [-0.15, 0.25]], dtype=torch.float64)
+    got = fit_offsets(heads, _rows(delta), num_groups=2)
+    assert torch.allclose(got, delta, atol=0.08), got
+    # nothing to correct: offsets near 0
+    assert fit_offsets(heads, _rows(torch.zeros(2, 2), seed=1), num_groups=2).abs().max() < 0.08
+
+
+def test_a_thin_slice_is_held_near_zero_by_the_prior():
+    heads = Heads(8, tiny_schema(), HeadsConfig())
+    rows = _rows(torch.tensor([[1.0, 0.0], [1.0, 0.0]], dtype=torch.float64), n=40)
+    wide = fit_offsets(heads, rows, 2, prior_std=100.0)
+    tight = fit_offsets(heads, rows, 2, prior_std=0.05)
+    assert tight.abs().max() < 0.1 < wide[:, 0].abs().max()
+    with pytest.raises(RecalibrationError, match="prior_std"):
+        fit_offsets(heads, rows, 2, prior_std=0.0)
+
+
+def test_unlabelled_task_keeps_zero_and_file_is_validated(tmp_path):
+    schema = tiny_schema()
+    heads = Heads(8, schema, HeadsConfig())
+    rows = _rows(torch.full((2, 2), 0.5, dtype=torch.float64), n=2_000)
+    rows["mask"][:, 1] = False
+    got = fit_offsets(heads, rows, 2)
+    assert got[:, 1].abs().max() == 0 and got[:, 0].abs().min() > 0.1
+    t = offsets_tensor(heads, {"d1/conversion": 0.25, "d0/click": -0.5}, schema)
+    assert t.tolist() == [[-0.5, 0.0], [0.0, 0.25]]
+    with pytest.raises(RecalibrationError, match="unknown slice 'd7/click'"):
+        offsets_tensor(heads, {"d7/click": 1.0}, schema)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads = heads
+
+    m = M()
+    before = heads.out_b.detach().clone()
+    assert apply_recalibration(m, tmp_path, schema) is None  # no file: unchanged
+    (tmp_path / "recalibration.json").write_text(json.dumps({"offsets": {"d0/click": 0.5}}))
+    assert apply_recalibration(m, tmp_path, schema)["offsets"] == {"d0/click": 0.5}
+    assert torch.allclose(heads.out_b - before, torch.tensor([[0.5, 0.0], [0.0, 0.0]]))
+    with pytest.raises(RecalibrationError, match="no GEM heads"):
+        apply_recalibration(torch.nn.Linear(2, 2), tmp_path, schema)
