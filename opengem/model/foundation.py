@@ -237,7 +237,7 @@ class GEM(TableModel):
                 seqs.append((tower.embed(values, age), lengths))
                 if self.history_counts is not None:
                     counts.append(self.history_counts.stream_counts(
-                        name, seq[f"{name}.event"].values(), age, flags, lengths))
+                        name, seq[self.schema.stream(name).event_column].values(), age, flags, lengths))
         if counts:
             tokens.append(self.history_counts(counts).unsqueeze(1))
         return torch.cat(tokens, dim=1), seqs
