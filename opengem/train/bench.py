@@ -34,6 +34,7 @@ import resource
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -256,10 +257,14 @@ def format_bench(out: dict) -> str:
 
 
 def train_with_evals(cfg: Config, data: Path, eval_every: int, split: str = "valid",
-                     task: str = "click") -> dict:
-    """One pass over ``train`` with the recipe's optimizers and lr schedule (and FP8 saved activations
-    when ``train.fp8_activations``), pausing the clock every ``eval_every`` steps to evaluate
-    ``all/<task>`` NE on ``split``: [(train seconds, examples, NE)]."""
+                     task: str = "click", eval_at: Sequence[int] = (), eval_every_kth_file: int = 1) -> dict:
+    """One pass over ``train`` with the recipe's optimizers, lr schedule and gradient clipping
+    (``optim.grad_clip``, as the trainer does) and FP8 saved activations when
+    ``train.fp8_activations``, pausing the clock every ``eval_every`` steps (or at the steps in
+    ``eval_at`` when given) to evaluate ``all/<task>`` NE on ``split``: [(train seconds, examples, NE)].
+
+    ``eval_every_kth_file`` > 1 scores every k-th file of ``split`` only (the loader's rank-0 share of
+    k), to keep many evaluations of a big split affordable; every arch sees the same files."""
     from opengem.evaluation.evaluate import evaluate_model
     from opengem.train.optim import Schedule
     from opengem.train.trainer import train_base_rates
@@ -275,10 +280,11 @@ def train_with_evals(cfg: Config, data: Path, eval_every: int, split: str = "val
     opts = [o for o in (dense_opt, sparse_opt) if o is not None]
     schedule = Schedule(opts, loader.rows_per_epoch * cfg.train.epochs // cfg.data.batch_size, cfg.optim)
     task_w = torch.ones(len(schema.tasks))
-    curve, clock, examples = [], 0.0, 0
+    curve, clock, examples, eval_at = [], 0.0, 0, set(eval_at)
 
     def evaluate() -> None:
-        m = evaluate_model(model.eval(), schema, data, split, rates, progress=False)["metrics"][f"all/{task}"]
+        m = evaluate_model(model.eval(), schema, data, split, rates, progress=False,
+                           world_size=eval_every_kth_file)["metrics"][f"all/{task}"]
         curve.append((round(clock, 3), examples, m["ne"]))
         model.train()
 
@@ -286,10 +292,10 @@ def train_with_evals(cfg: Config, data: Path, eval_every: int, split: str = "val
         t0 = time.perf_counter()
         schedule.set(step - 1)
         with fp8_saved_activations(model) if cfg.train.fp8_activations else contextlib.nullcontext():
-            plain_step(model, opts, batch, task_w, schema.num_domains)
+            plain_step(model, opts, batch, task_w, schema.num_domains, cfg.optim.grad_clip)
         clock += time.perf_counter() - t0
         examples += batch.batch_size
-        if step % eval_every == 0:
+        if (step in eval_at) if eval_at else (step % eval_every == 0):
             evaluate()
     if not curve or curve[-1][1] != examples:
         evaluate()
@@ -303,22 +309,81 @@ def time_to_quality(gem: dict, peer: dict) -> dict:
 
     The crossing is interpolated linearly between the two evaluations around it (the curve is sampled
     every ``eval_every`` steps, which would otherwise round GEM's time up by up to that many steps);
-    ``gem_s_at_eval`` is the first evaluation at or below the target, uninterpolated."""
+    ``gem_s_at_eval`` is the first evaluation at or below the target, uninterpolated. A noisy curve can
+    dip below the target and come back above it: ``*_sustained`` is the crossing after which every
+    later evaluation stays at or below the target (equal to the first one on a monotone curve)."""
     target, curve = peer["final_ne"], gem["curve"]
-    i = next((i for i, (_, _, v) in enumerate(curve) if v <= target), None)
-    t = n = at_eval = None
-    if i is not None:
-        at_eval, n = curve[i][0], curve[i][1]
-        t = at_eval
+    below = [v <= target for _, _, v in curve]
+    first = next((i for i, b in enumerate(below) if b), None)
+    sustained = None
+    if below and below[-1]:
+        sustained = len(below) - 1
+        while sustained > 0 and below[sustained - 1]:
+            sustained -= 1
+
+    def crossing(i: int | None) -> tuple[float | None, float | None]:
+        if i is None:
+            return None, None
+        t, n = curve[i][0], curve[i][1]
         if i > 0 and curve[i - 1][2] > curve[i][2]:
             (t0, n0, v0), (t1, n1, v1) = curve[i - 1], curve[i]
             f = (v0 - target) / (v0 - v1)
             t, n = t0 + f * (t1 - t0), n0 + f * (n1 - n0)
+        return t, n
+
+    (t, n), (ts, ns) = crossing(first), crossing(sustained)
     return {"target_ne": target, "peer_s": peer["train_s"], "gem_s_to_target": round(t, 3) if t else None,
-            "gem_s_at_eval": at_eval,
+            "gem_s_at_eval": curve[first][0] if first is not None else None,
             "gem_pass_fraction_to_target": round(n / curve[-1][1], 3) if n else None,
             "speedup": round(peer["train_s"] / t, 3) if t else None,
+            "gem_s_to_target_sustained": round(ts, 3) if ts else None,
+            "gem_pass_fraction_to_target_sustained": round(ns / curve[-1][1], 3) if ns else None,
+            "speedup_sustained": round(peer["train_s"] / ts, 3) if ts else None,
             "gem_final_ne": gem["final_ne"]}
+
+
+def eval_schedule(steps: int, dense_until: int, dense_every: int, sparse_every: int) -> list[int]:
+    """Evaluation steps: every ``dense_every`` up to ``dense_until`` (where the crossing is), then
+    every ``sparse_every``, and the last step."""
+    at = list(range(dense_every, min(dense_until, steps) + 1, dense_every))
+    at += list(range(at[-1] + sparse_every if at else sparse_every, steps + 1, sparse_every))
+    return sorted(set(at) | {steps})
+
+
+def ne_at(curve: list, seconds: float) -> float | None:
+    """The curve's NE at ``seconds`` of training (linear between evaluations; None past its end)."""
+    prev = None
+    for t, _, ne in curve:
+        if t >= seconds:
+            if prev is None:
+                return ne
+            f = (seconds - prev[0]) / max(t - prev[0], 1e-9)
+            return prev[2] + f * (ne - prev[2])
+        prev = (t, _, ne)
+    return None
+
+
+def dcn_race(data: Path, eval_every: int = 20, eval_at: Sequence[int] = (), eval_every_kth_file: int = 1,
+             gem_overrides: Sequence[str] = ()) -> dict:
+    """GEM and TorchRec's DLRM-DCN, each one pass of the demo recipe over ``data`` with evaluations on
+    ``valid`` (see ``train_with_evals``), and GEM's time to DLRM-DCN's final NE (``time_to_quality``).
+
+    The demo recipe's warm-up (200 steps) is longer than a small world's whole pass (~160 steps at
+    3,000 users): every run here warms up over its first 10 % instead, the same for each arch.
+    Returns {"ttq", "runs": {arch: train_with_evals output}, "config": the shared config}."""
+    from opengem.config import apply_overrides
+    from opengem.recipes import recipe
+
+    demo = recipe("demo")
+    schema = FeatureSchema.load(data)
+    steps = ShardLoader(data, demo.data.train_split, demo.data.batch_size, schema).rows_per_epoch // demo.data.batch_size
+    warmup = max(1, steps // 10)
+    base = apply_overrides(demo, [f"optim.warmup_steps={warmup}"])  # apply_overrides copies: one per run
+    runs = {arch: train_with_evals(apply_overrides(base, [f"model.arch={arch}", *(gem_overrides if arch == "gem" else ())]),
+                                   data, eval_every, eval_at=eval_at, eval_every_kth_file=eval_every_kth_file)
+            for arch in ("gem", "dlrm_dcn")}
+    ttq = {**time_to_quality(runs["gem"], runs["dlrm_dcn"]), "steps": steps, "warmup_steps": warmup}
+    return {"ttq": ttq, "runs": runs, "config": base}
 
 
 def widen_to_params(cfg: Config, schema: FeatureSchema, target_dense: int) -> Config:
@@ -376,14 +441,8 @@ def quick_bench(cfg_name: str = "tiny", ttq_users: int = 3000, eval_every: int =
         schema = FeatureSchema.load(data)
         fp32 = materialize(build_gem(schema, recipe("demo").model))
         int8_saved = table_bytes(fp32) / table_bytes(quantize_tables(fp32, "int8"))
-        # The demo recipe's warm-up (200 steps) is longer than this world's whole pass (~160 steps at
-        # 3,000 users): every run here warms up over its first 10 % instead, the same for each arch.
-        demo = recipe("demo")
-        steps = ShardLoader(data, demo.data.train_split, demo.data.batch_size, schema).rows_per_epoch // demo.data.batch_size
-        warmup = max(1, steps // 10)
-        base = apply_overrides(demo, [f"optim.warmup_steps={warmup}"])  # each run below gets its own copy
-        runs = {arch: train_with_evals(apply_overrides(base, [f"model.arch={arch}"]), data, eval_every)
-                for arch in ("gem", "dlrm_dcn")}
+        race = dcn_race(data, eval_every)
+        runs, base = race["runs"], race["config"]
         # FP8's NE cost: the same GEM pass with saved activations stored as e4m3.
         fp8_run = train_with_evals(apply_overrides(base, ["train.fp8_activations=true"]), data, eval_every * 1000)
         # Examples/s at equal dense parameters: DLRM-DCN's heads widened to GEM's dense size, timed
@@ -398,12 +457,13 @@ def quick_bench(cfg_name: str = "tiny", ttq_users: int = 3000, eval_every: int =
                                       "dlrm_dcn": count_parameters(build_gem(schema, dcn_wide.model))["dense"]},
                  "dcn_head_dims": [*dcn_wide.model.heads.trunk_dims, *dcn_wide.model.heads.task_dims],
                  "examples_per_s": {k: round(max(v), 1) for k, v in eq.items()}}
-    ttq = {**time_to_quality(runs["gem"], runs["dlrm_dcn"]), "steps": steps, "warmup_steps": warmup}
+    ttq = race["ttq"]
     lv = levers["levers"]
     return {"padded_over_jagged_time": round(att["padded_over_jagged_time"], 2),
             "max_over_mean_len": round(att["max_len"] / att["mean_len"], 2),
             "loader_over_train_eps": levers["loader_over_training"],
             "time_to_dcn_quality_speedup": ttq["speedup"],
+            "time_to_dcn_quality_speedup_sustained": ttq["speedup_sustained"],
             "fp8_act_mem_saved": round(lv["eager"]["saved_activation_mb"] / lv["fp8"]["saved_activation_mb"], 2),
             "int8_table_mem_saved": round(int8_saved, 2),
             "fp8_ne_cost_pct": round(100 * (fp8_run["final_ne"] / runs["gem"]["final_ne"] - 1), 3),

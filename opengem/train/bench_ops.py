@@ -29,14 +29,17 @@ from opengem.train.optim import build_optimizers
 
 
 def plain_step(model: torch.nn.Module, optimizers: list, batch, task_w: torch.Tensor,
-               num_domains: int | None = None) -> torch.Tensor:
+               num_domains: int | None = None, grad_clip: float = 0.0) -> torch.Tensor:
     """One training step without the trainer's machinery (benchmarks): masked BCE (per domain × task
-    when ``num_domains`` is given), backward, every optimizer. Returns the loss."""
+    when ``num_domains`` is given), backward, the dense gradients' norm clipped to ``grad_clip`` when
+    > 0 (as the trainer does with ``optim.grad_clip``), every optimizer. Returns the loss."""
     by_domain = (batch.domain, num_domains) if num_domains else ()
     loss, _ = masked_bce(model(batch), batch.labels, batch.label_mask, batch.weights, task_w, *by_domain)
     for o in optimizers:
         o.zero_grad(set_to_none=True)
     loss.backward()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.dense_parameters(), grad_clip, foreach=True)
     for o in optimizers:
         o.step()
     return loss

@@ -96,6 +96,22 @@ def test_time_to_quality_interpolates_the_first_crossing():
     assert between["gem_pass_fraction_to_target"] == 0.8 and between["speedup"] == round(4.0 / 2.4, 3)
     first = time_to_quality(gem, {**peer, "final_ne": 0.995})  # reached at the first eval: nothing before it
     assert first["gem_s_to_target"] == 1.0
+    assert ttq["speedup_sustained"] == ttq["speedup"]  # a monotone curve: one crossing
+
+
+def test_time_to_quality_sustained_crossing_ignores_a_dip():
+    from opengem.train.bench import time_to_quality
+
+    # Dips below 0.93 at t = 2, spikes back to 0.97 at t = 3, then stays below from t = 4 on.
+    gem = {"curve": [(1.0, 100, 0.99), (2.0, 200, 0.92), (3.0, 300, 0.97), (4.0, 400, 0.91), (5.0, 500, 0.90)],
+           "final_ne": 0.90}
+    ttq = time_to_quality(gem, {"final_ne": 0.93, "train_s": 7.0})
+    assert abs(ttq["gem_s_to_target"] - (1.0 + 6 / 7)) < 1e-3  # the first dip, interpolated
+    assert ttq["gem_s_to_target_sustained"] == 3.667  # 4/6 of the way from t = 3 (0.97) to t = 4 (0.91)
+    assert ttq["gem_pass_fraction_to_target_sustained"] == round(366.67 / 500, 3)
+    assert ttq["speedup_sustained"] == 1.909  # 7 / 3.667
+    ends_above = time_to_quality({**gem, "curve": gem["curve"] + [(6.0, 600, 0.95)]}, {"final_ne": 0.93, "train_s": 7.0})
+    assert ends_above["speedup"] is not None and ends_above["speedup_sustained"] is None
 
 
 def test_train_with_evals_records_a_learning_curve(tmp_path):
@@ -129,3 +145,14 @@ def test_widen_to_params_matches_gems_dense_size(tmp_path):
     got = count_parameters(build_gem(schema, wide.model))["dense"]
     assert abs(got - target) <= 0.03 * target and wide.model.arch == "dlrm_dcn"
     assert training_examples_per_s(wide, tmp_path, steps=2, warmup=1) > 0
+
+
+def test_eval_schedule_and_reading_a_curve_at_a_time():
+    from opengem.train.bench import eval_schedule, ne_at
+
+    assert eval_schedule(100, 40, 10, 25) == [10, 20, 30, 40, 65, 90, 100]  # dense, then sparse, then the end
+    assert eval_schedule(30, 100, 20, 20) == [20, 30]
+    curve = [(1.0, 10, 0.9), (3.0, 30, 0.8)]
+    assert ne_at(curve, 0.5) == 0.9  # before the first evaluation: the first
+    assert abs(ne_at(curve, 2.0) - 0.85) < 1e-12 and ne_at(curve, 3.0) == 0.8
+    assert ne_at(curve, 3.5) is None  # past the end: unknown
