@@ -41,20 +41,15 @@ def main() -> None:
     a = _args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    from opengem.data.loader import ShardLoader
     from opengem.data.synthetic import generate, world_config
-    from opengem.features.schema import FeatureSchema
-    from opengem.recipes import recipe
-    from opengem.train.bench import dcn_race, eval_schedule, ne_at
+    from opengem.train.bench import dcn_race, eval_schedule, ne_at, race_steps
 
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(a.data) if a.data else Path(tmp) / "data"
         if not a.data:
             users = a.users or (3000 if a.quick else None)
             generate(world_config("demo", seed=0, **({"num_users": users} if users else {})), data, progress=True)
-        demo = recipe("demo")
-        steps = ShardLoader(data, demo.data.train_split, demo.data.batch_size, FeatureSchema.load(data)).rows_per_epoch \
-            // demo.data.batch_size
+        steps = race_steps(data)
         if a.quick or steps <= 400:
             at, kth = eval_schedule(steps, steps, 20, 20), 1
         else:

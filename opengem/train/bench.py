@@ -358,9 +358,17 @@ def ne_at(curve: list, seconds: float) -> float | None:
             if prev is None:
                 return ne
             f = (seconds - prev[0]) / max(t - prev[0], 1e-9)
-            return prev[2] + f * (ne - prev[2])
-        prev = (t, _, ne)
+            return prev[1] + f * (ne - prev[1])
+        prev = (t, ne)
     return None
+
+
+def race_steps(data: Path) -> int:
+    """Steps of one pass over ``data``'s train split at the demo recipe's batch size (``dcn_race``)."""
+    from opengem.recipes import recipe
+
+    d = recipe("demo").data
+    return ShardLoader(data, d.train_split, d.batch_size, FeatureSchema.load(data)).rows_per_epoch // d.batch_size
 
 
 def dcn_race(data: Path, eval_every: int = 20, eval_at: Sequence[int] = (), eval_every_kth_file: int = 1,
@@ -374,11 +382,9 @@ def dcn_race(data: Path, eval_every: int = 20, eval_at: Sequence[int] = (), eval
     from opengem.config import apply_overrides
     from opengem.recipes import recipe
 
-    demo = recipe("demo")
-    schema = FeatureSchema.load(data)
-    steps = ShardLoader(data, demo.data.train_split, demo.data.batch_size, schema).rows_per_epoch // demo.data.batch_size
+    steps = race_steps(data)
     warmup = max(1, steps // 10)
-    base = apply_overrides(demo, [f"optim.warmup_steps={warmup}"])  # apply_overrides copies: one per run
+    base = apply_overrides(recipe("demo"), [f"optim.warmup_steps={warmup}"])  # apply_overrides copies: one per run
     runs = {arch: train_with_evals(apply_overrides(base, [f"model.arch={arch}", *(gem_overrides if arch == "gem" else ())]),
                                    data, eval_every, eval_at=eval_at, eval_every_kth_file=eval_every_kth_file)
             for arch in ("gem", "dlrm_dcn")}

@@ -23,6 +23,7 @@ from opengem.model.build import build_gem, materialize
 from opengem.ops.fp8 import fp8_saved_activations
 from opengem.ops.jagged import jagged_attention
 from opengem.ops.quantize import quantize_tables, table_bytes
+from opengem.parallel.train_step import clip_grad_norm_
 from opengem.recipes import recipe
 from opengem.train.losses import masked_bce
 from opengem.train.optim import build_optimizers
@@ -39,7 +40,7 @@ def plain_step(model: torch.nn.Module, optimizers: list, batch, task_w: torch.Te
         o.zero_grad(set_to_none=True)
     loss.backward()
     if grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.dense_parameters(), grad_clip, foreach=True)
+        clip_grad_norm_(model.dense_parameters(), grad_clip)  # the trainer's own clip
     for o in optimizers:
         o.step()
     return loss
