@@ -34,7 +34,6 @@ import resource
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -46,7 +45,6 @@ from opengem.model.build import build_gem, count_parameters, materialize
 from opengem.ops.fp8 import fp8_saved_activations
 from opengem.parallel.activation_checkpoint import apply_activation_checkpoint
 from opengem.parallel.compile import apply_compile
-from opengem.train.bench_ops import plain_step
 from opengem.train.losses import masked_bce
 from opengem.train.optim import build_optimizers
 
@@ -256,210 +254,43 @@ def format_bench(out: dict) -> str:
     return "\n".join(lines)
 
 
-def train_with_evals(cfg: Config, data: Path, eval_every: int, split: str = "valid",
-                     task: str = "click", eval_at: Sequence[int] = (), eval_every_kth_file: int = 1) -> dict:
-    """One pass over ``train`` with the recipe's optimizers, lr schedule and gradient clipping
-    (``optim.grad_clip``, as the trainer does) and FP8 saved activations when
-    ``train.fp8_activations``, pausing the clock every ``eval_every`` steps (or at the steps in
-    ``eval_at`` when given) to evaluate ``all/<task>`` NE on ``split``: [(train seconds, examples, NE)].
+def quick_bench(cfg_name: str = "tiny", users: int | None = None, eval_every_kth_file: int = 4) -> dict:
+    """``opengem bench --quick``: the headline figures on 2 CPU cores in about 4 minutes.
 
-    ``eval_every_kth_file`` > 1 scores every k-th file of ``split`` only (the loader's rank-0 share of
-    k), to keep many evaluations of a big split affordable; every arch sees the same files."""
-    from opengem.evaluation.evaluate import evaluate_model
-    from opengem.train.optim import Schedule
-    from opengem.train.trainer import train_base_rates
-
-    schema = FeatureSchema.load(data)
-    rates = train_base_rates(data, schema, cfg.data.train_split)
-    torch.manual_seed(cfg.train.seed)
-    model = materialize(build_gem(schema, cfg.model), seed=cfg.train.seed,
-                        base_rates=[rates.get(t, 0.5) for t in schema.task_names])
-    loader = ShardLoader(data, cfg.data.train_split, cfg.data.batch_size, schema, shuffle=True, seed=cfg.data.seed,
-                         epochs=cfg.train.epochs, drop_last=True, max_seq_len=model.max_seq_len())
-    dense_opt, sparse_opt = build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim)
-    opts = [o for o in (dense_opt, sparse_opt) if o is not None]
-    schedule = Schedule(opts, loader.rows_per_epoch * cfg.train.epochs // cfg.data.batch_size, cfg.optim)
-    task_w = torch.ones(len(schema.tasks))
-    curve, clock, examples, eval_at = [], 0.0, 0, set(eval_at)
-
-    def evaluate() -> None:
-        m = evaluate_model(model.eval(), schema, data, split, rates, progress=False,
-                           world_size=eval_every_kth_file)["metrics"][f"all/{task}"]
-        curve.append((round(clock, 3), examples, m["ne"]))
-        model.train()
-
-    for step, batch in enumerate(loader, start=1):
-        t0 = time.perf_counter()
-        schedule.set(step - 1)
-        with fp8_saved_activations(model) if cfg.train.fp8_activations else contextlib.nullcontext():
-            plain_step(model, opts, batch, task_w, schema.num_domains, cfg.optim.grad_clip)
-        clock += time.perf_counter() - t0
-        examples += batch.batch_size
-        if (step in eval_at) if eval_at else (step % eval_every == 0):
-            evaluate()
-    if not curve or curve[-1][1] != examples:
-        evaluate()
-    return {"arch": cfg.model.arch, "parameters": count_parameters(model), "curve": curve,
-            "train_s": round(clock, 2), "examples_per_s": round(examples / max(clock, 1e-9), 1),
-            "final_ne": curve[-1][2]}
-
-
-def time_to_quality(gem: dict, peer: dict) -> dict:
-    """Seconds GEM needs to reach the NE the peer ends with, against the peer's full time.
-
-    The crossing is interpolated linearly between the two evaluations around it (the curve is sampled
-    every ``eval_every`` steps, which would otherwise round GEM's time up by up to that many steps);
-    ``gem_s_at_eval`` is the first evaluation at or below the target, uninterpolated. A noisy curve can
-    dip below the target and come back above it: ``*_sustained`` is the crossing after which every
-    later evaluation stays at or below the target (equal to the first one on a monotone curve)."""
-    target, curve = peer["final_ne"], gem["curve"]
-    below = [v <= target for _, _, v in curve]
-    first = next((i for i, b in enumerate(below) if b), None)
-    sustained = None
-    if below and below[-1]:
-        sustained = len(below) - 1
-        while sustained > 0 and below[sustained - 1]:
-            sustained -= 1
-
-    def crossing(i: int | None) -> tuple[float | None, float | None]:
-        if i is None:
-            return None, None
-        t, n = curve[i][0], curve[i][1]
-        if i > 0 and curve[i - 1][2] > curve[i][2]:
-            (t0, n0, v0), (t1, n1, v1) = curve[i - 1], curve[i]
-            f = (v0 - target) / (v0 - v1)
-            t, n = t0 + f * (t1 - t0), n0 + f * (n1 - n0)
-        return t, n
-
-    (t, n), (ts, ns) = crossing(first), crossing(sustained)
-    return {"target_ne": target, "peer_s": peer["train_s"], "gem_s_to_target": round(t, 3) if t else None,
-            "gem_s_at_eval": curve[first][0] if first is not None else None,
-            "gem_pass_fraction_to_target": round(n / curve[-1][1], 3) if n else None,
-            "speedup": round(peer["train_s"] / t, 3) if t else None,
-            "gem_s_to_target_sustained": round(ts, 3) if ts else None,
-            "gem_pass_fraction_to_target_sustained": round(ns / curve[-1][1], 3) if ns else None,
-            "speedup_sustained": round(peer["train_s"] / ts, 3) if ts else None,
-            "gem_final_ne": gem["final_ne"]}
-
-
-def eval_schedule(steps: int, dense_until: int, dense_every: int, sparse_every: int) -> list[int]:
-    """Evaluation steps: every ``dense_every`` up to ``dense_until`` (where the crossing is), then
-    every ``sparse_every``, and the last step."""
-    at = list(range(dense_every, min(dense_until, steps) + 1, dense_every))
-    at += list(range(at[-1] + sparse_every if at else sparse_every, steps + 1, sparse_every))
-    return sorted(set(at) | {steps})
-
-
-def ne_at(curve: list, seconds: float) -> float | None:
-    """The curve's NE at ``seconds`` of training (linear between evaluations; None past its end)."""
-    prev = None
-    for t, _, ne in curve:
-        if t >= seconds:
-            if prev is None:
-                return ne
-            f = (seconds - prev[0]) / max(t - prev[0], 1e-9)
-            return prev[1] + f * (ne - prev[1])
-        prev = (t, ne)
-    return None
-
-
-def race_steps(data: Path) -> int:
-    """Steps of one pass over ``data``'s train split at the demo recipe's batch size (``dcn_race``)."""
-    from opengem.recipes import recipe
-
-    d = recipe("demo").data
-    return ShardLoader(data, d.train_split, d.batch_size, FeatureSchema.load(data)).rows_per_epoch // d.batch_size
-
-
-def dcn_race(data: Path, eval_every: int = 20, eval_at: Sequence[int] = (), eval_every_kth_file: int = 1,
-             gem_overrides: Sequence[str] = ()) -> dict:
-    """GEM and TorchRec's DLRM-DCN, each one pass of the demo recipe over ``data`` with evaluations on
-    ``valid`` (see ``train_with_evals``), and GEM's time to DLRM-DCN's final NE (``time_to_quality``).
-
-    The demo recipe's warm-up (200 steps) is longer than a small world's whole pass (~160 steps at
-    3,000 users): every run here warms up over its first 10 % instead, the same for each arch.
-    Returns {"ttq", "runs": {arch: train_with_evals output}, "config": the shared config}."""
-    from opengem.config import apply_overrides
-    from opengem.recipes import recipe
-
-    steps = race_steps(data)
-    warmup = max(1, steps // 10)
-    base = apply_overrides(recipe("demo"), [f"optim.warmup_steps={warmup}"])  # apply_overrides copies: one per run
-    runs = {arch: train_with_evals(apply_overrides(base, [f"model.arch={arch}", *(gem_overrides if arch == "gem" else ())]),
-                                   data, eval_every, eval_at=eval_at, eval_every_kth_file=eval_every_kth_file)
-            for arch in ("gem", "dlrm_dcn")}
-    ttq = {**time_to_quality(runs["gem"], runs["dlrm_dcn"]), "steps": steps, "warmup_steps": warmup}
-    return {"ttq": ttq, "runs": runs, "config": base}
-
-
-def widen_to_params(cfg: Config, schema: FeatureSchema, target_dense: int) -> Config:
-    """``cfg`` (a peer) with its head widths (``heads.trunk_dims``, ``heads.task_dims``) scaled so its
-    dense parameters come within 3 % of ``target_dense`` (bisection on one width factor)."""
-    base_trunk, base_task = cfg.model.heads.trunk_dims, cfg.model.heads.task_dims
-
-    def at(f: float) -> tuple[Config, int]:
-        heads = dataclasses.replace(cfg.model.heads, trunk_dims=tuple(max(1, round(d * f)) for d in base_trunk),
-                                    task_dims=tuple(max(1, round(d * f)) for d in base_task))
-        c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, heads=heads))
-        return c, count_parameters(build_gem(schema, c.model))["dense"]
-
-    lo, hi = 0.05, 64.0
-    for _ in range(40):
-        mid = (lo * hi) ** 0.5
-        c, n = at(mid)
-        if abs(n - target_dense) <= 0.03 * target_dense:
-            return c
-        lo, hi = (mid, hi) if n < target_dense else (lo, mid)
-    raise ValueError(f"no head width gives {target_dense:,} dense parameters for {cfg.model.arch}")
-
-
-def training_examples_per_s(cfg: Config, data: Path, steps: int = 12, warmup: int = 3) -> float:
-    """Plain training steps (forward, loss, backward, both optimizers) of any arch: examples/s."""
-    schema = FeatureSchema.load(data)
-    torch.manual_seed(cfg.train.seed)
-    model = materialize(build_gem(schema, cfg.model), seed=cfg.train.seed)
-    opts = [o for o in build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim) if o]
-    batches = iter(ShardLoader(data, cfg.data.train_split, cfg.data.batch_size, schema, shuffle=True, epochs=1000,
-                               drop_last=True, max_seq_len=model.max_seq_len()))
-    task_w, times = torch.ones(len(schema.tasks)), []
-    for i in range(warmup + steps):
-        batch = next(batches)
-        t0 = time.perf_counter()
-        plain_step(model, opts, batch, task_w)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return cfg.data.batch_size / statistics.median(times)
-
-
-def quick_bench(cfg_name: str = "tiny", ttq_users: int = 3000, eval_every: int = 20) -> dict:
-    """``opengem bench --quick``: the headline figures on 2 CPU cores in a few minutes."""
+    The levers and the loader on the ``cfg_name`` recipe's world; the rest on the demo world (36,000
+    users unless ``users`` says otherwise): GEM's time to DLRM-DCN's quality (``race.budget_race``, the
+    evaluations scoring every ``eval_every_kth_file``-th file of ``valid``), FP8's NE cost on the budget
+    that crossed, int8 tables' memory, examples/s at equal dense parameters."""
     from opengem.config import apply_overrides
     from opengem.data.synthetic import generate, world_config
     from opengem.ops.quantize import quantize_tables, table_bytes
     from opengem.recipes import recipe
     from opengem.train.bench_ops import attention_case
+    from opengem.train.race import budget_race, train_with_evals, training_examples_per_s, widen_to_params
 
     levers = run_bench(recipe(cfg_name), None, ("eager", "fp8"), warmup=2, steps=4, loader_seconds=2.0)
     att = attention_case(32, 70, 3000, 32, heads=2, reps=2)
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
-        generate(world_config("demo", seed=0, num_users=ttq_users), data, progress=False)
+        generate(world_config("demo", seed=0, **({"num_users": users} if users else {})), data, progress=False)
         schema = FeatureSchema.load(data)
         fp32 = materialize(build_gem(schema, recipe("demo").model))
         int8_saved = table_bytes(fp32) / table_bytes(quantize_tables(fp32, "int8"))
-        race = dcn_race(data, eval_every)
-        runs, base = race["runs"], race["config"]
-        # FP8's NE cost: the same GEM pass with saved activations stored as e4m3.
-        fp8_run = train_with_evals(apply_overrides(base, ["train.fp8_activations=true"]), data, eval_every * 1000)
+        race = budget_race(data, eval_every_kth_file)
+        peer, gem = race["runs"]["dlrm_dcn"], race["runs"]["gem"][-1]
+        # FP8's NE cost: GEM's last budget again with saved activations stored as e4m3.
+        n = gem["steps"]
+        fp8_cfg = apply_overrides(recipe("demo"), [f"optim.warmup_steps={max(1, n // 10)}", "train.fp8_activations=true"])
+        fp8_run = train_with_evals(fp8_cfg, data, n + 1, eval_every_kth_file=eval_every_kth_file, max_steps=n)
         # Examples/s at equal dense parameters: DLRM-DCN's heads widened to GEM's dense size, timed
         # alternately with GEM on the same data (round robin, as the levers are).
         dcn_wide = widen_to_params(apply_overrides(recipe("demo"), ["model.arch=dlrm_dcn"]), schema,
-                                   runs["gem"]["parameters"]["dense"])
+                                   gem["parameters"]["dense"])
         eq = {"gem": [], "dlrm_dcn": []}
         for _ in range(2):
             eq["gem"].append(training_examples_per_s(recipe("demo"), data))
             eq["dlrm_dcn"].append(training_examples_per_s(dcn_wide, data))
-        equal = {"dense_parameters": {"gem": runs["gem"]["parameters"]["dense"],
+        equal = {"dense_parameters": {"gem": gem["parameters"]["dense"],
                                       "dlrm_dcn": count_parameters(build_gem(schema, dcn_wide.model))["dense"]},
                  "dcn_head_dims": [*dcn_wide.model.heads.trunk_dims, *dcn_wide.model.heads.task_dims],
                  "examples_per_s": {k: round(max(v), 1) for k, v in eq.items()}}
@@ -469,13 +300,13 @@ def quick_bench(cfg_name: str = "tiny", ttq_users: int = 3000, eval_every: int =
             "max_over_mean_len": round(att["max_len"] / att["mean_len"], 2),
             "loader_over_train_eps": levers["loader_over_training"],
             "time_to_dcn_quality_speedup": ttq["speedup"],
-            "time_to_dcn_quality_speedup_sustained": ttq["speedup_sustained"],
             "fp8_act_mem_saved": round(lv["eager"]["saved_activation_mb"] / lv["fp8"]["saved_activation_mb"], 2),
             "int8_table_mem_saved": round(int8_saved, 2),
-            "fp8_ne_cost_pct": round(100 * (fp8_run["final_ne"] / runs["gem"]["final_ne"] - 1), 3),
-            "ttq": ttq, "gem_examples_per_s": runs["gem"]["examples_per_s"],
-            "dcn_examples_per_s": runs["dlrm_dcn"]["examples_per_s"],
+            "fp8_ne_cost_pct": round(100 * (fp8_run["final_ne"] / gem["final_ne"] - 1), 3),
+            "dcn_final_ne": round(peer["final_ne"], 4), "dcn_s": peer["train_s"],
+            "gem_s_to_dcn_ne": ttq["gem_s_to_target"],
+            "gem_examples_per_s": gem["examples_per_s"], "dcn_examples_per_s": peer["examples_per_s"],
             "gem_over_dcn_eps_equal_params": round(equal["examples_per_s"]["gem"] / equal["examples_per_s"]["dlrm_dcn"], 3),
-            "equal_params": equal,
-            "params": {a: r["parameters"]["total"] for a, r in runs.items()}, "attention": att,
+            "ttq": ttq, "equal_params": equal,
+            "params": {"gem": gem["parameters"]["total"], "dlrm_dcn": peer["parameters"]["total"]}, "attention": att,
             "levers": {k: {kk: v[kk] for kk in ("examples_per_s", "saved_activation_mb")} for k, v in lv.items()}}

@@ -1,0 +1,268 @@
+"""Peers and time to quality: GEM against TorchRec's DLRM-DCN on the same batches (issue: time to quality).
+
+Examples/s alone is unfair across architectures, so the headline is time to quality: the wall clock GEM
+needs to reach the held-out NE DLRM-DCN ends one pass with, against DLRM-DCN's time for that pass.
+Two readings:
+
+- ``budget_race`` (the headline, ``opengem bench --quick``): GEM trains budgets of 1/32, 1/16, … of
+  the pass, each a run of its own with the warm-up and cosine decay fitted to its budget (as anyone
+  with that much time would train), until one ends at or below the target; the time is interpolated
+  between the last two budgets in log-seconds. Each budget's NE is read at the end of its decay, so
+  it is not at the mercy of mid-run calibration swings.
+- ``dcn_race`` + ``time_to_quality``: one full GEM pass evaluated along the way (MLPerf's
+  time-to-train reading); the first and the sustained crossing of the target. Mid-run evaluations
+  fall at full learning rate, where both models' calibration follows the last few batches' click
+  rate (±25 % at batch 256 with ~10 clicks per batch, for GEM and DLRM-DCN alike).
+
+Both give every run the same recipe, batches, warm-up (10 % of its own steps) and gradient clipping,
+and stop the clock for evaluations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from opengem.config import Config
+from opengem.data.loader import ShardLoader
+from opengem.features.schema import FeatureSchema
+from opengem.model.build import build_gem, count_parameters, materialize
+from opengem.ops.fp8 import fp8_saved_activations
+from opengem.train.bench_ops import plain_step
+from opengem.train.optim import build_optimizers
+
+
+def train_with_evals(cfg: Config, data: Path, eval_every: int, split: str = "valid",
+                     task: str = "click", eval_at: Sequence[int] = (), eval_every_kth_file: int = 1,
+                     max_steps: int | None = None) -> dict:
+    """One pass over ``train`` (or its first ``max_steps`` batches, with the warm-up and decay of the lr
+    schedule fitted to that budget) with the recipe's optimizers, lr schedule and gradient clipping
+    (``optim.grad_clip``, as the trainer does) and FP8 saved activations when
+    ``train.fp8_activations``, pausing the clock every ``eval_every`` steps (or at the steps in
+    ``eval_at`` when given) to evaluate ``all/<task>`` NE on ``split``: [(train seconds, examples, NE)].
+
+    ``eval_every_kth_file`` > 1 scores every k-th file of ``split`` only (the loader's rank-0 share of
+    k), to keep many evaluations of a big split affordable; every arch sees the same files."""
+    from opengem.evaluation.evaluate import evaluate_model
+    from opengem.train.optim import Schedule
+    from opengem.train.trainer import train_base_rates
+
+    schema = FeatureSchema.load(data)
+    rates = train_base_rates(data, schema, cfg.data.train_split)
+    torch.manual_seed(cfg.train.seed)
+    model = materialize(build_gem(schema, cfg.model), seed=cfg.train.seed,
+                        base_rates=[rates.get(t, 0.5) for t in schema.task_names])
+    loader = ShardLoader(data, cfg.data.train_split, cfg.data.batch_size, schema, shuffle=True, seed=cfg.data.seed,
+                         epochs=cfg.train.epochs, drop_last=True, max_seq_len=model.max_seq_len())
+    dense_opt, sparse_opt = build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim)
+    opts = [o for o in (dense_opt, sparse_opt) if o is not None]
+    total = loader.rows_per_epoch * cfg.train.epochs // cfg.data.batch_size
+    schedule = Schedule(opts, min(total, max_steps or total), cfg.optim)
+    task_w = torch.ones(len(schema.tasks))
+    curve, clock, examples, eval_at = [], 0.0, 0, set(eval_at)
+
+    def evaluate() -> None:
+        m = evaluate_model(model.eval(), schema, data, split, rates, progress=False,
+                           world_size=eval_every_kth_file)["metrics"][f"all/{task}"]
+        curve.append((round(clock, 3), examples, m["ne"]))
+        model.train()
+
+    for step, batch in enumerate(loader, start=1):
+        t0 = time.perf_counter()
+        lr_f = schedule.set(step - 1)
+        with fp8_saved_activations(model) if cfg.train.fp8_activations else contextlib.nullcontext():
+            plain_step(model, opts, batch, task_w, schema.num_domains, cfg.optim.grad_clip)
+        clock += time.perf_counter() - t0
+        examples += batch.batch_size
+        if (step in eval_at) if eval_at else (step % eval_every == 0):
+            evaluate()
+        if step == max_steps:
+            break
+    if not curve or curve[-1][1] != examples:
+        evaluate()
+    return {"arch": cfg.model.arch, "parameters": count_parameters(model), "curve": curve,
+            "train_s": round(clock, 2), "examples_per_s": round(examples / max(clock, 1e-9), 1),
+            "final_ne": curve[-1][2], "last_lr_factor": lr_f}
+
+
+def time_to_quality(gem: dict, peer: dict) -> dict:
+    """Seconds GEM needs to reach the NE the peer ends with, against the peer's full time.
+
+    The crossing is interpolated linearly between the two evaluations around it (the curve is sampled
+    every ``eval_every`` steps, which would otherwise round GEM's time up by up to that many steps);
+    ``gem_s_at_eval`` is the first evaluation at or below the target, uninterpolated. A noisy curve can
+    dip below the target and come back above it: ``*_sustained`` is the crossing after which every
+    later evaluation stays at or below the target (equal to the first one on a monotone curve)."""
+    target, curve = peer["final_ne"], gem["curve"]
+    below = [v <= target for _, _, v in curve]
+    first = next((i for i, b in enumerate(below) if b), None)
+    sustained = None
+    if below and below[-1]:
+        sustained = len(below) - 1
+        while sustained > 0 and below[sustained - 1]:
+            sustained -= 1
+
+    def crossing(i: int | None) -> tuple[float | None, float | None]:
+        if i is None:
+            return None, None
+        t, n = curve[i][0], curve[i][1]
+        if i > 0 and curve[i - 1][2] > curve[i][2]:
+            (t0, n0, v0), (t1, n1, v1) = curve[i - 1], curve[i]
+            f = (v0 - target) / (v0 - v1)
+            t, n = t0 + f * (t1 - t0), n0 + f * (n1 - n0)
+        return t, n
+
+    (t, n), (ts, ns) = crossing(first), crossing(sustained)
+    return {"target_ne": target, "peer_s": peer["train_s"], "gem_s_to_target": round(t, 3) if t else None,
+            "gem_s_at_eval": curve[first][0] if first is not None else None,
+            "gem_pass_fraction_to_target": round(n / curve[-1][1], 3) if n else None,
+            "speedup": round(peer["train_s"] / t, 3) if t else None,
+            "gem_s_to_target_sustained": round(ts, 3) if ts else None,
+            "gem_pass_fraction_to_target_sustained": round(ns / curve[-1][1], 3) if ns else None,
+            "speedup_sustained": round(peer["train_s"] / ts, 3) if ts else None,
+            "gem_final_ne": gem["final_ne"]}
+
+
+def eval_schedule(steps: int, dense_until: int, dense_every: int, sparse_every: int) -> list[int]:
+    """Evaluation steps: every ``dense_every`` up to ``dense_until`` (where the crossing is), then
+    every ``sparse_every``, and the last step."""
+    at = list(range(dense_every, min(dense_until, steps) + 1, dense_every))
+    at += list(range(at[-1] + sparse_every if at else sparse_every, steps + 1, sparse_every))
+    return sorted(set(at) | {steps})
+
+
+def ne_at(curve: list, seconds: float) -> float | None:
+    """The curve's NE at ``seconds`` of training (linear between evaluations; None past its end)."""
+    prev = None
+    for t, _, ne in curve:
+        if t >= seconds:
+            if prev is None:
+                return ne
+            f = (seconds - prev[0]) / max(t - prev[0], 1e-9)
+            return prev[1] + f * (ne - prev[1])
+        prev = (t, ne)
+    return None
+
+
+def race_steps(data: Path) -> int:
+    """Steps of one pass over ``data``'s train split at the demo recipe's batch size (``dcn_race``)."""
+    from opengem.recipes import recipe
+
+    d = recipe("demo").data
+    return ShardLoader(data, d.train_split, d.batch_size, FeatureSchema.load(data)).rows_per_epoch // d.batch_size
+
+
+def dcn_race(data: Path, eval_every: int = 20, eval_at: Sequence[int] = (), eval_every_kth_file: int = 1,
+             gem_overrides: Sequence[str] = ()) -> dict:
+    """GEM and TorchRec's DLRM-DCN, each one pass of the demo recipe over ``data`` with evaluations on
+    ``valid`` (see ``train_with_evals``), and GEM's time to DLRM-DCN's final NE (``time_to_quality``).
+
+    The demo recipe's warm-up (200 steps) is longer than a small world's whole pass (~160 steps at
+    3,000 users): every run here warms up over its first 10 % instead, the same for each arch.
+    Returns {"ttq", "runs": {arch: train_with_evals output}, "config": the shared config}."""
+    from opengem.config import apply_overrides
+    from opengem.recipes import recipe
+
+    steps = race_steps(data)
+    warmup = max(1, steps // 10)
+    base = apply_overrides(recipe("demo"), [f"optim.warmup_steps={warmup}"])  # apply_overrides copies: one per run
+    runs = {arch: train_with_evals(apply_overrides(base, [f"model.arch={arch}", *(gem_overrides if arch == "gem" else ())]),
+                                   data, eval_every, eval_at=eval_at, eval_every_kth_file=eval_every_kth_file)
+            for arch in ("gem", "dlrm_dcn")}
+    ttq = {**time_to_quality(runs["gem"], runs["dlrm_dcn"]), "steps": steps, "warmup_steps": warmup}
+    return {"ttq": ttq, "runs": runs, "config": base}
+
+
+def widen_to_params(cfg: Config, schema: FeatureSchema, target_dense: int) -> Config:
+    """``cfg`` (a peer) with its head widths (``heads.trunk_dims``, ``heads.task_dims``) scaled so its
+    dense parameters come within 3 % of ``target_dense`` (bisection on one width factor)."""
+    base_trunk, base_task = cfg.model.heads.trunk_dims, cfg.model.heads.task_dims
+
+    def at(f: float) -> tuple[Config, int]:
+        heads = dataclasses.replace(cfg.model.heads, trunk_dims=tuple(max(1, round(d * f)) for d in base_trunk),
+                                    task_dims=tuple(max(1, round(d * f)) for d in base_task))
+        c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, heads=heads))
+        return c, count_parameters(build_gem(schema, c.model))["dense"]
+
+    lo, hi = 0.05, 64.0
+    for _ in range(40):
+        mid = (lo * hi) ** 0.5
+        c, n = at(mid)
+        if abs(n - target_dense) <= 0.03 * target_dense:
+            return c
+        lo, hi = (mid, hi) if n < target_dense else (lo, mid)
+    raise ValueError(f"no head width gives {target_dense:,} dense parameters for {cfg.model.arch}")
+
+
+def training_examples_per_s(cfg: Config, data: Path, steps: int = 12, warmup: int = 3) -> float:
+    """Plain training steps (forward, loss, backward, both optimizers) of any arch: examples/s."""
+    schema = FeatureSchema.load(data)
+    torch.manual_seed(cfg.train.seed)
+    model = materialize(build_gem(schema, cfg.model), seed=cfg.train.seed)
+    opts = [o for o in build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim) if o]
+    batches = iter(ShardLoader(data, cfg.data.train_split, cfg.data.batch_size, schema, shuffle=True, epochs=1000,
+                               drop_last=True, max_seq_len=model.max_seq_len()))
+    task_w, times = torch.ones(len(schema.tasks)), []
+    for i in range(warmup + steps):
+        batch = next(batches)
+        t0 = time.perf_counter()
+        plain_step(model, opts, batch, task_w)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return cfg.data.batch_size / statistics.median(times)
+
+
+def budget_crossing(points: Sequence[tuple[float, float]], target: float) -> dict:
+    """GEM's time to ``target`` NE from budgeted runs: ``points`` are (train seconds, final NE), in
+    ascending budget. The first budget at or below the target gives the crossing, interpolated linearly
+    in log-seconds with the budget before it (NE falls about linearly in log compute). When the
+    smallest budget already reaches the target its time is an upper bound on GEM's (``bound``
+    "upper"); when no budget does, there is no figure."""
+    first = next((i for i, (_, ne) in enumerate(points) if ne <= target), None)
+    if first is None:
+        return {"gem_s_to_target": None, "bound": None}
+    if first == 0:
+        return {"gem_s_to_target": points[0][0], "bound": "upper"}
+    (t0, v0), (t1, v1) = points[first - 1], points[first]
+    f = (v0 - target) / (v0 - v1)
+    return {"gem_s_to_target": math.exp(math.log(t0) + f * (math.log(t1) - math.log(t0))), "bound": "exact"}
+
+
+def budget_race(data: Path, eval_every_kth_file: int = 1, smallest: float = 1 / 32, min_steps: int = 20,
+                gem_overrides: Sequence[str] = ()) -> dict:
+    """DLRM-DCN one pass of the demo recipe over ``data``, then GEM on budgets of ``smallest``, 2 ×
+    ``smallest``, … of that pass (at least ``min_steps`` steps; each its own run with warm-up 10 % of
+    the budget and the cosine decay ending at the budget) until one ends at or below DLRM-DCN's final
+    NE on ``valid``. Returns {"ttq": the crossing and speed-up, "runs": {"dlrm_dcn": run, "gem": [runs]}}."""
+    from opengem.config import apply_overrides
+    from opengem.recipes import recipe
+
+    steps = race_steps(data)
+
+    def run(arch: str, n: int, overrides: Sequence[str] = ()) -> dict:
+        cfg = apply_overrides(recipe("demo"), [f"optim.warmup_steps={max(1, n // 10)}", f"model.arch={arch}",
+                                               *overrides])
+        out = train_with_evals(cfg, data, eval_every=n + 1, eval_every_kth_file=eval_every_kth_file, max_steps=n)
+        return {**out, "steps": n, "pass_fraction": round(n / steps, 4)}
+
+    peer = run("dlrm_dcn", steps)
+    target, gem = peer["final_ne"], []
+    budgets = sorted({n for k in range(40) if (n := min(steps, round(steps * smallest * 2**k))) >= min_steps})
+    for n in budgets:
+        gem.append(run("gem", n, gem_overrides))
+        if gem[-1]["final_ne"] <= target:
+            break
+    cross = budget_crossing([(r["train_s"], r["final_ne"]) for r in gem], target)
+    t = cross["gem_s_to_target"]
+    ttq = {"target_ne": target, "peer_s": peer["train_s"], "steps": steps,
+           "gem_s_to_target": round(t, 3) if t else None, "bound": cross["bound"],
+           "speedup": round(peer["train_s"] / t, 3) if t else None,
+           "budgets": [{k: r[k] for k in ("steps", "pass_fraction", "train_s", "final_ne")} for r in gem]}
+    return {"ttq": ttq, "runs": {"dlrm_dcn": peer, "gem": gem}}
