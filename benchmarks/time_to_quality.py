@@ -8,7 +8,7 @@
 
 The target is the NE on ``all/click`` of ``valid`` that DLRM-DCN ends one pass of the demo recipe with;
 the headline is DLRM-DCN's one-pass time over the time GEM needs to reach it (see
-``opengem.train.race``):
+``opengem.train.race``; each side's learning rate is its own, ``race.PEER`` and ``race.BUDGET_GEM``):
 
 - budgeted (``speedup``): GEM trains 1/32, 1/16, … of the pass, each budget its own run with warm-up
   and cosine decay fitted to it, until one ends at or below the target; interpolated in log-seconds.
@@ -46,7 +46,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     from opengem.data.synthetic import generate, world_config
-    from opengem.train.race import budget_race, dcn_race, eval_schedule, ne_at, race_steps
+    from opengem.train.race import BUDGET_GEM, budget_race, dcn_race, eval_schedule, ne_at, race_steps
 
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(a.data) if a.data else Path(tmp) / "data"
@@ -54,7 +54,7 @@ def main() -> None:
             generate(world_config("demo", seed=0, **({"num_users": a.users} if a.users else {})), data, progress=True)
         steps = race_steps(data)
         kth = 1 if steps <= 400 else 4
-        budget = budget_race(data, eval_every_kth_file=kth, gem_overrides=a.gem_overrides)
+        budget = budget_race(data, eval_every_kth_file=kth, gem_overrides=[*BUDGET_GEM, *a.gem_overrides])
         midrun = None
         if not a.quick:
             at = eval_schedule(steps, steps, 20, 20) if steps <= 400 else eval_schedule(steps, steps // 4, 25, 100)

@@ -15,7 +15,8 @@ Two readings:
   rate (±25 % at batch 256 with ~10 clicks per batch, for GEM and DLRM-DCN alike).
 
 Both give every run the same recipe, batches, warm-up (10 % of its own steps) and gradient clipping,
-and stop the clock for evaluations.
+and stop the clock for evaluations; each side's dense learning rate is its own (``PEER``,
+``BUDGET_GEM``): the demo recipe's is tuned for GEM's full pass, and DLRM-DCN does better with a lower one.
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ from opengem.model.build import build_gem, count_parameters, materialize
 from opengem.ops.fp8 import fp8_saved_activations
 from opengem.train.bench_ops import plain_step
 from opengem.train.optim import build_optimizers
+
+# Each side's learning rates, picked on a small grid on the demo world (click NE on every 4th valid file):
+# DLRM-DCN, one pass: dense lr 3e-4 0.8397, 1e-3 0.8357, 2e-3 0.8391, 3e-3 (the demo recipe's, tuned
+# for GEM) 0.8471, 1e-2 1.0426; at 1e-3, table lr 0.1 0.8510, 0.3 0.8357, 0.5 0.8326, 0.8 0.8320,
+# 1.5 0.8333; batch 512 0.8354.
+# GEM, a budget of 1/8 of the pass: dense lr 1e-3 0.8392, 3e-3 0.8306, 6e-3 0.8227, 1e-2 0.8243; table lr
+# 0.5 0.8315 (at 3e-3); 1/16: 3e-3 0.8496, 6e-3 0.8503. A full GEM pass keeps the recipe's 3e-3.
+PEER = ("optim.lr=1e-3", "optim.sparse_lr=0.8")
+BUDGET_GEM = ("optim.lr=6e-3",)
 
 
 def train_with_evals(cfg: Config, data: Path, eval_every: int, split: str = "valid",
@@ -160,7 +170,7 @@ def race_steps(data: Path) -> int:
 
 
 def dcn_race(data: Path, eval_every: int = 20, eval_at: Sequence[int] = (), eval_every_kth_file: int = 1,
-             gem_overrides: Sequence[str] = ()) -> dict:
+             gem_overrides: Sequence[str] = (), peer_overrides: Sequence[str] = PEER) -> dict:
     """GEM and TorchRec's DLRM-DCN, each one pass of the demo recipe over ``data`` with evaluations on
     ``valid`` (see ``train_with_evals``), and GEM's time to DLRM-DCN's final NE (``time_to_quality``).
 
@@ -173,7 +183,8 @@ def dcn_race(data: Path, eval_every: int = 20, eval_at: Sequence[int] = (), eval
     steps = race_steps(data)
     warmup = max(1, steps // 10)
     base = apply_overrides(recipe("demo"), [f"optim.warmup_steps={warmup}"])  # apply_overrides copies: one per run
-    runs = {arch: train_with_evals(apply_overrides(base, [f"model.arch={arch}", *(gem_overrides if arch == "gem" else ())]),
+    extra = {"gem": gem_overrides, "dlrm_dcn": peer_overrides}
+    runs = {arch: train_with_evals(apply_overrides(base, [f"model.arch={arch}", *extra[arch]]),
                                    data, eval_every, eval_at=eval_at, eval_every_kth_file=eval_every_kth_file)
             for arch in ("gem", "dlrm_dcn")}
     ttq = {**time_to_quality(runs["gem"], runs["dlrm_dcn"]), "steps": steps, "warmup_steps": warmup}
@@ -236,11 +247,12 @@ def budget_crossing(points: Sequence[tuple[float, float]], target: float) -> dic
 
 
 def budget_race(data: Path, eval_every_kth_file: int = 1, smallest: float = 1 / 32, min_steps: int = 20,
-                gem_overrides: Sequence[str] = ()) -> dict:
-    """DLRM-DCN one pass of the demo recipe over ``data``, then GEM on budgets of ``smallest``, 2 ×
-    ``smallest``, … of that pass (at least ``min_steps`` steps; each its own run with warm-up 10 % of
-    the budget and the cosine decay ending at the budget) until one ends at or below DLRM-DCN's final
-    NE on ``valid``. Returns {"ttq": the crossing and speed-up, "runs": {"dlrm_dcn": run, "gem": [runs]}}."""
+                gem_overrides: Sequence[str] = BUDGET_GEM, peer_overrides: Sequence[str] = PEER) -> dict:
+    """DLRM-DCN one pass of the demo recipe (with ``peer_overrides``) over ``data``, then GEM (with
+    ``gem_overrides``) on budgets of ``smallest``, 2 × ``smallest``, … of that pass (at least
+    ``min_steps`` steps; each its own run with warm-up 10 % of the budget and the cosine decay ending at
+    the budget) until one ends at or below DLRM-DCN's final NE on ``valid``.
+    Returns {"ttq": the crossing and speed-up, "runs": {"dlrm_dcn": run, "gem": [runs]}}."""
     from opengem.config import apply_overrides
     from opengem.recipes import recipe
 
@@ -252,7 +264,7 @@ def budget_race(data: Path, eval_every_kth_file: int = 1, smallest: float = 1 / 
         out = train_with_evals(cfg, data, eval_every=n + 1, eval_every_kth_file=eval_every_kth_file, max_steps=n)
         return {**out, "steps": n, "pass_fraction": round(n / steps, 4)}
 
-    peer = run("dlrm_dcn", steps)
+    peer = run("dlrm_dcn", steps, peer_overrides)
     target, gem = peer["final_ne"], []
     budgets = sorted({n for k in range(40) if (n := min(steps, round(steps * smallest * 2**k))) >= min_steps})
     for n in budgets:
@@ -264,5 +276,6 @@ def budget_race(data: Path, eval_every_kth_file: int = 1, smallest: float = 1 / 
     ttq = {"target_ne": target, "peer_s": peer["train_s"], "steps": steps,
            "gem_s_to_target": round(t, 3) if t else None, "bound": cross["bound"],
            "speedup": round(peer["train_s"] / t, 3) if t else None,
-           "budgets": [{k: r[k] for k in ("steps", "pass_fraction", "train_s", "final_ne")} for r in gem]}
+           "budgets": [{k: r[k] for k in ("steps", "pass_fraction", "train_s", "final_ne")} for r in gem],
+           "overrides": {"dlrm_dcn": list(peer_overrides), "gem": list(gem_overrides)}}
     return {"ttq": ttq, "runs": {"dlrm_dcn": peer, "gem": gem}}
