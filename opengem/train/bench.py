@@ -266,7 +266,14 @@ def quick_bench(cfg_name: str = "tiny", users: int | None = None, eval_every_kth
     from opengem.ops.quantize import quantize_tables, table_bytes
     from opengem.recipes import recipe
     from opengem.train.bench_ops import attention_case
-    from opengem.train.race import BUDGET_GEM, budget_race, train_with_evals, training_examples_per_s, widen_to_params
+    from opengem.train.race import (
+        BUDGET_GEM,
+        budget_config,
+        budget_race,
+        train_with_evals,
+        training_examples_per_s,
+        widen_to_params,
+    )
 
     levers = run_bench(recipe(cfg_name), None, ("eager", "fp8"), warmup=2, steps=4, loader_seconds=2.0)
     att = attention_case(32, 70, 3000, 32, heads=2, reps=2)
@@ -280,8 +287,7 @@ def quick_bench(cfg_name: str = "tiny", users: int | None = None, eval_every_kth
         peer, gem = race["runs"]["dlrm_dcn"], race["runs"]["gem"][-1]
         # FP8's NE cost: GEM's last budget again with saved activations stored as e4m3.
         n = gem["steps"]
-        fp8_cfg = apply_overrides(recipe("demo"), [f"optim.warmup_steps={max(1, n // 10)}", *BUDGET_GEM,
-                                                   "train.fp8_activations=true"])
+        fp8_cfg = budget_config("gem", n, [*BUDGET_GEM, "train.fp8_activations=true"])
         fp8_run = train_with_evals(fp8_cfg, data, n + 1, eval_every_kth_file=eval_every_kth_file, max_steps=n)
         # Examples/s at equal dense parameters: DLRM-DCN's heads widened to GEM's dense size, timed
         # alternately with GEM on the same data (round robin, as the levers are).

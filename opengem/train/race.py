@@ -15,7 +15,7 @@ Two readings:
   rate (±25 % at batch 256 with ~10 clicks per batch, for GEM and DLRM-DCN alike).
 
 Both give every run the same recipe, batches, warm-up (10 % of its own steps) and gradient clipping,
-and stop the clock for evaluations; each side's dense learning rate is its own (``PEER``,
+and stop the clock for evaluations; each side's learning rates are its own (``PEER``,
 ``BUDGET_GEM``): the demo recipe's is tuned for GEM's full pass, and DLRM-DCN does better with a lower one.
 """
 
@@ -246,6 +246,15 @@ def budget_crossing(points: Sequence[tuple[float, float]], target: float) -> dic
     return {"gem_s_to_target": math.exp(math.log(t0) + f * (math.log(t1) - math.log(t0))), "bound": "exact"}
 
 
+def budget_config(arch: str, steps: int, overrides: Sequence[str] = ()) -> Config:
+    """The demo recipe for a run of ``steps`` steps of ``arch``: warm-up 10 % of them, then ``overrides``."""
+    from opengem.config import apply_overrides
+    from opengem.recipes import recipe
+
+    return apply_overrides(recipe("demo"), [f"optim.warmup_steps={max(1, steps // 10)}", f"model.arch={arch}",
+                                            *overrides])
+
+
 def budget_race(data: Path, eval_every_kth_file: int = 1, smallest: float = 1 / 32, min_steps: int = 20,
                 gem_overrides: Sequence[str] = BUDGET_GEM, peer_overrides: Sequence[str] = PEER) -> dict:
     """DLRM-DCN one pass of the demo recipe (with ``peer_overrides``) over ``data``, then GEM (with
@@ -253,15 +262,11 @@ def budget_race(data: Path, eval_every_kth_file: int = 1, smallest: float = 1 / 
     ``min_steps`` steps; each its own run with warm-up 10 % of the budget and the cosine decay ending at
     the budget) until one ends at or below DLRM-DCN's final NE on ``valid``.
     Returns {"ttq": the crossing and speed-up, "runs": {"dlrm_dcn": run, "gem": [runs]}}."""
-    from opengem.config import apply_overrides
-    from opengem.recipes import recipe
-
     steps = race_steps(data)
 
     def run(arch: str, n: int, overrides: Sequence[str] = ()) -> dict:
-        cfg = apply_overrides(recipe("demo"), [f"optim.warmup_steps={max(1, n // 10)}", f"model.arch={arch}",
-                                               *overrides])
-        out = train_with_evals(cfg, data, eval_every=n + 1, eval_every_kth_file=eval_every_kth_file, max_steps=n)
+        out = train_with_evals(budget_config(arch, n, overrides), data, eval_every=n + 1,
+                               eval_every_kth_file=eval_every_kth_file, max_steps=n)
         return {**out, "steps": n, "pass_fraction": round(n / steps, 4)}
 
     peer = run("dlrm_dcn", steps, peer_overrides)
