@@ -1,4 +1,4 @@
-"""InteractionArch: the enhanced Wukong stack for non-sequence features (dossier §3).
+"""InteractionArch: the enhanced Wukong stack for non-sequence features (Wukong, Zhang et al. 2024).
 
 Legend: B rows, n tokens in, n_F FM tokens out, n_L linear-compress tokens out, D dim, k FM rank.
 
@@ -11,7 +11,7 @@ One Wukong layer (Wukong eq. §3.2)::
 
 ``attentive_fm`` makes Y input-dependent: Y = Y₀ + reshape(MLP(flatten(W_c X))) (Wukong §3.3).
 
-GEM's *cross-layer attention connections* are not specified publicly (dossier §3.8, §11.2). Our
+GEM's *cross-layer attention connections* are not specified publicly. Our
 choice, a config option measured against the others (``cross_layer``):
 
 - ``attention`` (default): before layer i, X̃_i = X_i + Σ_{j<i} α_ij P_j(X_j), where P_j compresses

@@ -3,7 +3,7 @@
 Legend: B rows, n_l non-sequence tokens at layer l, C = ``num_sum`` summary tokens, D dim,
 P = CLS + PMA + recent summary tokens per stream, E = P × number of streams.
 
-Per layer l (InterFormer App. A.1; dossier §5.5–5.6)::
+Per layer l (InterFormer, App. A.1)::
 
     Cross arch:   X_sum = Gate(LCE(X_l))                        [B, C, D]
                   S_sum = Gate([S_CLS | PMA(S_l) | S_recent])   [B, P, D] per stream
@@ -12,7 +12,7 @@ Per layer l (InterFormer App. A.1; dossier §5.5–5.6)::
 
 After the last layer one more cross arch summarises both sides for the heads.
 Gating is X ⊙ σ(W X) per token (the common self-gating; the paper's LaTeX reads σ(X ⊙ MLP(X)) —
-``gate="sigmoid_of_product"`` selects that reading; dossier §5.5 / §11.5).
+``gate="sigmoid_of_product"`` selects that reading).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SequenceArch: one pyramid tower per behaviour stream, run in parallel (dossier §4, §5.4).
+"""SequenceArch: one pyramid tower per behaviour stream, run in parallel.
 
 Legend: B rows, N events of the stream in the batch (jagged), D dim, H heads, M pooled tokens,
 C CLS tokens (= the non-sequence summary X_sum), K_l recent tokens kept at layer l,
@@ -16,7 +16,7 @@ Each layer: S ← S + PFFN(X_sum, LN S); S ← S + MHA(LN S, key-padding mask); 
 then the pyramid drops the oldest half of the recent tokens (never below ``min_recent``), so the
 cost per layer is O(B·S_l²·D) with S_l shrinking, and nothing ever costs B × max_len².
 
-Choices where the public record is silent (dossier §4.2, §11.3–5), all config options:
+Choices where the public record is silent, all config options:
 - "pyramid-parallel" = parallel per-stream towers whose recent window halves per layer, with the long
   history pooled by learnable queries once at the bottom (``pyramid``: halve | none).
 - Attention is standard softmax MHA, bidirectional (the history is all in the past of the request).

@@ -1,4 +1,4 @@
-"""Distribution applied from outside the single-device model (ARCHITECTURE §3).
+"""Distribution applied from outside the single-device model.
 
     launch        init_distributed / destroy_distributed (torchrun env or explicit args; gloo or nccl)
     dims          ParallelConfig (what to do), ParallelDims (named axes, meshes, validation)

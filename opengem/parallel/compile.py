@@ -1,4 +1,4 @@
-"""``torch.compile`` per block, before ``fully_shard`` (DEPENDENCIES pitfall 12).
+"""``torch.compile`` per block, before ``fully_shard``.
 
 Compiling the FSDP2 root silently falls back to eager (a graph break on FSDP's hooks); compiling
 each block in place (``module.compile()``, parameter names unchanged) gives whole-block graphs.

@@ -57,9 +57,9 @@ def init_distributed(
     Explicit ``rank``/``world_size``/``init_method``/``local_world_size`` win over the torchrun
     environment. ``LOCAL_WORLD_SIZE``/``LOCAL_RANK`` are always exported (``mp.spawn`` sets
     neither): TorchRec's table-row-wise sharding reads them to find host boundaries
-    (DEPENDENCIES pitfall 9); without them every rank counts as one host.
+    (table-row-wise fails with an ``IndexError`` under spawn); without them every rank counts as one host.
     ``threads`` sets torch's intra-op threads; under spawn nothing else limits them and 4 ranks
-    on 2 cores oversubscribe badly (pitfall 14).
+    on 2 cores oversubscribe badly.
     """
     env = os.environ
     rank = int(env.get("RANK", 0)) if rank is None else rank

@@ -12,10 +12,11 @@
    ``EmbeddingBagCollection``/``EmbeddingCollection`` modules, and FSDP must later leave their
    parameters alone (they are ``ignored_params``). Sharding allocates the local table shards on
    the device right away (FBGEMM kernels cannot live on meta), with arbitrary values: on CPU
-   TorchRec drops the module's weights anyway (pitfall 7), and the model is still on meta here.
+   TorchRec's CPU sharding re-initialises the module's weights anyway, and the model is still on meta here.
 2. **activation checkpointing** wraps blocks before compile, so each compiled graph contains its
    checkpointed region (torchtitan's order).
-3. **compile** each block before FSDP wraps it; compiling the FSDP root does nothing (pitfall 12).
+3. **compile** each block before FSDP wraps it; compiling the FSDP root silently runs eager
+   (a graph break on FSDP's hooks).
 4. **FSDP2/HSDP** last, leaves first and the root last.
 
 Materialise after that (``to_empty`` of everything but the already-real sharded tables: an

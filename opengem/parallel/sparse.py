@@ -12,11 +12,11 @@
   plain SGD averaged every step; with row-wise Adagrad it is DMPCollection's approximation
   (averaged accumulators are not the accumulator of the averaged gradient).
   On CUDA that is TorchRec's own ``DMPCollection``; it asserts CUDA, so on CPU the same thing is
-  composed here from ``ShardingEnv2D`` + remapped plan + replica all-reduce (DEPENDENCIES pitfall 10).
+  composed here from ``ShardingEnv2D`` + remapped plan + replica all-reduce.
   Both paths sit behind this one function.
 
-The update is fused into backward (FBGEMM TBE; on CPU only the ``fused`` kernel exists,
-pitfall 6), so there is no sparse ``.grad`` and no separate optimizer step. ``FusedSparseOptimizer``
+The update is fused into backward (FBGEMM TBE; on CPU TorchRec offers only the ``fused`` kernel
+for sharded tables), so there is no sparse ``.grad`` and no separate optimizer step. ``FusedSparseOptimizer``
 (in ``train_step``) is what the trainer and checkpoints see: it pushes the scheduled learning rate into the kernels
 and presents the state exactly as the single-process ``torchrec.optim.RowWiseAdagrad`` does
 (``step`` and ``sum`` [rows, 1] per table under the table's FQN), so DCP checkpoints move freely
@@ -32,9 +32,9 @@ mean of those accumulators, which is exactly the single-process accumulator for 
 loading into column-wise shards gives every shard that value.
 
 Two torchrec behaviours are compensated: gradients of the sharded tables are divided by the
-sharding-group size (pitfall 8) — with every rank's loss the mean over its own equal slice, that
+sharding-group size — with every rank's loss the mean over its own equal slice, that
 makes the update the one for the mean over the group's rows, as FSDP does for dense parameters;
-and sharding on CPU throws away module weights (pitfall 7) — ``init_tables`` writes every local
+and sharding on CPU throws away module weights (the TBE re-initialises them) — ``init_tables`` writes every local
 shard from ``table_init_slice`` afterwards.
 """
 
@@ -73,7 +73,7 @@ class SparseShardingError(RuntimeError):
 
 class CpuEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     """TorchRec offers row-wise and table-row-wise EBC sharding only when the device is CUDA; on CPU
-    they work and are exact (DEPENDENCIES pitfall 5), so offer the CUDA list everywhere."""
+    they work and are exact (tested against one process), so offer the CUDA list everywhere."""
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         return super().sharding_types("cuda")
@@ -175,7 +175,7 @@ def _plan(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, sharders: l
     planner = EmbeddingShardingPlanner(topology=topology, constraints=_constraints(requested, cfg))
     try:
         # Planned on the world group even in 2-D: a sharding subgroup fails with
-        # "Global rank 0 is not part of group" (pitfall 10); every rank gets the same plan.
+        # "Global rank 0 is not part of group"; every rank gets the same plan.
         return planner.collective_plan(model, sharders, dist.group.WORLD)
     except (RuntimeError, PlannerError) as e:
         msg = str(e)
@@ -448,8 +448,7 @@ class FusedSparseOptimizer(torch.optim.Optimizer):
       single-process optimizer. Setting ``lr`` there (the trainer's ``Schedule`` does, before the
       forward) pushes it into the kernels at once: the CPU kernel takes the learning rate at
       *forward* time for the update it applies in backward, so pushing it in ``zero_grad`` (after
-      the forward) would apply the previous step's lr (measured: the first update 2× too large
-      under a 2-step warm-up).
+      the forward) would apply the previous step's lr.
     - ``state[param]`` = ``{"step": tensor, "sum": [rows, 1]}`` (row-wise Adagrad), where ``sum``
       is a ShardedTensor over the kernel's own accumulator (no copy) for table-, row- and
       table-row-wise tables, and a width-weighted mean refreshed by ``state_dict()`` for

@@ -1,4 +1,4 @@
-"""Knowledge transfer: GEM → (domain FMs →) vertical models (ARCHITECTURE §4, dossier §8).
+"""Knowledge transfer: GEM → (domain FMs →) vertical models (ExFM-style; GEM's transfer).
 
     teacher.py   TeacherService: the frozen FM, once per example; user cache; Parquet cache
     stream.py    the students' rows (surfaces, history caps), scored once by the teacher

@@ -1,4 +1,4 @@
-"""The student adapter (ExFM SA; GEM's "Student Adapter", dossier §8.2–8.3).
+"""The student adapter (ExFM's SA; GEM's "Student Adapter").
 
 Legend: B rows, T tasks, G domains, H hidden width.
 

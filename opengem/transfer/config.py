@@ -1,6 +1,6 @@
 """The knowledge-transfer config tree: which surfaces, which days, which techniques.
 
-Every technique is a switch and they combine freely (dossier §8; ARCHITECTURE §4)::
+Every technique is a switch and they combine freely (ExFM, Li et al. 2025; GEM's transfer)::
 
     transfer.kd        standard KD: the student's serving head also fits the teacher's soft label
     transfer.aux       ExFM auxiliary head: the soft label goes to a separate head instead, with label
@@ -32,7 +32,7 @@ class KDConfig:
 class AuxHeadConfig:
     enabled: bool = False
     label_scale: float = 5.0  # α: the head fits min(α·p_teacher, 1)   (α, w, β: the values of ExFM's
-    weight: float = 10.0  # w                                            usage example, dossier §8.2;
+    weight: float = 10.0  # w                                            usage example;
     grad_scale: float = 20.0  # β: the head's gradient into the backbone × β   better than 1, 1, 1 here)
     trunk_dims: tuple[int, ...] = (32,)
     task_dims: tuple[int, ...] = (16,)

@@ -1,4 +1,4 @@
-"""Distillation losses (dossier §8.2, ExFM eq. 1–7 as reconstructed there).
+"""Distillation losses (ExFM, Li et al. 2025, eq. 1–7).
 
 Legend: B rows, T tasks; h(s, p) = BCE(σ(s), p) with a soft label p ∈ [0, 1].
 
