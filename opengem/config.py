@@ -217,11 +217,10 @@ def _coerce(v, t, key: str):
                 raise ValueError(v)
             return bool(v)
         if t is int:
-            if isinstance(v, str) and not v.strip().lstrip("+-").isdigit():
-                v = float(v)  # 1e6 reads as an int; 2.5 does not
-            if isinstance(v, float) and not v.is_integer():
+            x = float(v) if isinstance(v, str) and not v.strip().lstrip("+-").isdigit() else v  # 1e6 is an int
+            if isinstance(x, float) and not x.is_integer():
                 raise ValueError(v)
-            return int(v)
+            return int(x)
         if t is float:
             return float(v)
         if t is str:
