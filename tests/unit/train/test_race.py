@@ -57,9 +57,9 @@ def test_train_with_evals_records_a_learning_curve(tmp_path):
 def test_widen_to_params_matches_gems_dense_size(tmp_path):
     from opengem.config import apply_overrides
     from opengem.data.synthetic import generate
-    from opengem.recipes import world_config
     from opengem.features.schema import FeatureSchema
     from opengem.model.build import build_gem, count_parameters
+    from opengem.recipes import world_config
     from opengem.train.race import training_examples_per_s, widen_to_params
 
     generate(world_config("tiny", seed=0), tmp_path, progress=False)
