@@ -68,8 +68,8 @@ class Dataset:
     path: str  # under --shared (real data) or a synthetic preset
     recipe: str
     overrides: list[str] = field(default_factory=list)  # every model, both modes
-    world: dict = field(default_factory=dict)  # synthetic only: WorldConfig overrides (full mode)
-    quick_world: dict = field(default_factory=dict)
+    world: list[str] = field(default_factory=list)  # synthetic only: WorldConfig overrides (full mode)
+    quick_world: list[str] = field(default_factory=list)
 
     def describe(self, quick: bool) -> str:
         world = self.quick_world if quick else self.world
@@ -80,7 +80,8 @@ class Dataset:
 DATASETS: dict[str, Dataset] = {
     "ml100k": Dataset("movielens", "movielens-100k", "tiny", ["model.max_seq_len=64"]),
     "obd": Dataset("open_bandit", "open-bandit-small", "tiny"),
-    "synthetic": Dataset("synthetic", "tiny", "tiny", world={"num_users": 6000}, quick_world={"num_users": 1500}),
+    "synthetic": Dataset("synthetic", "tiny", "tiny", world=["sizes.num_users=6000"],
+                         quick_world=["sizes.num_users=1500"]),
 }
 # Without behaviour streams these build exactly GEM (no towers to drop or to cut off), so they are skipped.
 SEQUENCE_ABLATIONS = ("gem_no_seq", "gem_no_interleave")
@@ -93,9 +94,10 @@ def prepare(name: str, ds: Dataset, shared: Path, work: Path, quick: bool) -> Pa
     if (out / "manifest.json").exists():
         return out
     if ds.source == "synthetic":
-        from opengem.data.synthetic import generate, world_config
+        from opengem.data.synthetic import generate
+        from opengem.recipes import world_config
 
-        generate(world_config(ds.path, seed=0, **(ds.quick_world if quick else ds.world)), out, progress=False)
+        generate(world_config(ds.path, seed=0, overrides=ds.quick_world if quick else ds.world), out, progress=False)
         return out
     src = shared / ds.path
     if not src.exists():

@@ -33,11 +33,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from opengem.config import apply_overrides
 from opengem.data.loader import ShardLoader
-from opengem.data.synthetic import generate, world_config
+from opengem.data.synthetic import generate
 from opengem.evaluation.evaluate import evaluate_run
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, materialize
-from opengem.recipes import recipe
+from opengem.recipes import recipe, world_config
 from opengem.train.losses import masked_bce
 from opengem.train.trainer import train
 
@@ -109,7 +109,7 @@ def main() -> None:
     points = []
     with tempfile.TemporaryDirectory() as tmp:
         data, t0 = Path(tmp) / "data", time.perf_counter()
-        world = world_config(args.preset, seed=args.seed, **({} if users < 0 else {"num_users": users}))
+        world = world_config(args.preset, seed=args.seed, overrides=[] if users < 0 else [f"sizes.num_users={users}"])
         generate(world, data, progress=False)
         for name in names:
             cfg = apply_overrides(recipe(name), [f"train.seed={args.seed}"])
@@ -129,7 +129,7 @@ def main() -> None:
     fit = fit_power_law([p["train_flops"] for p in points], [p["ne"] - ne_bayes for p in points])
     plot(points, fit, ne_bayes, out / "scaling_law.png")
     result = {"alpha": round(fit["alpha"], 4), "a": fit["a"], "r2": round(fit["r2"], 3), "ne_bayes": ne_bayes,
-              "points": points, "world": {"preset": args.preset, "num_users": world.num_users},
+              "points": points, "world": {"preset": args.preset, "num_users": world.sizes.num_users},
               "device": "cuda" if torch.cuda.is_available() else "cpu", "wall_s": round(time.perf_counter() - t0, 1)}
     (out / "scaling_law.json").write_text(json.dumps(result, indent=2))
     print(f"NE − NE_bayes = {fit['a']:.3g} · C^(−{fit['alpha']:.4f})  (R² {fit['r2']:.3f}); plot {out / 'scaling_law.png'}")

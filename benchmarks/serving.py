@@ -96,7 +96,7 @@ def _prepare(a, work: Path) -> tuple[Path, Path, dict]:
     built = {}
     if not a.data:
         world = ["--preset", "tiny"] if a.model == "gem" else \
-            ["--preset", "demo", f"num_users={a.users}", f"users_per_block={min(a.users, 2048)}"]
+            ["--preset", "demo", f"sizes.num_users={a.users}", f"sizes.users_per_block={min(a.users, 2048)}"]
         _cli("generate", "--out", str(data), "--seed", "1", *world)
         built["world"] = " ".join(world[1:])
     if a.artifact:

@@ -45,13 +45,15 @@ def main() -> None:
     a = _args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    from opengem.data.synthetic import generate, world_config
+    from opengem.data.synthetic import generate
+    from opengem.recipes import world_config
     from opengem.train.race import BUDGET_GEM, budget_race, dcn_race, eval_schedule, ne_at, race_steps
 
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(a.data) if a.data else Path(tmp) / "data"
         if not a.data:
-            generate(world_config("demo", seed=0, **({"num_users": a.users} if a.users else {})), data, progress=True)
+            generate(world_config("demo", seed=0, overrides=[f"sizes.num_users={a.users}"] if a.users else []), data,
+                     progress=True)
         steps = race_steps(data)
         kth = 1 if steps <= 400 else 4
         budget = budget_race(data, eval_every_kth_file=kth, gem_overrides=[*BUDGET_GEM, *a.gem_overrides])

@@ -30,15 +30,14 @@ from types import SimpleNamespace
 
 import torch
 
-from opengem.config import apply_overrides
-from opengem.data.synthetic import generate, world_config
+from opengem.config import apply_overrides, apply_prefixed_overrides
+from opengem.data.synthetic import generate
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import count_parameters
-from opengem.model.student import student_recipe
-from opengem.recipes import recipe
+from opengem.recipes import recipe, student_recipe, world_config
 from opengem.train.trainer import train
 from opengem.transfer.config import techniques_config
-from opengem.transfer.distill import make_trainer, parse_overrides
+from opengem.transfer.distill import make_trainer
 from opengem.transfer.stream import SliceStream, domain_ids, slice_rates
 from opengem.transfer.teacher import TeacherService
 from opengem.transfer.trainer import evaluate_students, train_students, transfer_ratio
@@ -64,9 +63,11 @@ OFFLINE = {"kd+rep(row) offline"}
 def world(args, seed: int):
     d = args.drift
     base = world_config(args.preset, seed=seed)
-    return world_config(args.preset, seed=seed, num_users=args.users, num_days=args.days + args.student_days + 1,
-                        valid_days=args.student_days, test_days=1, interest_drift=base.interest_drift * d,
-                        ad_drift=base.ad_drift * d, advertiser_drift=base.advertiser_drift * d)
+    return world_config(args.preset, seed=seed, overrides=[
+        f"sizes.num_users={args.users}", f"sizes.num_days={args.days + args.student_days + 1}",
+        f"sizes.valid_days={args.student_days}", "sizes.test_days=1",
+        f"behaviour.interest_drift={base.behaviour.interest_drift * d}", f"click.ad_drift={base.click.ad_drift * d}",
+        f"click.advertiser_drift={base.click.advertiser_drift * d}"])
 
 
 def run_seed(args, seed: int, root: Path, direct=DIRECT, hier=HIER, fm_row=FM, online=ONLINE) -> dict:
@@ -85,9 +86,10 @@ def run_seed(args, seed: int, root: Path, direct=DIRECT, hier=HIER, fm_row=FM, o
 
     def student(row, teacher, recipe_name, steps):
         name, techniques, extra = row
-        scfg, tcfg = parse_overrides(student_recipe(recipe_name), techniques_config(techniques, domains=(args.domain,)),
-                                     [f"train.seed={seed}", f"data.seed={seed}", *args.overrides, *extra])
-        return make_trainer(name, scfg, tcfg, schema, teacher, rates, steps)
+        trees = apply_prefixed_overrides(
+            {"": student_recipe(recipe_name), "transfer": techniques_config(techniques, domains=(args.domain,))},
+            [f"train.seed={seed}", f"data.seed={seed}", *args.overrides, *extra])
+        return make_trainer(name, trees[""], trees["transfer"], schema, teacher, rates, steps)
 
     def stream(teacher, split="valid", **kw):
         bs = student_recipe(args.student).data.batch_size if split == "valid" else 4096

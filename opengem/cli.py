@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--preset", default="demo")
     g.add_argument("--out", required=True)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("overrides", nargs="*", help="world config overrides key=value")
+    g.add_argument("overrides", nargs="*", help="world config overrides key=value (e.g. sizes.num_users=3000)")
 
     t = sub.add_parser("train", help="train a GEM foundation model")
     t.add_argument("--recipe", default="demo")
@@ -118,20 +118,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _overrides(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise SystemExit(f"opengem: override {item!r} must look like key=value")
-        k, v = item.split("=", 1)
-        out[k] = v
-    return out
-
-
 def cmd_generate(args) -> dict:
-    from opengem.data.synthetic import generate, world_config
+    from opengem.data.synthetic import generate
+    from opengem.recipes import world_config
 
-    cfg = world_config(args.preset, seed=args.seed, **_overrides(args.overrides))
+    cfg = world_config(args.preset, seed=args.seed, overrides=args.overrides)
     t0 = time.perf_counter()
     manifest = generate(cfg, args.out, progress=not args.quiet)
     rows = sum(f.rows for f in manifest.files)
@@ -243,9 +234,9 @@ def cmd_bench(args) -> dict:
 def cmd_demo(args) -> dict:
     from opengem.config import apply_overrides
     from opengem.data.parquet import DatasetManifest
-    from opengem.data.synthetic import generate, world_config
+    from opengem.data.synthetic import generate
     from opengem.evaluation.evaluate import evaluate_run
-    from opengem.recipes import recipe
+    from opengem.recipes import recipe, world_config
     from opengem.train.trainer import train
 
     out = Path(args.out)

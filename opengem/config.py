@@ -10,10 +10,14 @@ Module configs live beside their modules (``opengem.model.*.Config``); this file
       train: TrainConfig
       parallel: ParallelConfig (opengem.parallel.dims; used only under torchrun)
 
-``apply_overrides(cfg, ["optim.lr=3e-3", "model.wukong.num_layers=3"])`` returns a copy of ``cfg``
-with them set; it parses values by the field's declared type and fails with the list of valid keys
-when a key is unknown. Dict fields take
-JSON: ``'parallel.sharding={"t_user_id": "row_wise"}'``.
+``apply_overrides(cfg, ["optim.lr=3e-3", "model.wukong.num_layers=3"])`` returns a validated copy of
+``cfg`` with them set; it parses values by the field's declared type and fails with the list of valid
+keys when a key is unknown. It is the one override path for every dataclass tree: the training
+``Config``, the synthetic ``WorldConfig`` (``opengem generate … sizes.num_users=3000``) and, through
+``apply_prefixed_overrides``, a student ``Config`` and its ``TransferConfig`` on one command line
+(``optim.lr=…`` and ``transfer.kd.weight=…``). Lists take commas (``model.wukong.mlp_dims=64,32``,
+``transfer.domains=feed,video``) or JSON; dict fields take JSON:
+``'parallel.sharding={"t_user_id": "row_wise"}'``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import dataclasses
 import json
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from opengem.model.foundation import GEMConfig
@@ -35,6 +40,16 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
+    """How the training loader reads a dataset directory.
+
+    Args:
+        batch_size: rows per training step (per rank under torchrun).
+        shuffle: days stay in order; the shards of a day and the rows of a shard are permuted each epoch.
+        seed: seed of those permutations.
+        train_split / eval_split: manifest splits to train on and to evaluate on.
+        prefetch: batches collated ahead in a background thread (0 = synchronous).
+    """
+
     batch_size: int = 512
     shuffle: bool = True
     seed: int = 0
@@ -45,6 +60,17 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    """The two optimizers: AdamW on dense parameters, row-wise Adagrad fused into the embedding tables.
+
+    Args:
+        lr / weight_decay / betas: dense AdamW.
+        warmup_steps: linear warm-up of the dense lr.
+        schedule: after warm-up, ``cosine`` (decay to ``min_lr_ratio × lr`` at the last step) or ``constant``.
+        min_lr_ratio: the cosine floor, as a share of ``lr``.
+        grad_clip: global norm the dense gradients are clipped to (0 = no clipping).
+        sparse_lr / sparse_eps: the tables' row-wise Adagrad.
+    """
+
     lr: float = 2e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.98)
@@ -66,6 +92,11 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
+    """The training loop: how long, how often to log and checkpoint, determinism and speed levers.
+
+    Each field's comment says what it does; ``resume_reshard`` applies to ``--resume`` at another world size.
+    """
+
     epochs: int = 1
     max_steps: int = 0  # 0 = run the epochs through
     stop_at: int = 0  # end early after this step, checkpointed, as if preempted; --resume continues the same schedule
@@ -92,6 +123,15 @@ class TrainConfig:
 
 @dataclass
 class Config:
+    """The whole training config: one tree, one ``validate()``, a dict form for ``config.json``.
+
+    Args:
+        recipe: the name of the preset it came from (``opengem.recipes``), or ``custom``.
+        model: the model (``opengem.model.foundation.GEMConfig``; ``model.arch`` picks GEM or a peer).
+        data / optim / train: see their classes.
+        parallel: mesh degrees and table sharding (``opengem.parallel.dims``); used only under torchrun.
+    """
+
     recipe: str = "custom"
     model: GEMConfig = field(default_factory=GEMConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -148,10 +188,15 @@ def _coerce(v, t, key: str):
             return None
         return _coerce(v, args[0], key)
     if origin in (tuple, list):
-        if isinstance(v, str):
-            v = json.loads(v if v.startswith("[") else f"[{v}]")
         args = typing.get_args(t)
         inner = args[0] if args else str
+        if isinstance(v, str) and not v.startswith("["):
+            v = [x.strip() for x in v.split(",") if x.strip()]  # bare: 64,32 or feed,video
+        elif isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{key}: cannot read {v!r} as a JSON list ({e})") from None
         out = [_coerce(x, inner, key) for x in v]
         return tuple(out) if origin is tuple else out
     if origin is dict:
@@ -172,9 +217,10 @@ def _coerce(v, t, key: str):
                 raise ValueError(v)
             return bool(v)
         if t is int:
-            if isinstance(v, float) and not v.is_integer():
+            x = float(v) if isinstance(v, str) and not v.strip().lstrip("+-").isdigit() else v  # 1e6 is an int
+            if isinstance(x, float) and not x.is_integer():
                 raise ValueError(v)
-            return int(v)
+            return int(x)
         if t is float:
             return float(v)
         if t is str:
@@ -195,27 +241,59 @@ def _keys(obj, prefix: str = "") -> list[str]:
     return out
 
 
-def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
-    """A validated copy of ``cfg`` with ``key=value`` strings (dotted keys) applied in order.
+T = typing.TypeVar("T")
+
+
+def apply_overrides(cfg: T, overrides: Iterable[str]) -> T:
+    """A validated copy of the dataclass tree ``cfg`` with ``key=value`` strings (dotted keys) applied in order.
 
     ``cfg`` itself is left as it was: one base config can seed several runs (it once did not, and a
     shared base silently carried one run's ``model.arch`` into the next)."""
-    cfg = copy.deepcopy(cfg)
+    return apply_prefixed_overrides({"": cfg}, overrides)[""]
+
+
+def apply_prefixed_overrides(trees: dict[str, typing.Any], overrides: Iterable[str]) -> dict[str, typing.Any]:
+    """``apply_overrides`` over several trees on one command line, each addressed by its prefix
+    (``""``: keys without one). ``opengem distill`` passes ``{"": student, "transfer": techniques}``:
+    ``optim.lr=1e-3`` sets the student, ``transfer.kd.weight=1`` the techniques. Returns the
+    validated copies by prefix."""
+    trees = {p: copy.deepcopy(t) for p, t in trees.items()}
+    valid = [f"{p}.{k}" if p else k for p, t in trees.items() for k in _keys(t)]
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value")
-        key, value = item.split("=", 1)
-        parts = key.strip().split(".")
-        obj = cfg
-        for p in parts[:-1]:
-            if not dataclasses.is_dataclass(obj) or not hasattr(obj, p):
-                raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(_keys(cfg))}")
-            obj = getattr(obj, p)
-        leaf = parts[-1]
-        if not dataclasses.is_dataclass(obj) or leaf not in {f.name for f in dataclasses.fields(obj)}:
-            raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(_keys(cfg))}")
-        if dataclasses.is_dataclass(getattr(obj, leaf)):
-            raise ConfigError(f"{key!r} is a section, not a value; set one of its fields")
-        t = typing.get_type_hints(type(obj))[leaf]
-        setattr(obj, leaf, _coerce(value.strip(), t, key))
-    return cfg.validate()
+        key, value = (x.strip() for x in item.split("=", 1))
+        prefix, _, rest = key.partition(".")
+        root, path = (prefix, rest) if prefix and rest and prefix in trees else ("", key)
+        if root not in trees:
+            raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(valid)}")
+        _set(trees[root], path, value, key, valid)
+    for t in trees.values():
+        _validate(t)
+    return trees
+
+
+def _set(tree, path: str, value: str, key: str, valid: list[str]) -> None:
+    parts = path.split(".")
+    obj = tree
+    for p in parts[:-1]:
+        if not dataclasses.is_dataclass(obj) or not hasattr(obj, p):
+            raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(valid)}")
+        obj = getattr(obj, p)
+    leaf = parts[-1]
+    if not dataclasses.is_dataclass(obj) or leaf not in {f.name for f in dataclasses.fields(obj)}:
+        raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(valid)}")
+    if dataclasses.is_dataclass(getattr(obj, leaf)):
+        raise ConfigError(f"{key!r} is a section, not a value; set one of its fields")
+    t = typing.get_type_hints(type(obj))[leaf]
+    setattr(obj, leaf, _coerce(value, t, key))
+
+
+def _validate(tree) -> None:
+    """``tree.validate()``, with a module's plain ``ValueError`` raised as the one ``ConfigError``."""
+    try:
+        tree.validate()
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -2,7 +2,8 @@
 stored next to their labels, so the Bayes-optimal normalized entropy of any split is exact.
 
 Generative process (latent parts in ``opengem.data.synthetic_world``; every knob is a
-``WorldConfig`` field; times are seconds, day 0 starts at ``cfg.start_ts``):
+``WorldConfig`` field, named here without its part (``num_users`` is ``sizes.num_users``); times are
+seconds, day 0 starts at ``cfg.sizes.start_ts``):
 
 1. Global entities, from ``rng(seed, global)``: ``num_categories`` categories with Zipf-ish
    popularity; content items, each in one category (every category has ≥ 1), Zipf popularity
@@ -61,8 +62,7 @@ last train day, stored sequence-length quantiles, the share of the logit varianc
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -77,11 +77,13 @@ from opengem.features.schema import DenseFeature, Domains, FeatureSchema, Sequen
 
 
 @dataclass
-class WorldConfig:
-    """All knobs of the synthetic world (defaults = the ``demo`` preset)."""
+class WorldSizes:
+    """How many of everything, and the time window (defaults: the ``demo`` world).
 
-    seed: int = 0
-    # --- sizes and time
+    Days: ``history_days`` of events only, then impression days ``0..num_days-1``, split into
+    train, then ``valid_days``, then the last ``test_days``.
+    """
+
     num_users: int = 36000
     users_per_block: int = 2048  # users generated (and held in memory) together
     num_days: int = 8  # impression days 0..num_days-1
@@ -99,7 +101,12 @@ class WorldConfig:
     new_ads_per_day: int = 100  # launched on each of days 1..num_days-1
     initial_ad_span_days: int = 60  # initial ads launch uniformly over this many days before the window
     latent_rank: int = 4  # rank of the interaction factors
-    # --- users and behaviour
+
+
+@dataclass
+class Behaviour:
+    """Catalogue popularity, user activity and interests, and the two event streams (step 3 above)."""
+
     activity_median: float = 1.2  # organic events per day of the median user
     activity_sigma: float = 1.5  # lognormal sigma of activity (long tail)
     max_events: int = 3000  # cap on a user's organic events over the whole window
@@ -115,7 +122,12 @@ class WorldConfig:
     organic_max_len: int = 4096  # stored history limits (most recent kept)
     event_attributes: bool = True  # per-event attribute columns organic.category, ads.advertiser_id
     ads_max_len: int = 512
-    # --- impressions
+
+
+@dataclass
+class Impressions:
+    """Which user sees which ad, where and when (step 4 above)."""
+
     impressions_per_day: float = 2.3  # mean per user per day
     impression_activity_exp: float = 0.25  # rate ∝ activity^exp (normalised)
     surface_concentration: float = 3.0  # Dirichlet concentration of the per-user surface preference
@@ -123,8 +135,13 @@ class WorldConfig:
     retarget_frac: float = 0.15  # share retargeting an advertiser from the ads history
     retarget_recent: int = 3  # ... drawn from the user's most recent stored ads engagements
     position_decay: float = 0.6  # P(position = k) ∝ decay^k, k in 0..7
-    campaign_main_category_prob: float = 0.85
-    # --- click model
+    campaign_main_category_prob: float = 0.85  # a campaign targets its advertiser's main category
+
+
+@dataclass
+class ClickModel:
+    """The true click logit's scales (step 5 above); ``b0`` is calibrated to ``target_ctr``."""
+
     target_ctr: float = 0.04
     beta_surface: float = 1.0
     beta_position: float = 0.6
@@ -146,140 +163,136 @@ class WorldConfig:
     ads_tau_hours: float = 168.0
     beta_activity: float = 0.1
     beta_device: float = 1.0
-    # --- conversion model (given click)
+
+
+@dataclass
+class ConversionModel:
+    """The true conversion-given-click logit's scales (step 6 above); ``c0`` is calibrated to ``target_cvr``."""
+
     target_cvr: float = 0.08
     cvr_advertiser_sigma: float = 0.6
     cvr_beta_segment_category: float = 0.5
     cvr_beta_seq: float = 1.5
     cvr_beta_surface: float = 1.0
 
-    def validate(self) -> "WorldConfig":
-        def bad(name, why):
-            raise ValueError(f"WorldConfig.{name} {why}, got {getattr(self, name)!r}")
 
+@dataclass
+class WorldConfig:
+    """All knobs of the synthetic world, by part (defaults = the ``demo`` preset; presets in
+    ``opengem.recipes.worlds``). Overrides and error messages use dotted keys: ``sizes.num_users``.
+
+    Args:
+        seed: the structure and sampling seed; every draw is a pure function of it.
+        sizes: entity counts and the day window (``WorldSizes``).
+        behaviour: activity, interests and event streams (``Behaviour``).
+        impressions: impression rate, surfaces, positions and ad choice (``Impressions``).
+        click: the true click model (``ClickModel``).
+        conversion: the true conversion-given-click model (``ConversionModel``).
+    """
+
+    seed: int = 0
+    sizes: WorldSizes = field(default_factory=WorldSizes)
+    behaviour: Behaviour = field(default_factory=Behaviour)
+    impressions: Impressions = field(default_factory=Impressions)
+    click: ClickModel = field(default_factory=ClickModel)
+    conversion: ConversionModel = field(default_factory=ConversionModel)
+
+    def leaves(self) -> dict[str, tuple[str, object]]:
+        """Dotted key → (declared type, value), for every knob."""
+        out = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.type in ("bool", bool):
+            if dataclasses.is_dataclass(v):
+                out.update({f"{f.name}.{g.name}": (g.type, getattr(v, g.name)) for g in fields(v)})
+            else:
+                out[f.name] = (f.type, v)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> WorldConfig:
+        """From ``asdict`` (a manifest's ``source.config``); unknown keys are ignored. A flat dict (manifests
+        written before the config was nested) maps by field name: names are unique across the parts."""
+        parts = {f.name: f.default_factory for f in fields(cls) if f.name != "seed"}
+        flat = not any(isinstance(d.get(p), dict) for p in parts)
+        given = {p: d if flat else d.get(p, {}) for p in parts}
+        return cls(seed=d.get("seed", 0), **{p: kind(**{f.name: given[p][f.name] for f in fields(kind)
+                                                        if f.name in given[p]}) for p, kind in parts.items()})
+
+    def validate(self) -> WorldConfig:
+        leaves = self.leaves()
+
+        def bad(name, why):
+            raise ValueError(f"WorldConfig.{name} {why}, got {leaves[name][1]!r}")
+
+        for name, (kind, v) in leaves.items():
+            if kind in ("bool", bool):
                 if not isinstance(v, bool):
-                    bad(f.name, "must be bool")
+                    bad(name, "must be bool")
                 continue
-            want = int if f.type in ("int", int) else float
+            want = int if kind in ("int", int) else float
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not isinstance(v, int)):
-                bad(f.name, f"must be {want.__name__}")
+                bad(name, f"must be {want.__name__}")
             if not np.isfinite(v):
-                bad(f.name, "must be finite")
-        positive = ["num_users", "users_per_block", "num_days", "num_categories", "num_segments",
-                    "num_content_items", "num_advertisers", "num_campaigns", "num_advertiser_clusters",
-                    "initial_ads", "latent_rank", "activity_median", "max_events", "organic_max_len",
-                    "ads_max_len", "impressions_per_day", "seq_tau_hours", "ads_tau_hours", "segment_peaks",
-                    "surface_concentration", "ads_max_events", "ads_events_per_organic", "position_decay",
-                    "initial_ad_span_days", "retarget_recent"]
+                bad(name, "must be finite")
+        positive = ["sizes.num_users", "sizes.users_per_block", "sizes.num_days", "sizes.num_categories",
+                    "sizes.num_segments", "sizes.num_content_items", "sizes.num_advertisers", "sizes.num_campaigns",
+                    "sizes.num_advertiser_clusters", "sizes.initial_ads", "sizes.latent_rank",
+                    "behaviour.activity_median", "behaviour.max_events", "behaviour.organic_max_len",
+                    "behaviour.ads_max_len", "impressions.impressions_per_day", "click.seq_tau_hours",
+                    "click.ads_tau_hours", "behaviour.segment_peaks", "impressions.surface_concentration",
+                    "behaviour.ads_max_events", "behaviour.ads_events_per_organic", "impressions.position_decay",
+                    "sizes.initial_ad_span_days", "impressions.retarget_recent"]
         for n in positive:
-            if not getattr(self, n) > 0:
+            if not leaves[n][1] > 0:
                 bad(n, "must be > 0")
-        for f in fields(self):
-            if f.name not in positive and f.type not in ("bool", bool) and getattr(self, f.name) < 0:
-                bad(f.name, "must be >= 0")
-        for n in ("target_ctr", "target_cvr"):
-            if not 0 < getattr(self, n) < 1:
+        for n, (kind, v) in leaves.items():
+            if n not in positive and kind not in ("bool", bool) and v < 0:
+                bad(n, "must be >= 0")
+        for n in ("click.target_ctr", "conversion.target_cvr"):
+            if not 0 < leaves[n][1] < 1:
                 bad(n, "must be in (0, 1)")
-        for n in ("conversion_event_prob", "campaign_main_category_prob", "target_frac", "retarget_frac"):
-            if not 0 <= getattr(self, n) <= 1:
+        for n in ("behaviour.conversion_event_prob", "impressions.campaign_main_category_prob",
+                  "impressions.target_frac", "impressions.retarget_frac"):
+            if not 0 <= leaves[n][1] <= 1:
                 bad(n, "must be in [0, 1]")
-        if self.target_frac + self.retarget_frac > 1:
-            bad("retarget_frac", f"+ target_frac ({self.target_frac}) must be <= 1")
-        if self.num_campaigns < self.num_advertisers:
-            bad("num_campaigns", f"must be >= num_advertisers ({self.num_advertisers})")
-        if self.num_content_items < self.num_categories:
-            bad("num_content_items", f"must be >= num_categories ({self.num_categories})")
-        if self.start_ts < self.history_days * DAY:
-            bad("start_ts", "must be >= history_days * 86400 so that every timestamp is >= 0")
-        if self.num_days < self.valid_days + self.test_days + 1:
-            bad("num_days", f"must leave >= 1 train day after valid_days={self.valid_days} "
-                            f"and test_days={self.test_days}")
+        s, imp = self.sizes, self.impressions
+        if imp.target_frac + imp.retarget_frac > 1:
+            bad("impressions.retarget_frac", f"+ impressions.target_frac ({imp.target_frac}) must be <= 1")
+        if s.num_campaigns < s.num_advertisers:
+            bad("sizes.num_campaigns", f"must be >= sizes.num_advertisers ({s.num_advertisers})")
+        if s.num_content_items < s.num_categories:
+            bad("sizes.num_content_items", f"must be >= sizes.num_categories ({s.num_categories})")
+        if s.start_ts < s.history_days * DAY:
+            bad("sizes.start_ts", "must be >= sizes.history_days * 86400 so that every timestamp is >= 0")
+        if s.num_days < s.valid_days + s.test_days + 1:
+            bad("sizes.num_days", f"must leave >= 1 train day after sizes.valid_days={s.valid_days} "
+                                  f"and sizes.test_days={s.test_days}")
         return self
 
 
-def _preset(**kw) -> Callable[[], WorldConfig]:
-    return lambda: WorldConfig(**kw)
-
-
-PRESETS: dict[str, Callable[[], WorldConfig]] = {
-    # ~4k rows in a fraction of a second: tests and smoke runs
-    "tiny": _preset(num_users=400, users_per_block=160, num_days=4, history_days=14, num_categories=16,
-                    num_segments=8, num_content_items=1500, num_advertisers=30, num_campaigns=90,
-                    initial_ads=300, new_ads_per_day=30, initial_ad_span_days=30, latent_rank=4,
-                    max_events=300, ads_max_events=60, impressions_per_day=2.5),
-    # ~660k rows: the demo trains on days 0-5, validates on day 6, tests on day 7
-    "demo": _preset(),
-    # ~2.6M rows
-    "small": _preset(num_users=115000, num_days=10, num_categories=64, num_segments=48,
-                     num_content_items=20000, num_advertisers=600, num_campaigns=2000, initial_ads=4000,
-                     new_ads_per_day=300, latent_rank=6),
-    # ~23M rows, streamed block by block
-    "large": _preset(num_users=1000000, num_days=10, num_categories=128, num_segments=64,
-                     num_content_items=100000, num_advertisers=2000, num_campaigns=8000, initial_ads=16000,
-                     new_ads_per_day=1200, latent_rank=8),
-}
-
-
-def world_config(preset: str, seed: int | None = None, **overrides) -> WorldConfig:
-    """A preset's config with ``seed`` and field overrides applied, validated. String override
-    values (from a command line) are parsed as the field's type."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown synthetic preset {preset!r}; choose from {sorted(PRESETS)}")
-    names = {f.name for f in fields(WorldConfig)}
-    unknown = sorted(set(overrides) - names)
-    if unknown:
-        raise ValueError(f"unknown WorldConfig keys {unknown}; valid keys: {sorted(names)}")
-    cfg = PRESETS[preset]()
-    types = {f.name: f.type for f in fields(WorldConfig)}
-    overrides = {k: _parse(k, v, types[k]) if isinstance(v, str) else v for k, v in overrides.items()}
-    if seed is not None:
-        overrides["seed"] = seed
-    return dataclasses.replace(cfg, **overrides).validate()
-
-
-def _parse(key: str, text: str, kind) -> int | float | bool:
-    """A command-line override value (``num_users=5000``) as the field's type."""
-    kind = getattr(kind, "__name__", kind)
-    try:
-        if kind == "bool":
-            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError
-            return text.lower() in ("true", "1", "yes")
-        if kind == "int":
-            v = float(text)
-            if not v.is_integer():
-                raise ValueError
-            return int(text) if text.lstrip("+-").isdigit() else int(v)
-        return float(text)
-    except ValueError:
-        raise ValueError(f"WorldConfig.{key}: cannot parse {text!r} as {kind}") from None
-
-
 def build_schema(cfg: WorldConfig) -> FeatureSchema:
-    n_ads = cfg.initial_ads + cfg.new_ads_per_day * (cfg.num_days - 1)
+    sizes, beh = cfg.sizes, cfg.behaviour
+    n_ads = sizes.initial_ads + sizes.new_ads_per_day * (sizes.num_days - 1)
     # No user_id feature: the world has no per-user effect outside the histories, and a 36k-row id table
     # seen ~14 times per row memorises (measured: a probe collapsed in its 2nd epoch with it, not without).
     # The column stays in every row (gAUC groups by it; real-data schemas may list it as a feature).
     sparse = [SparseFeature("age", NUM_AGES, "user"),
               SparseFeature("gender", NUM_GENDERS, "user"), SparseFeature("country", NUM_COUNTRIES, "user"),
-              SparseFeature("device", NUM_DEVICES, "user"), SparseFeature("segment", cfg.num_segments, "user"),
-              SparseFeature("ad_id", n_ads, "ad"), SparseFeature("advertiser_id", cfg.num_advertisers, "ad"),
-              SparseFeature("campaign_id", cfg.num_campaigns, "ad"),
-              SparseFeature("category", cfg.num_categories, "ad"), SparseFeature("format", len(FORMATS), "ad"),
+              SparseFeature("device", NUM_DEVICES, "user"), SparseFeature("segment", sizes.num_segments, "user"),
+              SparseFeature("ad_id", n_ads, "ad"), SparseFeature("advertiser_id", sizes.num_advertisers, "ad"),
+              SparseFeature("campaign_id", sizes.num_campaigns, "ad"),
+              SparseFeature("category", sizes.num_categories, "ad"), SparseFeature("format", len(FORMATS), "ad"),
               SparseFeature("position", NUM_POSITIONS, "context"), SparseFeature("hour", NUM_HOURS, "context")]
     dense = [DenseFeature("user_activity", "user"), DenseFeature("ad_age", "ad"), DenseFeature("ad_quality", "ad"),
              DenseFeature("hour_sin", "context"), DenseFeature("hour_cos", "context")]
     org_attrs, ads_attrs = {}, {}
-    if cfg.event_attributes:
+    if beh.event_attributes:
         from opengem.features.schema import EventAttribute
 
-        org_attrs = {"attributes": (EventAttribute("category", cfg.num_categories),)}
-        ads_attrs = {"attributes": (EventAttribute("advertiser_id", cfg.num_advertisers),)}
-    seqs = [SequenceStream("organic", cfg.num_content_items, len(ORGANIC_EVENTS), cfg.organic_max_len, **org_attrs),
-            SequenceStream("ads", n_ads, len(ADS_EVENTS), cfg.ads_max_len, **ads_attrs)]
+        org_attrs = {"attributes": (EventAttribute("category", sizes.num_categories),)}
+        ads_attrs = {"attributes": (EventAttribute("advertiser_id", sizes.num_advertisers),)}
+    seqs = [SequenceStream("organic", sizes.num_content_items, len(ORGANIC_EVENTS), beh.organic_max_len, **org_attrs),
+            SequenceStream("ads", n_ads, len(ADS_EVENTS), beh.ads_max_len, **ads_attrs)]
     tasks = [Task("click", "click", "p_click"), Task("conversion", "conversion", "p_conversion", requires="click")]
     return FeatureSchema(sparse=tuple(sparse), dense=tuple(dense), sequences=tuple(seqs), tasks=tuple(tasks),
                          domains=Domains(SURFACES, "domain"),
@@ -288,16 +301,18 @@ def build_schema(cfg: WorldConfig) -> FeatureSchema:
 
 
 def splits_for(cfg: WorldConfig) -> dict[str, list[int]]:
-    d = cfg.num_days
-    return {"train": list(range(d - cfg.valid_days - cfg.test_days)),
-            "valid": list(range(d - cfg.valid_days - cfg.test_days, d - cfg.test_days)),
-            "test": list(range(d - cfg.test_days, d))}
+    sizes = cfg.sizes
+    d = sizes.num_days
+    return {"train": list(range(d - sizes.valid_days - sizes.test_days)),
+            "valid": list(range(d - sizes.valid_days - sizes.test_days, d - sizes.test_days)),
+            "test": list(range(d - sizes.test_days, d))}
 
 
 # ------------------------------------------------------------------------------ impressions
 def _impressions(world: World, ub: UserBlock, day: int, block: int) -> dict:
     """Rows of one (block, day), as column arrays in their final dtypes (lists: (values, lengths))."""
     cfg = world.cfg
+    beh, imp = cfg.behaviour, cfg.impressions
     rng = rng_for(cfg.seed, TAG_DAY, block, day)
     n_per = rng.poisson(ub.impression_rate)
     user = np.repeat(np.arange(ub.n, dtype=np.int64), n_per)
@@ -308,15 +323,15 @@ def _impressions(world: World, ub: UserBlock, day: int, block: int) -> dict:
     r = rng.random((6, n))  # every row draws the same uniforms, whatever branch it takes
 
     surface = (r[0] > ub.surface_cum[user, 0]).astype(np.int64) + (r[0] > ub.surface_cum[user, 1])
-    pos_p = cfg.position_decay ** np.arange(NUM_POSITIONS)
+    pos_p = imp.position_decay ** np.arange(NUM_POSITIONS)
     position = np.searchsorted(np.cumsum(pos_p / pos_p.sum())[:-1], r[1], side="right").astype(np.int64)
-    n_org, org_lo, org_len = ub.history("organic", user, t, cfg.organic_max_len)
-    n_ads, ads_lo, ads_len = ub.history("ads", user, t, cfg.ads_max_len)
+    n_org, org_lo, org_len = ub.history("organic", user, t, beh.organic_max_len)
+    n_ads, ads_lo, ads_len = ub.history("ads", user, t, beh.ads_max_len)
 
     # Ad choice: targeted (interest category that day), retargeted (stored ads history), random.
-    cat = ub.interest.sample(user * world.window_days + (day + cfg.history_days), r[2])
+    cat = ub.interest.sample(user * world.window_days + (day + cfg.sizes.history_days), r[2])
     ad = world.sample_live_ads(cat, t, r[3])
-    recent = np.minimum(ads_len, cfg.retarget_recent)  # retarget one of the most recent engagements
+    recent = np.minimum(ads_len, imp.retarget_recent)  # retarget one of the most recent engagements
     j = ads_lo + ads_len - 1 - np.minimum((r[4] * recent).astype(np.int64), np.maximum(recent - 1, 0))
     if len(ub.ads_item):
         adv = world.ad_advertiser[ub.ads_item[np.clip(j, 0, len(ub.ads_item) - 1)]]
@@ -325,18 +340,18 @@ def _impressions(world: World, ub: UserBlock, day: int, block: int) -> dict:
     re_ad, re_ok = world.live_by_advertiser.sample(adv, t, r[3])
     rand_ad, _ = world.live_any.sample(np.zeros(n, dtype=np.int64), t, r[3])
     mode = r[5]
-    retarget = (mode >= cfg.target_frac) & (mode < cfg.target_frac + cfg.retarget_frac) & (ads_len > 0) & re_ok
-    rand = mode >= cfg.target_frac + cfg.retarget_frac
+    retarget = (mode >= imp.target_frac) & (mode < imp.target_frac + imp.retarget_frac) & (ads_len > 0) & re_ok
+    rand = mode >= imp.target_frac + imp.retarget_frac
     ad = np.where(retarget, re_ad, np.where(rand, rand_ad, ad))
 
     sec = t % DAY
     ang = 2 * np.pi * sec / DAY
     age_days = (t - world.ad_launch[ad]) / DAY
-    act_mu, act_sd = np.log1p(cfg.activity_median * cfg.history_days), cfg.activity_sigma
+    act_mu, act_sd = np.log1p(beh.activity_median * cfg.sizes.history_days), beh.activity_sigma
     oi, ai = ranges(org_lo, org_len), ranges(ads_lo, ads_len)
     gu = ub.first + user
     c = {
-        "user_id": gu, "request_ts": cfg.start_ts + t, "day": np.full(n, day, dtype=np.int32), "domain": surface,
+        "user_id": gu, "request_ts": cfg.sizes.start_ts + t, "day": np.full(n, day, dtype=np.int32), "domain": surface,
         "age": ub.age[user], "gender": ub.gender[user], "country": ub.country[user], "device": ub.device[user],
         "segment": ub.segment[user], "ad_id": ad, "advertiser_id": world.ad_advertiser[ad],
         "campaign_id": world.ad_campaign[ad], "category": world.ad_category[ad], "format": world.ad_format[ad],
@@ -346,11 +361,11 @@ def _impressions(world: World, ub: UserBlock, day: int, block: int) -> dict:
         "ad_quality": world.ad_quality_observed[ad],
         "hour_sin": np.sin(ang).astype(np.float32), "hour_cos": np.cos(ang).astype(np.float32),
         "organic.item": (ub.org_item[oi], org_len), "organic.event": (ub.org_event[oi], org_len),
-        "organic.ts": (cfg.start_ts + ub.org_ts[oi], org_len),
+        "organic.ts": (cfg.sizes.start_ts + ub.org_ts[oi], org_len),
         "ads.item": (ub.ads_item[ai], ads_len), "ads.event": (ub.ads_event[ai], ads_len),
-        "ads.ts": (cfg.start_ts + ub.ads_ts[ai], ads_len),
+        "ads.ts": (cfg.sizes.start_ts + ub.ads_ts[ai], ads_len),
     }
-    if cfg.event_attributes:
+    if beh.event_attributes:
         c["organic.category"] = (world.item_category[c["organic.item"][0]], org_len)
         c["ads.advertiser_id"] = (world.ad_advertiser[c["ads.item"][0]], ads_len)
     for k, v in c.items():  # ids int64 everywhere (the reserved day column is int32)
@@ -383,8 +398,8 @@ class _Stats:
         self.last_train_day = max(splits_for(cfg)["train"])
         self.world = world
         self.acc: dict[str, np.ndarray] = {}
-        self.len_hist = {"organic": np.zeros(cfg.organic_max_len + 1, np.int64),
-                         "ads": np.zeros(cfg.ads_max_len + 1, np.int64)}
+        self.len_hist = {"organic": np.zeros(cfg.behaviour.organic_max_len + 1, np.int64),
+                         "ads": np.zeros(cfg.behaviour.ads_max_len + 1, np.int64)}
         self.truncated = {"organic": 0, "ads": 0}
         self.terms: dict[str, dict[str, np.ndarray]] = {"click": {}, "conversion": {}}
 
@@ -461,20 +476,21 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True) -> Da
     cfg.validate()
     schema = build_schema(cfg)
     world = World(cfg)
-    n_blocks = -(-cfg.num_users // cfg.users_per_block)
+    n_blocks = -(-cfg.sizes.num_users // cfg.sizes.users_per_block)
 
     # Calibrate the intercepts on all rows of block 0 (its rows are regenerated, bit-identical, below).
     ub = UserBlock(world, 0)
     z, zc = [], []
-    for d in range(cfg.num_days):
+    for d in range(cfg.sizes.num_days):
         _, _, ct, vt = probabilities(world, _impressions(world, ub, d, 0), b0=0.0, c0=0.0)
         z.append(sum(ct.values()))
         zc.append(sum(vt.values()))
     z, zc = np.concatenate(z), np.concatenate(zc)
     if len(z) == 0:
-        raise ValueError("block 0 has no impressions to calibrate on; raise num_users or impressions_per_day")
-    world.b0 = solve_intercept(z, cfg.target_ctr)
-    world.c0 = solve_intercept(zc, cfg.target_cvr, weights=sigmoid(world.b0 + z))
+        raise ValueError("block 0 has no impressions to calibrate on; raise sizes.num_users or "
+                         "impressions.impressions_per_day")
+    world.b0 = solve_intercept(z, cfg.click.target_ctr)
+    world.c0 = solve_intercept(zc, cfg.conversion.target_cvr, weights=sigmoid(world.b0 + z))
     del z, zc
 
     writer = ShardWriter(out_dir, schema)
@@ -487,7 +503,7 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True) -> Da
     for b in blocks:
         if b > 0:
             ub = UserBlock(world, b)
-        for d in range(cfg.num_days):
+        for d in range(cfg.sizes.num_days):
             c = _impressions(world, ub, d, b)
             p_click, p_cvr, ct, vt = probabilities(world, c)
             table = _table(schema, c, p_click, p_cvr)
@@ -503,8 +519,7 @@ def world_from_manifest(manifest: DatasetManifest) -> World:
     src = manifest.source
     if src.get("kind") != "synthetic":
         raise ValueError("not a synthetic dataset (manifest source kind is not 'synthetic')")
-    names = {f.name for f in fields(WorldConfig)}
-    world = World(WorldConfig(**{k: v for k, v in src["config"].items() if k in names}))
+    world = World(WorldConfig.from_dict(src["config"]))
     world.b0, world.c0 = src["stats"]["calibration"]["b0"], src["stats"]["calibration"]["c0"]
     return world
 

@@ -16,7 +16,7 @@ describes the whole generative process. This module holds:
   shard can be recomputed from the shard alone (the tests do exactly that).
 
 Times inside this module are seconds relative to the start of day 0 ("rel"); the written
-``request_ts`` / ``*.ts`` columns add ``cfg.start_ts``. The true models only use time differences.
+``request_ts`` / ``*.ts`` columns add ``cfg.sizes.start_ts``. The true models only use time differences.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ GENDER_PROBS = np.array([0.49, 0.49, 0.02])
 DEVICE_PROBS = np.array([0.55, 0.35, 0.07, 0.03])
 FORMAT_PROBS = np.array([0.40, 0.25, 0.20, 0.15])
 SURFACE_SHARES = np.array([0.5, 0.3, 0.2])  # mean of the per-user surface preference
-# Fixed, interpretable context effects (multiplied by their cfg.beta_* knob).
+# Fixed, interpretable context effects (multiplied by their cfg.click.beta_* knob).
 SURFACE_BIAS = np.array([0.3, 0.0, -0.5])
 SURFACE_FORMAT = np.array([  # rows: feed, video, messaging; cols: image, video, carousel, text
     [0.3, -0.2, 0.4, -0.3],
@@ -121,21 +121,22 @@ class World:
     def __init__(self, cfg):
         self.cfg = cfg
         rng = rng_for(cfg.seed, TAG_GLOBAL)
-        C, r = cfg.num_categories, cfg.latent_rank
-        self.window_start = -cfg.history_days * DAY
-        self.window_end = cfg.num_days * DAY
-        self.window_days = cfg.history_days + cfg.num_days
+        sizes, beh, click = cfg.sizes, cfg.behaviour, cfg.click
+        C, r = sizes.num_categories, sizes.latent_rank
+        self.window_start = -sizes.history_days * DAY
+        self.window_end = sizes.num_days * DAY
+        self.window_days = sizes.history_days + sizes.num_days
 
         # Categories: popularity (log weights) and content items with Zipf popularity inside each.
-        self.category_logpop = -cfg.category_pop_slope * np.log1p(rng.permutation(C).astype(np.float64))
+        self.category_logpop = -beh.category_pop_slope * np.log1p(rng.permutation(C).astype(np.float64))
         cat_p = softmax(self.category_logpop)
-        item_cat = np.concatenate([np.arange(C), rng.choice(C, cfg.num_content_items - C, p=cat_p)])
-        self.item_category = item_cat[rng.permutation(cfg.num_content_items)].astype(np.int64)
+        item_cat = np.concatenate([np.arange(C), rng.choice(C, sizes.num_content_items - C, p=cat_p)])
+        self.item_category = item_cat[rng.permutation(sizes.num_content_items)].astype(np.int64)
         order = np.argsort(self.item_category, kind="stable")  # items grouped by category, random rank
         cats_sorted = self.item_category[order]
         cat_start = np.searchsorted(cats_sorted, np.arange(C))
         rank = np.arange(len(order)) - cat_start[cats_sorted]
-        w = (rank + 1.0) ** -cfg.content_zipf
+        w = (rank + 1.0) ** -beh.content_zipf
         cat_end = np.r_[cat_start[1:], len(order)]
         cum = np.cumsum(w)
         before = np.r_[0.0, cum][cat_start]  # cumulative weight before each category
@@ -146,58 +147,59 @@ class World:
         self._cat_start, self._cat_end = cat_start, cat_end
 
         # Advertisers → campaigns → ads.
-        A, M = cfg.num_advertisers, cfg.num_campaigns
+        A, M = sizes.num_advertisers, sizes.num_campaigns
         self.advertiser_category = rng.choice(C, A, p=cat_p)
-        self.advertiser_cluster = rng.integers(0, cfg.num_advertiser_clusters, A)
-        self.advertiser_effect = rng.normal(0, cfg.advertiser_sigma, A)
-        self.advertiser_cvr = rng.normal(0, cfg.cvr_advertiser_sigma, A)
+        self.advertiser_cluster = rng.integers(0, sizes.num_advertiser_clusters, A)
+        self.advertiser_effect = rng.normal(0, click.advertiser_sigma, A)
+        self.advertiser_cvr = rng.normal(0, cfg.conversion.cvr_advertiser_sigma, A)
         camp_adv = np.concatenate([np.arange(A), rng.integers(0, A, M - A)])[rng.permutation(M)]
-        main = rng.random(M) < cfg.campaign_main_category_prob
+        main = rng.random(M) < cfg.impressions.campaign_main_category_prob
         self.campaign_advertiser = camp_adv
         self.campaign_category = np.where(main, self.advertiser_category[camp_adv], rng.choice(C, M, p=cat_p))
-        self.campaign_effect = rng.normal(0, cfg.campaign_sigma, M)
+        self.campaign_effect = rng.normal(0, click.campaign_sigma, M)
 
-        n_new = cfg.new_ads_per_day * (cfg.num_days - 1)
-        self.num_ads = n_ads = cfg.initial_ads + n_new
+        n_new = sizes.new_ads_per_day * (sizes.num_days - 1)
+        self.num_ads = n_ads = sizes.initial_ads + n_new
         self.ad_campaign = rng.integers(0, M, n_ads)
         self.ad_advertiser = camp_adv[self.ad_campaign]
         self.ad_category = self.campaign_category[self.ad_campaign]
         self.ad_format = rng.choice(len(FORMATS), n_ads, p=FORMAT_PROBS)
         self.ad_quality = (self.advertiser_effect[self.ad_advertiser] + self.campaign_effect[self.ad_campaign]
-                           + rng.normal(0, cfg.ad_sigma, n_ads))
-        self.ad_quality_observed = (self.ad_quality + rng.normal(0, cfg.ad_quality_obs_noise, n_ads)).astype(np.float32)
-        first = self.window_start - cfg.initial_ad_span_days * DAY
+                           + rng.normal(0, click.ad_sigma, n_ads))
+        noise = rng.normal(0, click.ad_quality_obs_noise, n_ads)
+        self.ad_quality_observed = (self.ad_quality + noise).astype(np.float32)
+        first = self.window_start - sizes.initial_ad_span_days * DAY
         launch = np.empty(n_ads, dtype=np.int64)
-        launch[: cfg.initial_ads] = rng.integers(first, 0, cfg.initial_ads)
+        launch[: sizes.initial_ads] = rng.integers(first, 0, sizes.initial_ads)
         launch[0] = self.window_start - DAY  # at least one ad is live over the whole window
-        new_day = np.repeat(np.arange(1, cfg.num_days), cfg.new_ads_per_day)
-        launch[cfg.initial_ads:] = new_day * DAY + rng.integers(0, DAY, n_new)
+        new_day = np.repeat(np.arange(1, sizes.num_days), sizes.new_ads_per_day)
+        launch[sizes.initial_ads:] = new_day * DAY + rng.integers(0, DAY, n_new)
         self.ad_launch = launch
         self.ad_launch_day = np.floor_divide(launch, DAY)
         # Daily random-walk drift of ad and advertiser quality (0 on day 0).
-        D = cfg.num_days
-        steps = rng.normal(0, cfg.ad_drift, (n_ads, D))
+        D = sizes.num_days
+        steps = rng.normal(0, click.ad_drift, (n_ads, D))
         steps[:, 0] = 0
         self.ad_drift = np.cumsum(steps, axis=1)
-        steps = rng.normal(0, cfg.advertiser_drift, (A, D))
+        steps = rng.normal(0, click.advertiser_drift, (A, D))
         steps[:, 0] = 0
         self.advertiser_drift = np.cumsum(steps, axis=1)
 
         # Users: attribute distributions and segment interest profiles (peaked on a few categories).
-        S = cfg.num_segments
+        S = sizes.num_segments
         self.segment_p = softmax(-0.8 * np.log1p(rng.permutation(S).astype(np.float64)))
         self.country_p = softmax(-1.1 * np.log1p(np.arange(NUM_COUNTRIES, dtype=np.float64)))
         prof = self.category_logpop[None, :] + rng.normal(0, 0.3, (S, C))
-        for j in range(cfg.segment_peaks):
+        for j in range(beh.segment_peaks):
             peak = rng.choice(C, S, p=cat_p)
-            prof[np.arange(S), peak] += cfg.segment_peak_height * max(1.0 - 0.2 * j, 0.2)
+            prof[np.arange(S), peak] += beh.segment_peak_height * max(1.0 - 0.2 * j, 0.2)
         self.segment_interest = prof
 
         # Low-rank interaction factors (inner products have unit variance before the beta scale).
         self.seg_f, self.cat_f = _unit_factors(rng, S, r), _unit_factors(rng, C, r)
         self.age_f, self.fmt_f = _unit_factors(rng, NUM_AGES, r), _unit_factors(rng, len(FORMATS), r)
         self.country_f = _unit_factors(rng, NUM_COUNTRIES, r)
-        self.cluster_f = _unit_factors(rng, cfg.num_advertiser_clusters, r)
+        self.cluster_f = _unit_factors(rng, sizes.num_advertiser_clusters, r)
         self.seg_g, self.cat_g = _unit_factors(rng, S, r), _unit_factors(rng, C, r)
 
         self.live_by_category = LiveAds(self.ad_category, launch, C, self.window_end)
@@ -230,46 +232,47 @@ class UserBlock:
     def __init__(self, world: World, block: int):
         cfg = world.cfg
         rng = rng_for(cfg.seed, TAG_BLOCK, block)
-        self.first = block * cfg.users_per_block
-        U = self.n = min(cfg.users_per_block, cfg.num_users - self.first)
-        W, C = world.window_days, cfg.num_categories
+        sizes, beh, imp = cfg.sizes, cfg.behaviour, cfg.impressions
+        self.first = block * sizes.users_per_block
+        U = self.n = min(sizes.users_per_block, sizes.num_users - self.first)
+        W, C = world.window_days, sizes.num_categories
         self.span = W * DAY
         self.ws = world.window_start
 
-        self.segment = rng.choice(cfg.num_segments, U, p=world.segment_p)
+        self.segment = rng.choice(sizes.num_segments, U, p=world.segment_p)
         self.age = rng.choice(NUM_AGES, U, p=AGE_PROBS)
         self.gender = rng.choice(NUM_GENDERS, U, p=GENDER_PROBS)
         self.country = rng.choice(NUM_COUNTRIES, U, p=world.country_p)
         self.device = rng.choice(NUM_DEVICES, U, p=DEVICE_PROBS)
-        self.activity = np.exp(rng.normal(np.log(cfg.activity_median), cfg.activity_sigma, U))
-        rel = np.minimum((self.activity / cfg.activity_median) ** cfg.impression_activity_exp, 6.0)
-        norm = np.exp((cfg.impression_activity_exp * cfg.activity_sigma) ** 2 / 2)  # E[rel] without the cap
-        self.impression_rate = cfg.impressions_per_day * rel / norm
-        pref = rng.dirichlet(cfg.surface_concentration * SURFACE_SHARES, U)
+        self.activity = np.exp(rng.normal(np.log(beh.activity_median), beh.activity_sigma, U))
+        rel = np.minimum((self.activity / beh.activity_median) ** imp.impression_activity_exp, 6.0)
+        norm = np.exp((imp.impression_activity_exp * beh.activity_sigma) ** 2 / 2)  # E[rel] without the cap
+        self.impression_rate = imp.impressions_per_day * rel / norm
+        pref = rng.dirichlet(imp.surface_concentration * SURFACE_SHARES, U)
         self.surface_cum = np.cumsum(pref, axis=1)[:, :2]
 
         # Interest over categories, one distribution per (user, window day): segment profile + user
         # noise + a per-day random walk. Row index = local user * W + window day.
-        base = world.segment_interest[self.segment] + rng.normal(0, cfg.interest_noise, (U, C))
-        walk = np.cumsum(rng.normal(0, cfg.interest_drift, (U, W, C)).astype(np.float32), axis=1)
+        base = world.segment_interest[self.segment] + rng.normal(0, beh.interest_noise, (U, C))
+        walk = np.cumsum(rng.normal(0, beh.interest_drift, (U, W, C)).astype(np.float32), axis=1)
         theta = base[:, None, :].astype(np.float32) + walk
         del walk
         theta -= theta.max(axis=2, keepdims=True)
         self.interest = RowCategorical(np.exp(theta).reshape(U * W, C))
         del theta
 
-        n_org = np.minimum(rng.poisson(self.activity * W), cfg.max_events)
+        n_org = np.minimum(rng.poisson(self.activity * W), beh.max_events)
         self.org_key, self.org_off, org_user, org_ts = self._times(rng, n_org)
         cat = self.interest.sample(org_user * W + (org_ts - self.ws) // DAY, rng.random(len(org_ts)))
         self.org_item = world.sample_items(cat, rng.random(len(org_ts)))
         self.org_event = np.searchsorted(np.cumsum(ORGANIC_EVENT_PROBS)[:-1], rng.random(len(org_ts)), side="right")
         self.org_ts = org_ts
 
-        n_ads = np.minimum(rng.poisson(self.activity * W * cfg.ads_events_per_organic), cfg.ads_max_events)
+        n_ads = np.minimum(rng.poisson(self.activity * W * beh.ads_events_per_organic), beh.ads_max_events)
         self.ads_key, self.ads_off, ads_user, ads_ts = self._times(rng, n_ads)
         cat = self.interest.sample(ads_user * W + (ads_ts - self.ws) // DAY, rng.random(len(ads_ts)))
         self.ads_item = world.sample_live_ads(cat, ads_ts, rng.random(len(ads_ts)))
-        self.ads_event = (rng.random(len(ads_ts)) < cfg.conversion_event_prob).astype(np.int64)
+        self.ads_event = (rng.random(len(ads_ts)) < beh.conversion_event_prob).astype(np.int64)
         self.ads_ts = ads_ts
 
     def _times(self, rng, counts):
@@ -298,7 +301,7 @@ def sequence_match(world: World, items, events, ts, lengths, request_ts, ad_cate
     """m = Σ w·decay·[cat(item) = cat(ad)] / (1 + Σ w·decay) over the row's stored organic events,
     with w = ORGANIC_EVENT_WEIGHTS[event] and decay = exp(−(request_ts − ts) / tau)."""
     row = _row_of(lengths)
-    w = ORGANIC_EVENT_WEIGHTS[events] * np.exp(-(request_ts[row] - ts) / (world.cfg.seq_tau_hours * 3600.0))
+    w = ORGANIC_EVENT_WEIGHTS[events] * np.exp(-(request_ts[row] - ts) / (world.cfg.click.seq_tau_hours * 3600.0))
     match = world.item_category[items] == ad_category[row]
     n = len(lengths)
     return np.bincount(row, w * match, minlength=n) / (1.0 + np.bincount(row, w, minlength=n))
@@ -307,7 +310,7 @@ def sequence_match(world: World, items, events, ts, lengths, request_ts, ad_cate
 def ads_affinity(world: World, items, events, ts, lengths, request_ts, advertiser) -> np.ndarray:
     """Σ w·decay over the row's stored ads events with the same advertiser as the row's ad."""
     row = _row_of(lengths)
-    w = ADS_EVENT_WEIGHTS[events] * np.exp(-(request_ts[row] - ts) / (world.cfg.ads_tau_hours * 3600.0))
+    w = ADS_EVENT_WEIGHTS[events] * np.exp(-(request_ts[row] - ts) / (world.cfg.click.ads_tau_hours * 3600.0))
     same = world.ad_advertiser[items] == advertiser[row]
     return np.bincount(row, w * same, minlength=len(lengths))
 
@@ -325,7 +328,7 @@ def click_terms(world: World, c: dict, m: np.ndarray, a: np.ndarray) -> dict[str
     """The additive terms of the click logit (without b0). ``c`` maps column names to numpy arrays
     (list columns to (flat values, lengths)); ``m, a = history_signals(world, c)``. Only the row's
     own columns are read, plus per-entity effects keyed by the row's ids."""
-    cfg = world.cfg
+    model = world.cfg.click
     ad, adv, cat, fmt = c["ad_id"], c["advertiser_id"], c["category"], c["format"]
     surface, day = c["domain"], c["day"]
     hs, hc = c["hour_sin"].astype(np.float64), c["hour_cos"].astype(np.float64)
@@ -335,32 +338,33 @@ def click_terms(world: World, c: dict, m: np.ndarray, a: np.ndarray) -> dict[str
         return np.einsum("ij,ij->i", x, y)
 
     return {
-        "surface": cfg.beta_surface * SURFACE_BIAS[surface],
-        "position": -cfg.beta_position * np.log1p(c["position"]),
-        "hour": cfg.beta_hour * (hc * np.cos(ph) + hs * np.sin(ph)),
+        "surface": model.beta_surface * SURFACE_BIAS[surface],
+        "position": -model.beta_position * np.log1p(c["position"]),
+        "hour": model.beta_hour * (hc * np.cos(ph) + hs * np.sin(ph)),
         "ad_quality": world.ad_quality[ad],
         "ad_drift": world.ad_drift[ad, day] + world.advertiser_drift[adv, day],
-        "ad_novelty": cfg.beta_novelty * np.exp(-c["ad_age"].astype(np.float64)),
-        "surface_format": cfg.beta_surface_format * SURFACE_FORMAT[surface, fmt],
-        "segment_category": cfg.beta_segment_category * dot(world.seg_f[c["segment"]], world.cat_f[cat]),
-        "age_format": cfg.beta_age_format * dot(world.age_f[c["age"]], world.fmt_f[fmt]),
-        "country_cluster": cfg.beta_country_cluster * dot(
+        "ad_novelty": model.beta_novelty * np.exp(-c["ad_age"].astype(np.float64)),
+        "surface_format": model.beta_surface_format * SURFACE_FORMAT[surface, fmt],
+        "segment_category": model.beta_segment_category * dot(world.seg_f[c["segment"]], world.cat_f[cat]),
+        "age_format": model.beta_age_format * dot(world.age_f[c["age"]], world.fmt_f[fmt]),
+        "country_cluster": model.beta_country_cluster * dot(
             world.country_f[c["country"]], world.cluster_f[world.advertiser_cluster[adv]]),
-        "sequence": cfg.beta_seq * m,
-        "ads_history": cfg.beta_ads * np.log1p(a),
-        "user": cfg.beta_activity * c["user_activity"].astype(np.float64) + cfg.beta_device * DEVICE_BIAS[c["device"]],
+        "sequence": model.beta_seq * m,
+        "ads_history": model.beta_ads * np.log1p(a),
+        "user": (model.beta_activity * c["user_activity"].astype(np.float64)
+                 + model.beta_device * DEVICE_BIAS[c["device"]]),
     }
 
 
 def conversion_terms(world: World, c: dict, m: np.ndarray) -> dict[str, np.ndarray]:
     """Terms of the conversion-given-click logit (without c0)."""
-    cfg = world.cfg
+    model = world.cfg.conversion
     return {
         "advertiser": world.advertiser_cvr[c["advertiser_id"]],
-        "segment_category": cfg.cvr_beta_segment_category * np.einsum(
+        "segment_category": model.cvr_beta_segment_category * np.einsum(
             "ij,ij->i", world.seg_g[c["segment"]], world.cat_g[c["category"]]),
-        "sequence": cfg.cvr_beta_seq * m,
-        "surface": cfg.cvr_beta_surface * CVR_SURFACE[c["domain"]],
+        "sequence": model.cvr_beta_seq * m,
+        "surface": model.cvr_beta_surface * CVR_SURFACE[c["domain"]],
     }
 
 

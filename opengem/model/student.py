@@ -18,8 +18,8 @@ Representation transfer adds the teacher's embedding as E dense *user* features 
 like any other float, and serving fills them from a per-user feature store (see
 ``opengem.transfer.teacher.UserRepCache``), so the served program is unchanged.
 
-Presets (``student_recipe``): one dial from ``vm_xs`` (no sequence towers: the cheapest servable
-model) to ``fm_domain`` (a per-domain foundation model, the middle level of hierarchical transfer).
+Presets (``opengem.recipes.students``): one dial from ``vm_xs`` (no sequence towers: the cheapest
+servable model) to ``fm_domain`` (a per-domain foundation model, the middle level of hierarchical transfer).
 """
 
 from __future__ import annotations
@@ -32,49 +32,10 @@ from torch import nn
 from opengem.data.batch import Batch
 from opengem.features.schema import DenseFeature, FeatureSchema
 from opengem.model.build import build_gem, materialize
-from opengem.model.foundation import GEM, GEMConfig
+from opengem.model.foundation import GEM
 from opengem.model.heads import Heads, HeadsConfig
-from opengem.model.interaction_arch import WukongConfig
-from opengem.model.interformer import InterFormerConfig
-from opengem.model.sequence_arch import SequenceConfig
 
 REP_PREFIX = "teacher_rep_"
-
-# (D, sequences, history cap, wukong layers, n_F = n_L, fm rank, fmb mlp, recent K, pooled M, heads,
-#  summary tokens, trunk, batch, lr)
-_DIAL = {
-    "vm_xs": (8, False, 8, 1, 4, 4, (32,), 8, 1, 1, 2, (32,), 128, 3e-3),
-    "vm_s": (8, True, 32, 1, 4, 4, (32,), 8, 1, 1, 2, (32,), 128, 3e-3),
-    "vm_m": (16, True, 64, 1, 8, 4, (64,), 16, 2, 2, 2, (64, 32), 128, 3e-3),
-    "fm_domain": (16, True, 128, 2, 4, 4, (64,), 16, 2, 2, 4, (64, 32), 128, 3e-3),
-}
-
-
-def student_recipe_names() -> list[str]:
-    return list(_DIAL)
-
-
-def student_recipe(name: str):
-    """A student preset as a full ``opengem.config.Config`` (model, batch, optimiser); any trainer
-    recipe name (``tiny``, ``demo`` …) is accepted too, for a GEM-sized student."""
-    from opengem.config import Config, DataConfig, OptimConfig, TrainConfig  # config imports parallel/
-
-    if name not in _DIAL:
-        from opengem.recipes import recipe, recipe_names
-
-        if name in recipe_names():
-            return recipe(name)
-        raise ValueError(f"unknown student recipe {name!r}; choose from {student_recipe_names() + recipe_names()}")
-    D, seq, cap, layers, n, k, fmb, K, M, H, C, trunk, bs, lr = _DIAL[name]
-    model = GEMConfig(
-        embedding_dim=D, max_seq_len=cap, use_sequences=seq,
-        wukong=WukongConfig(num_layers=layers, num_fm=n, num_lc=n, fm_rank=k, mlp_dims=fmb),
-        sequence=SequenceConfig(num_heads=H, recent_len=K, min_recent=min(4, K), num_pooled=M),
-        interformer=InterFormerConfig(num_sum=C, num_pma=1, num_recent=1),
-        heads=HeadsConfig(trunk_dims=trunk, task_dims=(max(16, trunk[-1] // 2),)),
-    )
-    return Config(recipe=name, model=model, data=DataConfig(batch_size=bs),
-                  optim=OptimConfig(lr=lr, sparse_lr=0.1, warmup_steps=20), train=TrainConfig()).validate()
 
 
 def student_schema(schema: FeatureSchema, rep_dim: int = 0) -> FeatureSchema:

@@ -208,7 +208,8 @@ def run_bench(cfg: Config, data: str | Path | None = None, levers: tuple[str, ..
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with contextlib.ExitStack() as stack:
         if data is None:
-            from opengem.data.synthetic import generate, world_config
+            from opengem.data.synthetic import generate
+            from opengem.recipes import world_config
 
             data = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "data"
             generate(world_config("tiny", seed=0), data, progress=False)
@@ -262,9 +263,9 @@ def quick_bench(cfg_name: str = "tiny", users: int | None = None, eval_every_kth
     evaluations scoring every ``eval_every_kth_file``-th file of ``valid``), FP8's NE cost on the budget
     that crossed, int8 tables' memory, examples/s at equal dense parameters."""
     from opengem.config import apply_overrides
-    from opengem.data.synthetic import generate, world_config
+    from opengem.data.synthetic import generate
     from opengem.ops.quantize import quantize_tables, table_bytes
-    from opengem.recipes import recipe
+    from opengem.recipes import recipe, world_config
     from opengem.train.bench_ops import attention_case
     from opengem.train.race import (
         BUDGET_GEM,
@@ -279,7 +280,7 @@ def quick_bench(cfg_name: str = "tiny", users: int | None = None, eval_every_kth
     att = attention_case(32, 70, 3000, 32, heads=2, reps=2)
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
-        generate(world_config("demo", seed=0, **({"num_users": users} if users else {})), data, progress=False)
+        generate(world_config("demo", seed=0, overrides=[f"sizes.num_users={users}"] if users else []), data, progress=False)
         schema = FeatureSchema.load(data)
         fp32 = materialize(build_gem(schema, recipe("demo").model))
         int8_saved = table_bytes(fp32) / table_bytes(quantize_tables(fp32, "int8"))

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from opengem.data.loader import ShardLoader
-from opengem.data.synthetic import generate, world_config
+from opengem.data.synthetic import generate
 from opengem.evaluation.metrics import ne
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, materialize
@@ -24,7 +24,7 @@ from opengem.ops.fp8 import fp8_saved_activations
 from opengem.ops.jagged import jagged_attention
 from opengem.ops.quantize import quantize_tables, table_bytes
 from opengem.parallel.train_step import clip_grad_norm_
-from opengem.recipes import recipe
+from opengem.recipes import recipe, world_config
 from opengem.train.losses import masked_bce
 from opengem.train.optim import build_optimizers
 

@@ -2,9 +2,9 @@
 
 Staleness is the data split: the teacher run was trained on the ``train`` days 1..T; the student
 trains on the ``valid`` days T+1..T+k (``transfer.train_split``) and is evaluated on the ``test``
-days after them, while the synthetic world drifts (``WorldConfig.interest_drift``, ``ad_drift``,
-``advertiser_drift``, ``new_ads_per_day``; k = ``valid_days``): ``opengem generate --preset demo
---out DIR valid_days=2 ad_drift=0.2`` makes the teacher staler.
+days after them, while the synthetic world drifts (``WorldConfig`` ``behaviour.interest_drift``,
+``click.ad_drift``, ``click.advertiser_drift``, ``sizes.new_ads_per_day``; k = ``sizes.valid_days``):
+``opengem generate --preset demo --out DIR sizes.valid_days=2 click.ad_drift=0.2`` makes the teacher staler.
 
 A student run directory is an ordinary run directory (the served backbone is a ``GEM``), plus::
 
@@ -28,12 +28,13 @@ from pathlib import Path
 
 import torch
 
-from opengem.config import Config, apply_overrides
+from opengem.config import Config, apply_prefixed_overrides
 from opengem.evaluation.evaluate import EVAL_BATCH
 from opengem.features.schema import FeatureSchema, SchemaError
 from opengem.model.build import count_parameters
 from opengem.model.heads import HeadsConfig
-from opengem.model.student import build_student, rep_dim_of, student_recipe, student_schema
+from opengem.model.student import build_student, rep_dim_of, student_schema
+from opengem.recipes import student_recipe
 from opengem.train.checkpoint import save_checkpoint
 from opengem.train.trainer import params_sha256
 from opengem.transfer.config import TransferConfig, techniques_config
@@ -43,21 +44,6 @@ from opengem.transfer.teacher import TeacherService
 from opengem.transfer.trainer import StudentTrainer, evaluate_students, train_students, transfer_ratio
 
 log = logging.getLogger(__name__)
-def parse_overrides(cfg: Config, tcfg: TransferConfig, overrides: list[str]) -> tuple[Config, TransferConfig]:
-    """``transfer.*`` keys go to the techniques, every other key to the student's recipe. A list
-    of names may be written bare: ``transfer.domains=feed,video``."""
-    tcfg = apply_overrides(tcfg, [_json_list(o[len("transfer."):]) for o in overrides if o.startswith("transfer.")])
-    return apply_overrides(cfg, [o for o in overrides if not o.startswith("transfer.")]), tcfg
-
-
-def _json_list(item: str) -> str:
-    key, _, value = item.partition("=")
-    if key.strip() in _NAME_LISTS and value and not value.lstrip().startswith("["):
-        value = json.dumps([v.strip() for v in value.split(",") if v.strip()])
-    return f"{key}={value}"
-
-
-_NAME_LISTS = {"domains", "share.tables", "adapter.ids"}
 
 
 def make_trainer(name: str, cfg: Config, tcfg: TransferConfig, data_schema: FeatureSchema, teacher: TeacherService,
@@ -98,7 +84,8 @@ def distill(teacher_run: str | Path, recipe_name: str, data_dir: str | Path, out
     """Distil a student from ``teacher_run`` (through ``via``, a distilled domain FM, if given) on
     ``data_dir``; write the student run into ``out_dir``; return its evaluation."""
     t0 = time.perf_counter()
-    cfg, tcfg = parse_overrides(student_recipe(recipe_name), tcfg or TransferConfig(), list(overrides))
+    trees = apply_prefixed_overrides({"": student_recipe(recipe_name), "transfer": tcfg or TransferConfig()}, overrides)
+    cfg, tcfg = trees[""], trees["transfer"]
     tcfg.validate()
     torch.manual_seed(cfg.train.seed)
     data_schema = FeatureSchema.load(data_dir)

@@ -3,6 +3,7 @@ histories are well formed, and the true model reads only what a row stores."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -13,17 +14,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from opengem.data.parquet import DatasetManifest
-from opengem.data.synthetic import (
-    PRESETS, WorldConfig, build_schema, columns_from_table, generate, world_config, world_from_manifest,
-)
+from opengem.data.synthetic import WorldConfig, build_schema, columns_from_table, generate, world_from_manifest
 from opengem.data.synthetic_world import (
     ORGANIC_EVENT_WEIGHTS, World, history_signals, probabilities, sequence_match,
 )
 from opengem.features.schema import FeatureSchema
+from opengem.recipes import world_config
 
 
-def _gen(path, preset="tiny", **kw):
-    cfg = world_config(preset, **kw)
+def _gen(path, *overrides, preset="tiny", seed=None):
+    cfg = world_config(preset, seed, overrides)
     return cfg, generate(cfg, path, progress=False)
 
 
@@ -44,9 +44,9 @@ def _digest(path, manifest):
 
 
 def test_same_seed_same_bytes_other_seed_differs(tmp_path):
-    _, a = _gen(tmp_path / "a", seed=3, num_users=200)
-    _, b = _gen(tmp_path / "b", seed=3, num_users=200)
-    _, c = _gen(tmp_path / "c", seed=4, num_users=200)
+    _, a = _gen(tmp_path / "a", "sizes.num_users=200", seed=3)
+    _, b = _gen(tmp_path / "b", "sizes.num_users=200", seed=3)
+    _, c = _gen(tmp_path / "c", "sizes.num_users=200", seed=4)
     assert _digest(tmp_path / "a", a) == _digest(tmp_path / "b", b)
     assert (tmp_path / "a" / "dataset.json").read_text() == (tmp_path / "b" / "dataset.json").read_text()
     assert _read(tmp_path / "a", a).equals(_read(tmp_path / "b", b))
@@ -66,7 +66,7 @@ def _check_calibrated(p, y, bins):
 
 
 def test_prob_columns_are_the_label_probabilities(tmp_path):
-    cfg, m = _gen(tmp_path, num_users=3000, users_per_block=1000)
+    cfg, m = _gen(tmp_path, "sizes.num_users=3000", "sizes.users_per_block=1000")
     t = _read(tmp_path, m)
     assert t.num_rows > 20000
     pc, pv = t["p_click"].to_numpy(), t["p_conversion"].to_numpy()
@@ -78,8 +78,8 @@ def test_prob_columns_are_the_label_probabilities(tmp_path):
     # p(conversion | click) among clicked rows is p_conversion / p_click
     clicked = yc == 1
     _check_calibrated((pv / pc)[clicked], yv[clicked], bins=3)
-    assert abs(pc.mean() - cfg.target_ctr) < 0.25 * cfg.target_ctr
-    assert abs(pv.sum() / pc.sum() - cfg.target_cvr) < 0.25 * cfg.target_cvr
+    assert abs(pc.mean() - cfg.click.target_ctr) < 0.25 * cfg.click.target_ctr
+    assert abs(pv.sum() / pc.sum() - cfg.conversion.target_cvr) < 0.25 * cfg.conversion.target_cvr
     assert pc.std() > 0.03  # the world is not flat
 
 
@@ -90,7 +90,7 @@ def _lists(t, name):
 
 
 def test_histories_well_formed_and_truncated_to_most_recent(tmp_path):
-    cfg, m = _gen(tmp_path / "short", organic_max_len=64, ads_max_len=8, seed=1)
+    cfg, m = _gen(tmp_path / "short", "behaviour.organic_max_len=64", "behaviour.ads_max_len=8", seed=1)
     _, m_full = _gen(tmp_path / "full", seed=1)
     world = World(cfg)
     t, t_full = _read(tmp_path / "short", m), _read(tmp_path / "full", m_full)
@@ -122,11 +122,11 @@ def test_histories_well_formed_and_truncated_to_most_recent(tmp_path):
 
     # ads are live when shown / engaged with; ads launched later appear on later days only
     ad, day = t["ad_id"].to_numpy(), t["day"].to_numpy()
-    assert (world.ad_launch[ad] <= req - cfg.start_ts).all()
+    assert (world.ad_launch[ad] <= req - cfg.sizes.start_ts).all()
     assert (world.ad_launch_day[ad] <= day).all()
     ads_items, ads_lens = _lists(t, "ads.item")
     ads_ts, _ = _lists(t, "ads.ts")
-    assert (world.ad_launch[ads_items] <= ads_ts - cfg.start_ts).all()
+    assert (world.ad_launch[ads_items] <= ads_ts - cfg.sizes.start_ts).all()
     train = set(_read(tmp_path / "short", m, "train")["ad_id"].to_numpy().tolist())
     test = set(_read(tmp_path / "short", m, "test")["ad_id"].to_numpy().tolist())
     assert test - train, "the test days should show ads never seen in training"
@@ -157,7 +157,7 @@ def test_true_model_reads_only_the_stored_row(tiny):
 
     c = columns_from_table(pq.read_table(path / m.files[-1].path))
     mvals, _ = history_signals(world, c)
-    tau = cfg.seq_tau_hours * 3600
+    tau = cfg.click.seq_tau_hours * 3600
     rows = np.flatnonzero(c["organic.item"][1] > 0)[:25]
     for i in rows:  # m by a plain loop over the stored events
         r = _row(c, i)
@@ -183,14 +183,14 @@ def test_true_model_reads_only_the_stored_row(tiny):
         m2 = (num + w) / (den + w)
         p1, p2 = probabilities(world, r)[0][0], probabilities(world, r2)[0][0]
         dz = np.log(p2 / (1 - p2)) - np.log(p1 / (1 - p1))
-        assert dz == pytest.approx(cfg.beta_seq * (m2 - m1), rel=1e-6, abs=1e-9)
+        assert dz == pytest.approx(cfg.click.beta_seq * (m2 - m1), rel=1e-6, abs=1e-9)
         assert dz > 0
     shares = m.source["stats"]["click_logit_var_share"]
     assert shares["sequence"] > 0.1 and shares["ad_quality"] > 0.03 and shares["surface_format"] > 0.03
 
 
 def _den(world, r):
-    tau = world.cfg.seq_tau_hours * 3600
+    tau = world.cfg.click.seq_tau_hours * 3600
     age = r["request_ts"][0] - r["organic.ts"][0]
     return (ORGANIC_EVENT_WEIGHTS[r["organic.event"][0]] * np.exp(-age / tau)).sum()
 
@@ -222,7 +222,7 @@ def test_schema_round_trip_and_column_types(tiny):
     assert (_lists(t, "organic.category")[0] == world.item_category[_lists(t, "organic.item")[0]]).all()
     assert (_lists(t, "ads.advertiser_id")[0] == world.ad_advertiser[_lists(t, "ads.item")[0]]).all()
     assert (_lists(t, "organic.category")[1] == _lists(t, "organic.item")[1]).all()
-    plain = build_schema(world_config("tiny", event_attributes=False))
+    plain = build_schema(world_config("tiny", overrides=["behaviour.event_attributes=false"]))
     assert all(not s.attributes for s in plain.sequences)
     assert not {"organic.category", "ads.advertiser_id"} & set(plain.columns())
     for f in schema.sparse:
@@ -233,65 +233,49 @@ def test_schema_round_trip_and_column_types(tiny):
 
 def test_manifest_layout_and_stats(tiny):
     cfg, path, m = tiny
-    n_blocks = -(-cfg.num_users // cfg.users_per_block)
+    n_blocks = -(-cfg.sizes.num_users // cfg.sizes.users_per_block)
     assert sorted(f.path for f in m.files) == sorted(
-        f"shards/d{d:03d}-b{b:05d}.parquet" for d in range(cfg.num_days) for b in range(n_blocks))
+        f"shards/d{d:03d}-b{b:05d}.parquet" for d in range(cfg.sizes.num_days) for b in range(n_blocks))
     assert m.splits == {"train": [0, 1], "valid": [2], "test": [3]}
     loaded = DatasetManifest.load(path)
     assert loaded.source["config"] == json.loads(json.dumps(loaded.source["config"]))
     st = loaded.source["stats"]
     assert sum(st["rows"][s] for s in ("train", "valid", "test")) == st["rows"]["all"] == sum(f.rows for f in m.files)
-    assert 0.5 * cfg.target_ctr < st["ctr"]["all"] < 1.5 * cfg.target_ctr
+    assert 0.5 * cfg.click.target_ctr < st["ctr"]["all"] < 1.5 * cfg.click.target_ctr
     assert st["new_ad_row_share"]["train"] == 0 and st["new_ad_row_share"]["test"] > 0
     o = st["seq_len"]["organic"]
-    assert o["median"] < o["p99"] <= o["max"] <= cfg.max_events
+    assert o["median"] < o["p99"] <= o["max"] <= cfg.behaviour.max_events
     assert 0 < st["bayes_ne"]["test"]["click"] < 1
     assert abs(sum(st["click_logit_var_share"].values()) - 1) < 0.5
 
 
-def test_preset_sizes():
-    rows = {}
-    for name in PRESETS:
-        cfg = world_config(name)
-        rows[name] = cfg.num_users * cfg.num_days * cfg.impressions_per_day
-    assert 1000 < rows["tiny"] < 10000
-    assert 500_000 < rows["demo"] < 700_000
-    assert 2_000_000 < rows["small"] < 3_000_000
-    assert rows["large"] >= 20_000_000
-    assert world_config("tiny", seed=5).seed == 5
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    ({"num_users": 0}, "num_users"),
-    ({"users_per_block": -3}, "users_per_block"),
-    ({"num_days": 2}, "num_days"),
-    ({"organic_max_len": 0}, "organic_max_len"),
-    ({"target_ctr": 1.5}, "target_ctr"),
-    ({"num_campaigns": 3}, "num_campaigns"),
-    ({"num_users": 2.5}, "num_users"),
-    ({"interest_drift": float("nan")}, "interest_drift"),
-    ({"event_attributes": 1}, "event_attributes"),
-    ({"start_ts": 5}, "start_ts"),
-    ({"target_frac": 0.9, "retarget_frac": 0.3}, "retarget_frac"),
+@pytest.mark.parametrize("changes, match", [
+    ({"sizes.num_users": 0}, "sizes.num_users"),
+    ({"sizes.users_per_block": -3}, "sizes.users_per_block"),
+    ({"sizes.num_days": 2}, "sizes.num_days"),
+    ({"behaviour.organic_max_len": 0}, "behaviour.organic_max_len"),
+    ({"click.target_ctr": 1.5}, "click.target_ctr"),
+    ({"sizes.num_campaigns": 3}, "sizes.num_campaigns"),
+    ({"sizes.num_users": 2.5}, "sizes.num_users"),
+    ({"behaviour.interest_drift": float("nan")}, "behaviour.interest_drift"),
+    ({"behaviour.event_attributes": 1}, "behaviour.event_attributes"),
+    ({"sizes.start_ts": 5}, "sizes.start_ts"),
+    ({"impressions.target_frac": 0.9, "impressions.retarget_frac": 0.3}, "impressions.retarget_frac"),
 ])
-def test_bad_config(kwargs, match, tmp_path):
-    with pytest.raises(ValueError, match=match):
-        world_config("tiny", **kwargs)
-    with pytest.raises(ValueError, match=match):
-        generate(WorldConfig(**{**vars(PRESETS["tiny"]()), **kwargs}), tmp_path, progress=False)
+def test_bad_config_names_the_dotted_field(changes, match, tmp_path):
+    cfg = world_config("tiny")
+    for key, value in changes.items():
+        part, name = key.split(".")
+        setattr(getattr(cfg, part), name, value)
+    with pytest.raises(ValueError, match=re.escape(f"WorldConfig.{match} ")):
+        cfg.validate()
+    with pytest.raises(ValueError, match=re.escape(match)):
+        generate(cfg, tmp_path, progress=False)
 
 
-def test_string_overrides_are_parsed():
-    cfg = world_config("tiny", num_users="250", target_ctr="0.05", event_attributes="false", max_events="1e3")
-    assert (cfg.num_users, cfg.target_ctr, cfg.event_attributes, cfg.max_events) == (250, 0.05, False, 1000)
-    with pytest.raises(ValueError, match="num_users"):
-        world_config("tiny", num_users="2.5")
-    with pytest.raises(ValueError, match="event_attributes"):
-        world_config("tiny", event_attributes="maybe")
-
-
-def test_unknown_preset_and_key():
-    with pytest.raises(ValueError, match=re.escape("'huge'")):
-        world_config("huge")
-    with pytest.raises(ValueError, match="bogus"):
-        world_config("tiny", bogus=1)
+def test_config_from_manifest_dict_nested_and_flat():
+    cfg = world_config("tiny", seed=4, overrides=["click.target_ctr=0.05"])
+    nested = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    assert WorldConfig.from_dict(nested) == cfg
+    flat = {"seed": 4, **{k: v for part in nested.values() if isinstance(part, dict) for k, v in part.items()}}
+    assert WorldConfig.from_dict({**flat, "retired_knob": 1}) == cfg  # a dataset written before the nesting

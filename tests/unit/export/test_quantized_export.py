@@ -13,13 +13,13 @@ import pytest
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
-from opengem.data.synthetic import generate, world_config
+from opengem.data.synthetic import generate
 from opengem.export import Predictor
 from opengem.export.artifact import export_run
 from opengem.export.request import synthetic_request
 from opengem.export.tables import packed_tables
 from opengem.ops.quantize import quantize_tables
-from opengem.recipes import recipe
+from opengem.recipes import recipe, world_config
 from opengem.train.trainer import train
 
 # max |Δp| vs the fp32 artifact on the same request. Measured on this 4-step tiny run (tables still

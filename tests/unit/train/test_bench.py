@@ -68,7 +68,8 @@ def test_trainer_fp8_activations_stay_near_fp32(tmp_path):
     import json
 
     from opengem.config import apply_overrides
-    from opengem.data.synthetic import generate, world_config
+    from opengem.data.synthetic import generate
+    from opengem.recipes import world_config
     from opengem.train.trainer import train
 
     generate(world_config("tiny", seed=0), tmp_path / "data", progress=False)

@@ -29,10 +29,10 @@ def test_trained_tiny_fp8_and_table_compression(tmp_path):
 
 def test_plain_step_updates_parameters_and_returns_the_loss(tmp_path):
     from opengem.data.loader import ShardLoader
-    from opengem.data.synthetic import generate, world_config
+    from opengem.data.synthetic import generate
     from opengem.features.schema import FeatureSchema
     from opengem.model.build import build_gem, materialize
-    from opengem.recipes import recipe
+    from opengem.recipes import recipe, world_config
     from opengem.train.optim import build_optimizers
 
     generate(world_config("tiny", seed=0), tmp_path, progress=False)

@@ -38,7 +38,8 @@ def test_time_to_quality_sustained_crossing_ignores_a_dip():
 
 
 def test_train_with_evals_records_a_learning_curve(tmp_path):
-    from opengem.data.synthetic import generate, world_config
+    from opengem.data.synthetic import generate
+    from opengem.recipes import world_config
     from opengem.train.race import train_with_evals
 
     generate(world_config("tiny", seed=0), tmp_path, progress=False)
@@ -55,9 +56,10 @@ def test_train_with_evals_records_a_learning_curve(tmp_path):
 
 def test_widen_to_params_matches_gems_dense_size(tmp_path):
     from opengem.config import apply_overrides
-    from opengem.data.synthetic import generate, world_config
+    from opengem.data.synthetic import generate
     from opengem.features.schema import FeatureSchema
     from opengem.model.build import build_gem, count_parameters
+    from opengem.recipes import world_config
     from opengem.train.race import training_examples_per_s, widen_to_params
 
     generate(world_config("tiny", seed=0), tmp_path, progress=False)
@@ -93,7 +95,8 @@ def test_budget_crossing_interpolates_in_log_seconds():
 
 
 def test_a_budget_run_stops_and_decays_at_its_budget(tmp_path):
-    from opengem.data.synthetic import generate, world_config
+    from opengem.data.synthetic import generate
+    from opengem.recipes import world_config
     from opengem.train.optim import lr_factor
     from opengem.train.race import race_steps, train_with_evals
 
@@ -111,7 +114,8 @@ def test_a_budget_run_stops_and_decays_at_its_budget(tmp_path):
 def test_budget_race_doubles_gems_budget_until_it_reaches_dcns_ne(tmp_path):
     import itertools
 
-    from opengem.data.synthetic import generate, world_config
+    from opengem.data.synthetic import generate
+    from opengem.recipes import world_config
     from opengem.train.race import budget_race
 
     generate(world_config("tiny", seed=0), tmp_path, progress=False)

@@ -3,7 +3,8 @@
 import torch
 from _transfer import make_batch
 
-from opengem.model.student import build_student, student_recipe
+from opengem.model.student import build_student
+from opengem.recipes import student_recipe
 from opengem.transfer import trainer as trainer_mod
 from opengem.transfer.adapter import StudentAdapter
 from opengem.transfer.config import AdapterConfig, techniques_config

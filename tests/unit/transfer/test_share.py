@@ -3,7 +3,8 @@
 import torch
 from _transfer import make_gem
 
-from opengem.model.student import build_student, student_recipe
+from opengem.model.student import build_student
+from opengem.recipes import student_recipe
 from opengem.transfer.config import ShareConfig, techniques_config
 from opengem.transfer.share import project_table, share_parameters
 from opengem.transfer.trainer import StudentTrainer

@@ -11,11 +11,10 @@ from opengem.model.student import (
     forward_with_features,
     grad_scale,
     rep_dim_of,
-    student_recipe,
-    student_recipe_names,
     student_schema,
     with_rep,
 )
+from opengem.recipes import student_recipe, student_recipe_names
 
 
 def test_presets_grow_along_one_dial(schema):

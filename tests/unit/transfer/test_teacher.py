@@ -4,7 +4,7 @@ import pytest
 import torch
 from _transfer import make_batch, make_gem, write_dataset
 
-from opengem.model.student import student_recipe
+from opengem.recipes import student_recipe
 from opengem.train.trainer import params_sha256
 from opengem.transfer.config import techniques_config
 from opengem.transfer.distill import make_trainer
