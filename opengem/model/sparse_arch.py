@@ -87,10 +87,6 @@ class SparseArch(nn.Module):
         cap = self.cfg.max_rows_per_table
         return vocab + 1 if not cap or vocab + 1 <= cap else cap
 
-    @property
-    def num_sparse(self) -> int:
-        return len(self.schema.sparse)
-
     def tables(self) -> dict[str, torch.Tensor]:
         """table name → weight [rows, D] (unsharded modules only)."""
         out = {}
