@@ -25,6 +25,7 @@ from pathlib import Path
 from opengem.data.sources import cli as import_cli
 from opengem.report import cli as report_cli
 from opengem.report.logs import FORMATS, configure_logging
+from opengem.report.text import distill_line, format_table, recalibration_line, signal_lines
 
 log = logging.getLogger("opengem")
 
@@ -160,9 +161,8 @@ def cmd_evaluate(args) -> dict:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=_json_default))
     print(format_table(out["metrics"]))
-    for part, d in out.get("signal", {}).items():
-        print(f"\n{part}: slope of the model's logit on each true term (1 = fully learned), corr {d['corr']:.3f}")
-        print("  " + ", ".join(f"{k} {v:+.2f}" for k, v in d["slopes"].items()))
+    if out.get("signal"):
+        print(signal_lines(out["signal"]))
     return out
 
 
@@ -170,23 +170,16 @@ def cmd_recalibrate(args) -> dict:
     from opengem.evaluation.recalibrate import recalibrate_run
 
     rec = recalibrate_run(args.run, args.data, args.split, args.prior_std, progress=not args.quiet)
-    print(_recalibration_line(rec))
+    print(recalibration_line(rec))
     return rec
 
 
-def _recalibration_line(rec: dict) -> str:
-    before, after = rec["calibration_before"], rec["calibration_after"]
-    return (f"recalibrated on {rec['split']} ({rec['rows']:,} rows): "
-            + ", ".join(f"{k} {rec['offsets'][k]:+.3f} (calibration {before[k]:.3f} → {after[k]:.3f})"
-                        for k in before))
-
-
 def cmd_distill(args) -> dict:
-    from opengem.transfer.distill import distill, summary_line
+    from opengem.transfer.distill import distill
 
     out = distill(args.teacher, args.student_recipe, args.data, args.out, list(args.overrides), via=args.via)
     print(format_table(out["metrics"]))
-    print("\n" + summary_line(out))
+    print("\n" + distill_line(out))
     return out
 
 
@@ -273,7 +266,7 @@ def cmd_demo(args) -> dict:
     times["evaluate_s"] = time.perf_counter() - t2
     served, vm = None, None
     if not args.no_distill:
-        from opengem.transfer.distill import distill_demo, summary_line
+        from opengem.transfer.distill import distill_demo
 
         t3 = time.perf_counter()
         vm = distill_demo(run, data, out / "vm")
@@ -292,12 +285,12 @@ def cmd_demo(args) -> dict:
     (out / "evaluation.json").write_text(json.dumps(ev, indent=2, default=_json_default))
     print(format_table(ev["metrics"]))
     if recal is not None:
-        print("\n" + _recalibration_line(recal))
+        print("\n" + recalibration_line(recal))
     print(f"\nparameters {final['parameters']['total']:,} (dense {final['parameters']['dense']:,}); "
           f"{final['examples']:,} examples at {final['examples_per_s']:,.0f}/s; "
           + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))
     if vm is not None:
-        print("vertical model " + summary_line(vm))
+        print("vertical model " + distill_line(vm))
     if served is not None:
         preds = served["response"]["predictions"]
         first = ", ".join(f"p({t}) {v[0]:.4f}" for t, v in preds.items())
@@ -311,19 +304,6 @@ def _json_default(o):
     if isinstance(o, float) and math.isnan(o):
         return None
     return str(o)
-
-
-def format_table(metrics: dict) -> str:
-    cols = ["ne", "auc", "gauc", "calibration", "logloss", "ne_bayes", "captured", "n"]
-    lines = [f"{'slice':<22}" + "".join(f"{c:>12}" for c in cols)]
-    for key in sorted(metrics):
-        m = metrics[key]
-        cells = []
-        for c in cols:
-            v = m.get(c)
-            cells.append(f"{'-':>12}" if v is None else (f"{v:>12,d}" if isinstance(v, int) else f"{v:>12.4f}"))
-        lines.append(f"{key:<22}" + "".join(cells))
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
