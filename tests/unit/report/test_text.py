@@ -28,10 +28,11 @@ def test_undefined_metrics_print_a_dash_and_the_footnote_names_only_their_column
 
 
 def test_summary_lines():
-    rec = {"split": "valid", "rows": 969, "offsets": {"feed/click": 0.059}, "calibration_before": {"feed/click": 0.733},
-           "calibration_after": {"feed/click": 0.775}}
+    rec = {"split": "valid", "rows": 969, "offsets": {"feed/click": 0.059},
+           "calibration_before": {"feed/click": 0.733}, "calibration_after": {"feed/click": 0.775}}
     assert recalibration_line(rec) == "recalibrated on valid (969 rows): feed/click +0.059 (calibration 0.733 → 0.775)"
     m = {"all/click": {"ne": 0.9, "auc": 0.6}}
-    vm = {"domains": ["video"], "split": "test", "rows": 314, "metrics": m, "teacher": m, "transfer_ratio": {"click": 0.5}}
+    vm = {"domains": ["video"], "split": "test", "rows": 314, "metrics": m, "teacher": m,
+          "transfer_ratio": {"click": 0.5}}
     assert distill_line(vm) == ("click on video, test (314 rows): student NE 0.9000 AUC 0.6000; teacher NE 0.9000 "
                                 "AUC 0.6000; transfer ratio R 0.500")
