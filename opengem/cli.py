@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -159,7 +158,7 @@ def cmd_evaluate(args) -> dict:
     out = evaluate_run(args.run, args.data, args.split, args.batch_size or EVAL_BATCH, progress=not args.quiet,
                        signal=args.signal)
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2, default=_json_default))
+        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
     print(format_table(out["metrics"]))
     if out.get("signal"):
         print(signal_lines(out["signal"]))
@@ -234,76 +233,12 @@ def cmd_bench(args) -> dict:
 
 
 def cmd_demo(args) -> dict:
-    from opengem.config import apply_overrides
-    from opengem.data.parquet import DatasetManifest
-    from opengem.data.synthetic import generate, world_config
-    from opengem.evaluation.evaluate import evaluate_run
-    from opengem.recipes import recipe
-    from opengem.train.trainer import train
+    from opengem.pipeline import demo, format_demo
 
-    out = Path(args.out)
-    data, run = out / "data", out / "run"
-    times = {}
-    t0 = time.perf_counter()
-    generate(world_config(args.preset, seed=args.seed), data, progress=not args.quiet)
-    times["generate_s"] = time.perf_counter() - t0
-    cfg = apply_overrides(recipe(args.preset), list(args.overrides))
-    cfg.train.progress = not args.quiet
-    t1 = time.perf_counter()
-    final = train(cfg, data, run)
-    times["train_s"] = time.perf_counter() - t1
-    recal = None
-    manifest = DatasetManifest.load(data)
-    if not args.no_recalibrate and cfg.data.eval_split != "valid" and "valid" in manifest.splits \
-            and manifest.split_files("valid"):
-        from opengem.evaluation.recalibrate import recalibrate_run
-
-        t = time.perf_counter()
-        recal = recalibrate_run(run, data, "valid", progress=not args.quiet)
-        times["recalibrate_s"] = time.perf_counter() - t
-    t2 = time.perf_counter()
-    ev = evaluate_run(run, data, cfg.data.eval_split, progress=not args.quiet)
-    times["evaluate_s"] = time.perf_counter() - t2
-    served, vm = None, None
-    if not args.no_distill:
-        from opengem.transfer.distill import distill_demo
-
-        t3 = time.perf_counter()
-        vm = distill_demo(run, data, out / "vm")
-        times["distill_s"] = time.perf_counter() - t3
-        ev["distill"] = vm
-    if not args.no_serve:
-        from opengem.export.smoke import serve_smoke
-
-        t4 = time.perf_counter()  # the portable torch.export program: AOTInductor would add ~1 min here
-        served = serve_smoke(out / "vm" if vm is not None else run, out / "artifact", compile=False)
-        times["serve_s"] = time.perf_counter() - t4
-        ev["serving"] = {k: served[k] for k in ("artifact", "model_version", "runtime", "times")}
-    times["total_s"] = time.perf_counter() - t0
-    ev["train"] = {k: final[k] for k in ("steps", "examples", "examples_per_s", "parameters", "params_sha256")}
-    ev["times"] = times
-    (out / "evaluation.json").write_text(json.dumps(ev, indent=2, default=_json_default))
-    print(format_table(ev["metrics"]))
-    if recal is not None:
-        print("\n" + recalibration_line(recal))
-    print(f"\nparameters {final['parameters']['total']:,} (dense {final['parameters']['dense']:,}); "
-          f"{final['examples']:,} examples at {final['examples_per_s']:,.0f}/s; "
-          + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))
-    if vm is not None:
-        print("vertical model " + distill_line(vm))
-    if served is not None:
-        preds = served["response"]["predictions"]
-        first = ", ".join(f"p({t}) {v[0]:.4f}" for t, v in preds.items())
-        print(f"served {out / 'artifact'} ({'the vertical model' if vm is not None else 'GEM'}, {served['runtime']}): one request of {len(next(iter(preds.values())))} "
-              f"candidates in {served['times']['request_ms']:.1f} ms; first candidate {first}")
-    print(f"wrote {out / 'evaluation.json'}")
-    return ev
-
-
-def _json_default(o):
-    if isinstance(o, float) and math.isnan(o):
-        return None
-    return str(o)
+    result = demo(args.out, args.preset, args.seed, args.overrides, recalibrate=not args.no_recalibrate,
+                  distil=not args.no_distill, serve=not args.no_serve, progress=not args.quiet)
+    print(format_demo(result))
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

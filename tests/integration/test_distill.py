@@ -96,7 +96,7 @@ def test_student_exports_for_serving(gem_run, tmp_path):
 
 
 def test_distill_demo_returns_the_student_and_its_teacher_on_one_slice(gem_run, tmp_path):
-    from opengem.transfer import distill_demo
+    from opengem.pipeline import distill_demo
     from opengem.report.text import distill_line
 
     data, gem = gem_run
