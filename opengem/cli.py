@@ -1,5 +1,6 @@
 """``opengem`` command line: one sub-command per stage, no logic of its own.
 
+    opengem [--log-level debug|info|warning] [--quiet] [--log-format text|json] COMMAND …
     opengem generate --preset P --out DIR [--seed N] [key=value …]
     opengem train    --recipe R --data DIR --out RUN [--resume] [key=value …]
     opengem evaluate --run RUN --data DIR [--split test] [--json FILE] [--signal]
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from opengem.data.sources import cli as import_cli
 from opengem.report import cli as report_cli
-from opengem.report.logs import FORMATS, configure_logging
+from opengem.report.logs import FORMATS, LEVELS, configure_logging
 from opengem.report.text import distill_line, format_table, recalibration_line, signal_lines
 
 log = logging.getLogger("opengem")
@@ -31,7 +32,10 @@ log = logging.getLogger("opengem")
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="opengem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quiet", action="store_true", help="no progress bars, warnings only")
+    p.add_argument("--log-level", choices=LEVELS, default=None,
+                   help="info (default); warning: no progress bars either; debug: also the INFO lines fbgemm_gpu and "
+                        "torchrec log at import and the warnings torch raises in a single process")
+    p.add_argument("--quiet", action="store_true", help="no progress bars, warnings only (--log-level warning)")
     p.add_argument("--log-format", choices=FORMATS, default="text",
                    help="json: one JSON object per log line on stderr, for scripts (no progress bars)")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -202,7 +206,7 @@ def cmd_serve(args) -> dict:
         torch.set_num_threads(args.threads)
     serve(args.artifact, args.host, args.port, args.runtime, args.batch_window_ms,
           Limits(max_candidates=args.max_candidates), admin=not args.no_admin,
-          log_level="warning" if args.quiet else "info")
+          log_level="warning" if args.quiet else args.log_level)
     return {}
 
 
@@ -243,9 +247,10 @@ def cmd_demo(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    configure_logging(logging.WARNING if args.quiet else logging.INFO, args.log_format)
-    if args.log_format == "json":
-        args.quiet = True  # progress bars would interleave with the JSON lines; the level set above stays
+    args.log_level = args.log_level or ("warning" if args.quiet else "info")
+    configure_logging(LEVELS[args.log_level], args.log_format)
+    # progress bars would interleave with JSON lines; the level set above stays
+    args.quiet = args.quiet or args.log_level == "warning" or args.log_format == "json"
     from opengem.config import ConfigError
     from opengem.data.parquet import DataError
     from opengem.export.artifact import ArtifactError
