@@ -156,6 +156,27 @@ class TableModel(nn.Module):
 
 
 class GEM(TableModel):
+    """The foundation model: schema-built tables, the X_0 tokens, InterFormer, the heads (module docstring).
+
+    Args:
+        schema: the features, streams, tasks and domains; every table and head is sized from it.
+        cfg: ``GEMConfig`` (``model.*``); validated here.
+        device: where to build the parameters; ``"meta"`` to parallelise first, then ``to_empty``
+            and ``init_weights()``.
+
+    Legend: B rows, n_x = n sparse + k dense + 1 domain (+ 1 history-counts) tokens, D dim,
+    N events of one stream in the batch, F = ``feature_dim``, T tasks.
+
+    ``forward(batch)`` → logits [B, T] in schema task order; ``features(batch)`` → [B, F], what the
+    heads read. A stream's events are jagged, never padded: values [N, D] with lengths [B], e.g. a
+    batch of 3 rows with 2, 0 and 3 ads events::
+
+        lengths  [2, 0, 3]
+        values   [e00, e01 | (none) | e20, e21, e22]     N = 5 rows of D, row b's events in order
+
+    so the towers' cost grows with N, not with B × max length.
+    """
+
     def __init__(self, schema: FeatureSchema, cfg: GEMConfig, device: torch.device | str | None = None):
         super().__init__()
         cfg.validate()

@@ -69,6 +69,20 @@ def chained_logit(parent_logit: torch.Tensor, cond_logit: torch.Tensor) -> torch
 
 
 class Heads(nn.Module):
+    """Shared trunk → one tower per task → one output per (domain, task) (module docstring).
+
+    Args:
+        in_dim: F, the width of the features the heads read (``GEM.feature_dim``).
+        schema: tasks (in order; ``requires`` chains a task to the one it needs) and domains.
+        cfg: ``HeadsConfig`` (``model.heads.*``): trunk and tower widths, ``domain_mode``,
+            ``chain_required``, dropout.
+
+    Shapes: ``forward(feats [B, F], domain [B] long, shortcut [B, T] or None)`` → logits [B, T]
+    in schema task order; parameters ``out_w`` [G, T, H], ``out_b`` [G, T] with G = domains
+    (``output``) or 1 (``shared``). Row b uses output group ``domain[b]``: with domains
+    (feed, video) and ``domain = [1, 0]``, row 0 is scored by video's outputs, row 1 by feed's.
+    """
+
     def __init__(self, in_dim: int, schema: FeatureSchema, cfg: HeadsConfig):
         super().__init__()
         self.cfg = cfg
