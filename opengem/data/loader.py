@@ -39,7 +39,7 @@ class ShardLoader:
     """Batches of one split for one rank, in the order the module docstring gives; resumable.
 
     Args:
-        data_dir: a dataset directory (``manifest.json``, ``schema.json``, the shards).
+        data_dir: a dataset directory (``dataset.json``, ``schema.json``, the shards).
         split: ``train`` | ``valid`` | ``test`` (days listed in the manifest).
         batch_size: rows per ``Batch``; a batch may span shards, and the last one is short unless
             ``drop_last``.
