@@ -107,7 +107,8 @@ def _prepare(a, work: Path) -> tuple[Path, Path, dict]:
          "data.batch_size=128")
     built["trained"] = f"{recipe}, {a.steps} steps" + (" (the VM's teacher)" if a.model == "vm" else "")
     if a.model == "vm":
-        from opengem.transfer.distill import DEMO_OVERRIDES, DEMO_RECIPE, distill, distill_demo
+        from opengem.pipeline import DEMO_OVERRIDES, DEMO_RECIPE, distill_demo
+        from opengem.transfer.distill import distill
 
         student = work / "vm"
         if a.student_recipe:
@@ -143,8 +144,8 @@ def _requests(schema, data: Path, candidates: int, domains: list[int] | None, n:
 
 
 def _vm_domains(schema) -> list[int]:
-    """The default VM's surfaces (``distill.DEMO_OVERRIDES``' transfer.domains) as domain ids."""
-    from opengem.transfer.distill import DEMO_OVERRIDES
+    """The default VM's surfaces (``pipeline.DEMO_OVERRIDES``' transfer.domains) as domain ids."""
+    from opengem.pipeline import DEMO_OVERRIDES
 
     names = [v for o in DEMO_OVERRIDES if o.startswith("transfer.domains=") for v in o.split("=", 1)[1].split(",")]
     return [list(schema.domains.names).index(n) for n in names]
@@ -271,7 +272,7 @@ def main() -> None:
 
     from opengem.export.artifact import load_manifest
     from opengem.export.predictor import Predictor
-    from opengem.export.smoke import free_port, wait_ready
+    from opengem.export.client import free_port, wait_ready
     from opengem.features.schema import FeatureSchema
 
     schema = FeatureSchema.load(artifact / "schema.json")

@@ -1,5 +1,6 @@
 """``opengem`` command line: one sub-command per stage, no logic of its own.
 
+    opengem [--log-level debug|info|warning] [--quiet] [--log-format text|json] COMMAND …
     opengem generate --preset P --out DIR [--seed N] [key=value …]
     opengem train    --recipe R --data DIR --out RUN [--resume] [key=value …]
     opengem evaluate --run RUN --data DIR [--split test] [--json FILE] [--signal]
@@ -17,21 +18,24 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
 import time
 from pathlib import Path
 
 from opengem.data.sources import cli as import_cli
 from opengem.report import cli as report_cli
-from opengem.report.logs import FORMATS, configure_logging
+from opengem.report.logs import FORMATS, LEVELS, configure_logging
+from opengem.report.text import distill_line, format_table, recalibration_line, signal_lines
 
 log = logging.getLogger("opengem")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="opengem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quiet", action="store_true", help="no progress bars, warnings only")
+    p.add_argument("--log-level", choices=LEVELS, default=None,
+                   help="info (default); warning: no progress bars either; debug: also the INFO lines fbgemm_gpu and "
+                        "torchrec log at import and the warnings torch raises in a single process")
+    p.add_argument("--quiet", action="store_true", help="no progress bars, warnings only (--log-level warning)")
     p.add_argument("--log-format", choices=FORMATS, default="text",
                    help="json: one JSON object per log line on stderr, for scripts (no progress bars)")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -149,11 +153,10 @@ def cmd_evaluate(args) -> dict:
     out = evaluate_run(args.run, args.data, args.split, args.batch_size or EVAL_BATCH, progress=not args.quiet,
                        signal=args.signal)
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2, default=_json_default))
+        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
     print(format_table(out["metrics"]))
-    for part, d in out.get("signal", {}).items():
-        print(f"\n{part}: slope of the model's logit on each true term (1 = fully learned), corr {d['corr']:.3f}")
-        print("  " + ", ".join(f"{k} {v:+.2f}" for k, v in d["slopes"].items()))
+    if out.get("signal"):
+        print(signal_lines(out["signal"]))
     return out
 
 
@@ -161,23 +164,16 @@ def cmd_recalibrate(args) -> dict:
     from opengem.evaluation.recalibrate import recalibrate_run
 
     rec = recalibrate_run(args.run, args.data, args.split, args.prior_std, progress=not args.quiet)
-    print(_recalibration_line(rec))
+    print(recalibration_line(rec))
     return rec
 
 
-def _recalibration_line(rec: dict) -> str:
-    before, after = rec["calibration_before"], rec["calibration_after"]
-    return (f"recalibrated on {rec['split']} ({rec['rows']:,} rows): "
-            + ", ".join(f"{k} {rec['offsets'][k]:+.3f} (calibration {before[k]:.3f} → {after[k]:.3f})"
-                        for k in before))
-
-
 def cmd_distill(args) -> dict:
-    from opengem.transfer.distill import distill, summary_line
+    from opengem.transfer.distill import distill
 
     out = distill(args.teacher, args.student_recipe, args.data, args.out, list(args.overrides), via=args.via)
     print(format_table(out["metrics"]))
-    print("\n" + summary_line(out))
+    print("\n" + distill_line(out))
     return out
 
 
@@ -201,7 +197,7 @@ def cmd_serve(args) -> dict:
         torch.set_num_threads(args.threads)
     serve(args.artifact, args.host, args.port, args.runtime, args.batch_window_ms,
           Limits(max_candidates=args.max_candidates), admin=not args.no_admin,
-          log_level="warning" if args.quiet else "info")
+          log_level="warning" if args.quiet else args.log_level)
     return {}
 
 
@@ -232,96 +228,20 @@ def cmd_bench(args) -> dict:
 
 
 def cmd_demo(args) -> dict:
-    from opengem.config import apply_overrides
-    from opengem.data.parquet import DatasetManifest
-    from opengem.data.synthetic import generate
-    from opengem.evaluation.evaluate import evaluate_run
-    from opengem.recipes import recipe, world_config
-    from opengem.train.trainer import train
+    from opengem.pipeline import demo, format_demo
 
-    out = Path(args.out)
-    data, run = out / "data", out / "run"
-    times = {}
-    t0 = time.perf_counter()
-    generate(world_config(args.preset, seed=args.seed), data, progress=not args.quiet)
-    times["generate_s"] = time.perf_counter() - t0
-    cfg = apply_overrides(recipe(args.preset), list(args.overrides))
-    cfg.train.progress = not args.quiet
-    t1 = time.perf_counter()
-    final = train(cfg, data, run)
-    times["train_s"] = time.perf_counter() - t1
-    recal = None
-    manifest = DatasetManifest.load(data)
-    if not args.no_recalibrate and cfg.data.eval_split != "valid" and "valid" in manifest.splits \
-            and manifest.split_files("valid"):
-        from opengem.evaluation.recalibrate import recalibrate_run
-
-        t = time.perf_counter()
-        recal = recalibrate_run(run, data, "valid", progress=not args.quiet)
-        times["recalibrate_s"] = time.perf_counter() - t
-    t2 = time.perf_counter()
-    ev = evaluate_run(run, data, cfg.data.eval_split, progress=not args.quiet)
-    times["evaluate_s"] = time.perf_counter() - t2
-    served, vm = None, None
-    if not args.no_distill:
-        from opengem.transfer.distill import distill_demo, summary_line
-
-        t3 = time.perf_counter()
-        vm = distill_demo(run, data, out / "vm")
-        times["distill_s"] = time.perf_counter() - t3
-        ev["distill"] = vm
-    if not args.no_serve:
-        from opengem.export.smoke import serve_smoke
-
-        t4 = time.perf_counter()  # the portable torch.export program: AOTInductor would add ~1 min here
-        served = serve_smoke(out / "vm" if vm is not None else run, out / "artifact", compile=False)
-        times["serve_s"] = time.perf_counter() - t4
-        ev["serving"] = {k: served[k] for k in ("artifact", "model_version", "runtime", "times")}
-    times["total_s"] = time.perf_counter() - t0
-    ev["train"] = {k: final[k] for k in ("steps", "examples", "examples_per_s", "parameters", "params_sha256")}
-    ev["times"] = times
-    (out / "evaluation.json").write_text(json.dumps(ev, indent=2, default=_json_default))
-    print(format_table(ev["metrics"]))
-    if recal is not None:
-        print("\n" + _recalibration_line(recal))
-    print(f"\nparameters {final['parameters']['total']:,} (dense {final['parameters']['dense']:,}); "
-          f"{final['examples']:,} examples at {final['examples_per_s']:,.0f}/s; "
-          + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))
-    if vm is not None:
-        print("vertical model " + summary_line(vm))
-    if served is not None:
-        preds = served["response"]["predictions"]
-        first = ", ".join(f"p({t}) {v[0]:.4f}" for t, v in preds.items())
-        print(f"served {out / 'artifact'} ({'the vertical model' if vm is not None else 'GEM'}, {served['runtime']}): one request of {len(next(iter(preds.values())))} "
-              f"candidates in {served['times']['request_ms']:.1f} ms; first candidate {first}")
-    print(f"wrote {out / 'evaluation.json'}")
-    return ev
-
-
-def _json_default(o):
-    if isinstance(o, float) and math.isnan(o):
-        return None
-    return str(o)
-
-
-def format_table(metrics: dict) -> str:
-    cols = ["ne", "auc", "gauc", "calibration", "logloss", "ne_bayes", "captured", "n"]
-    lines = [f"{'slice':<22}" + "".join(f"{c:>12}" for c in cols)]
-    for key in sorted(metrics):
-        m = metrics[key]
-        cells = []
-        for c in cols:
-            v = m.get(c)
-            cells.append(f"{'-':>12}" if v is None else (f"{v:>12,d}" if isinstance(v, int) else f"{v:>12.4f}"))
-        lines.append(f"{key:<22}" + "".join(cells))
-    return "\n".join(lines)
+    result = demo(args.out, args.preset, args.seed, args.overrides, recalibrate=not args.no_recalibrate,
+                  distil=not args.no_distill, serve=not args.no_serve, progress=not args.quiet)
+    print(format_demo(result))
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    configure_logging(logging.WARNING if args.quiet else logging.INFO, args.log_format)
-    if args.log_format == "json":
-        args.quiet = True  # progress bars would interleave with the JSON lines; the level set above stays
+    args.log_level = args.log_level or ("warning" if args.quiet else "info")
+    configure_logging(LEVELS[args.log_level], args.log_format)
+    # progress bars would interleave with JSON lines; the level set above stays
+    args.quiet = args.quiet or args.log_level == "warning" or args.log_format == "json"
     from opengem.config import ConfigError
     from opengem.data.parquet import DataError
     from opengem.export.artifact import ArtifactError

@@ -36,6 +36,25 @@ log = logging.getLogger(__name__)
 
 
 class ShardLoader:
+    """Batches of one split for one rank, in the order the module docstring gives; resumable.
+
+    Args:
+        data_dir: a dataset directory (``dataset.json``, ``schema.json``, the shards).
+        split: ``train`` | ``valid`` | ``test`` (days listed in the manifest).
+        batch_size: rows per ``Batch``; a batch may span shards, and the last one is short unless
+            ``drop_last``.
+        schema: the data's schema (default: ``data_dir``'s).
+        rank, world_size: this rank reads shards ``rank, rank + world_size, …`` of each epoch's order.
+        shuffle, seed, epochs: seeded shard and row permutations; passes over the split.
+        max_seq_len: stream → history cap (most recent kept), at most the schema's ``max_len``.
+        quarantine_dir: where bad rows are written (they are always counted in ``quarantined``).
+        prefetch: batches collated ahead on a thread (0: none).
+
+    Iterating yields ``Batch`` objects: sparse and sequences as KeyedJaggedTensors (jagged, never
+    padded), dense [B, F], labels and mask [B, T], domain [B]. ``state_dict()`` /
+    ``load_state_dict()`` give and restore the position after the last batch handed out.
+    """
+
     def __init__(
         self,
         data_dir: str | Path,

@@ -8,12 +8,11 @@
     predictor.py  Predictor: load an artifact, score requests
     batcher.py    micro-batching worker that owns the predictor; atomic model swap
     server.py     FastAPI app and ``serve``
-    smoke.py      serve_smoke: export → ``opengem serve`` → one request → stop (the demo's last step)
+    client.py     a stdlib HTTP client of the server: free port, JSON call, wait until ready
 """
 
 from opengem.export.artifact import ArtifactError, export_run, load_manifest
 from opengem.export.predictor import Predictor
 from opengem.export.request import Limits, RequestError
-from opengem.export.smoke import serve_smoke
 
-__all__ = ["ArtifactError", "Limits", "Predictor", "RequestError", "export_run", "load_manifest", "serve_smoke"]
+__all__ = ["ArtifactError", "Limits", "Predictor", "RequestError", "export_run", "load_manifest"]

@@ -186,7 +186,7 @@ class ServingGEM(nn.Module):
     def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
         inter = self.gem.interformer
         x_BND, states = self.inputs(x)
-        shortcut = self.gem.low_order(x_BND, lambda name: self._cand_ids(x, name))
+        shortcut = self.gem.low_order(x_BND)
         x_sum, s_sum, _ = inter.run_layers(x_BND, states)  # InterFormer's own layers after the first tokens
         feats = torch.cat([x_sum.flatten(1)] + ([s_sum.flatten(1)] if s_sum is not None else []), dim=1)
         logits = self.gem.heads(feats, x["domain"], shortcut)

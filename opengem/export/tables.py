@@ -67,10 +67,6 @@ class PackedTable(nn.Module):
         return out_BD.index_add_(0, bag_of_V, self(values_V))
 
 
-def is_quantized(module: nn.Module) -> bool:
-    return any(isinstance(m, (quant.EmbeddingBagCollection, quant.EmbeddingCollection)) for m in module.modules())
-
-
 def packed_tables(sparse_arch: nn.Module) -> nn.ModuleDict:
     """The tables of a SparseArch (float TorchRec modules, or ``torchrec.quant`` ones) as ``PackedTable``s;
     float rows are shared with the model, not copied."""

@@ -125,6 +125,22 @@ class Domains:
 
 @dataclass(frozen=True)
 class FeatureSchema:
+    """Every column of a dataset and what it is (module docstring); validated on construction.
+
+    Args:
+        sparse: id features, in the order the model's tokens take ([B, n, D], n = len(sparse)).
+        dense: float features ([B, F]).
+        sequences: behaviour streams, each stored as jagged lists per row.
+        tasks: binary labels ([B, T] with a mask), in the order of the model's logits.
+        domains: the surfaces and the column holding each row's index.
+        user_column, time_column, day_column: gAUC groups, the request time, the split key.
+        version, meta: the format version; free-form provenance (not part of ``fingerprint``).
+
+    ``FeatureSchema.load(dir_or_file)`` reads ``schema.json``; ``save``, ``to_dict``/``from_dict``
+    round-trip it. A row with 2 ads events and tags ``[3, 5]`` carries ``ads.item = [17, 4]``,
+    ``ads.event = [0, 1]``, ``ads.ts = [t0, t1]`` and ``tags = [3, 5]``: lists, never padded.
+    """
+
     sparse: tuple[SparseFeature, ...]
     dense: tuple[DenseFeature, ...]
     sequences: tuple[SequenceStream, ...]

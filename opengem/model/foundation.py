@@ -16,7 +16,6 @@ outside. Build on ``meta``, materialise with ``to_empty``, then call ``init_weig
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -26,7 +25,7 @@ from torch.nn.functional import one_hot
 
 from opengem.data.batch import Batch
 from opengem.features.schema import FeatureSchema
-from opengem.model.heads import FeatureCrosses, Heads, HeadsConfig, LowOrderShortcut
+from opengem.model.heads import Heads, HeadsConfig, LowOrderShortcut
 from opengem.model.interaction_arch import WukongConfig, mlp
 from opengem.model.interformer import InterFormer, InterFormerConfig
 from opengem.model.sequence_arch import SequenceConfig
@@ -42,7 +41,6 @@ class GEMConfig:
     use_sequences: bool = True  # False: ablation without sequence towers
     shortcut: str = "fwfm"  # fwfm | linear | none: low-order logits from X_0 (heads.LowOrderShortcut)
     target_match: bool = True  # flag events whose attribute equals the candidate's feature of that name
-    cross_max_cells: int = 0  # > 0: a learned logit table per (user|context) × ad feature pair this small
     count_decay_hours: tuple[float, ...] = (1.0, 24.0, 168.0, 720.0)  # HistoryCounts token; () = off
     sparse: SparseArchConfig = field(default_factory=SparseArchConfig)
     wukong: WukongConfig = field(default_factory=WukongConfig)
@@ -53,9 +51,8 @@ class GEMConfig:
     def validate(self) -> None:
         if self.arch not in ("gem", "dlrm", "dlrm_dcn"):
             raise ValueError(f"model.arch must be gem|dlrm|dlrm_dcn, got {self.arch!r}")
-        if self.embedding_dim < 1 or self.dense_tokens < 1 or self.max_seq_len < 0 or self.cross_max_cells < 0:
-            raise ValueError("model.embedding_dim and model.dense_tokens must be >= 1, "
-                             "max_seq_len and cross_max_cells >= 0")
+        if self.embedding_dim < 1 or self.dense_tokens < 1 or self.max_seq_len < 0:
+            raise ValueError("model.embedding_dim and model.dense_tokens must be >= 1, max_seq_len >= 0")
         if any(not h > 0 for h in self.count_decay_hours):
             raise ValueError(f"model.count_decay_hours must all be > 0 hours, got {self.count_decay_hours}")
         if self.shortcut not in ("fwfm", "linear", "none"):
@@ -83,18 +80,6 @@ def match_attributes(schema: FeatureSchema, stream: str) -> list[tuple[str, str,
         if f is not None and not f.multi_hot and f.vocab_size == a.vocab_size:
             out.append((schema.stream(stream).attribute_column(a), f.name, f.vocab_size))
     return out
-
-
-def cross_pairs(schema: FeatureSchema, max_cells: int) -> list[tuple[str, str, int, int]]:
-    """(feature a, feature b, |a|, |b|) for every single-valued user or context feature a and ad
-    feature b with |a|·|b| ≤ ``max_cells`` (|f| = vocab_size + 1: the OOV id has its own cells).
-    ``max_cells = 0`` gives none. The cap is the choice: a cell must see enough rows to learn."""
-    if max_cells <= 0:
-        return []
-    single = [f for f in schema.sparse if not f.multi_hot]
-    return [(a.name, b.name, a.vocab_size + 1, b.vocab_size + 1)
-            for a in single if a.group in ("user", "context")
-            for b in single if b.group == "ad" and (a.vocab_size + 1) * (b.vocab_size + 1) <= max_cells]
 
 
 def signed_log(x: torch.Tensor) -> torch.Tensor:
@@ -171,6 +156,27 @@ class TableModel(nn.Module):
 
 
 class GEM(TableModel):
+    """The foundation model: schema-built tables, the X_0 tokens, InterFormer, the heads (module docstring).
+
+    Args:
+        schema: the features, streams, tasks and domains; every table and head is sized from it.
+        cfg: ``GEMConfig`` (``model.*``); validated here.
+        device: where to build the parameters; ``"meta"`` to parallelise first, then ``to_empty``
+            and ``init_weights()``.
+
+    Legend: B rows, n_x = n sparse + k dense + 1 domain (+ 1 history-counts) tokens, D dim,
+    N events of one stream in the batch, F = ``feature_dim``, T tasks.
+
+    ``forward(batch)`` → logits [B, T] in schema task order; ``features(batch)`` → [B, F], what the
+    heads read. A stream's events are jagged, never padded: values [N, D] with lengths [B], e.g. a
+    batch of 3 rows with 2, 0 and 3 ads events::
+
+        lengths  [2, 0, 3]
+        values   [e00, e01 | (none) | e20, e21, e22]     N = 5 rows of D, row b's events in order
+
+    so the towers' cost grows with N, not with B × max length.
+    """
+
     def __init__(self, schema: FeatureSchema, cfg: GEMConfig, device: torch.device | str | None = None):
         super().__init__()
         cfg.validate()
@@ -196,8 +202,6 @@ class GEM(TableModel):
             self.heads = Heads(feat, schema, cfg.heads)
             self.shortcut = (LowOrderShortcut(n_x, D, len(schema.tasks), cfg.shortcut)
                              if cfg.shortcut != "none" else None)
-            pairs = cross_pairs(schema, cfg.cross_max_cells)
-            self.crosses = FeatureCrosses(pairs, len(schema.tasks)) if pairs else None
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
@@ -261,21 +265,11 @@ class GEM(TableModel):
         """[B, feature_dim]: the representation the heads read (used for representation transfer)."""
         return self._features(*self.inputs(batch))
 
-    def low_order(self, x_BND: torch.Tensor, ids: Callable[[str], torch.Tensor]) -> torch.Tensor | None:
-        """[B, T] logits of the shortcut and the feature crosses (None if neither); ``ids(name)``
-        gives a single-valued sparse feature's id per row."""
-        out = self.shortcut(x_BND) if self.shortcut is not None else None
-        if self.crosses is not None:
-            names = {n for a, b, _, _ in self.crosses.pairs for n in (a, b)}
-            c = self.crosses({n: ids(n) for n in names}).to(x_BND.dtype)
-            out = c if out is None else out + c
-        return out
-
-    def batch_low_order(self, x_BND: torch.Tensor, batch: Batch) -> torch.Tensor | None:
-        sparse = batch.sparse.to_dict() if self.crosses is not None else {}
-        return self.low_order(x_BND, lambda name: sparse[name].values())
+    def low_order(self, x_BND: torch.Tensor) -> torch.Tensor | None:
+        """[B, T] logits of the low-order shortcut from X_0 (None without one)."""
+        return self.shortcut(x_BND) if self.shortcut is not None else None
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """logits [B, T] in schema task order."""
         x, seqs = self.inputs(batch)
-        return self.heads(self._features(x, seqs), batch.domain, self.batch_low_order(x, batch))
+        return self.heads(self._features(x, seqs), batch.domain, self.low_order(x))

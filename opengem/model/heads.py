@@ -69,6 +69,20 @@ def chained_logit(parent_logit: torch.Tensor, cond_logit: torch.Tensor) -> torch
 
 
 class Heads(nn.Module):
+    """Shared trunk → one tower per task → one output per (domain, task) (module docstring).
+
+    Args:
+        in_dim: F, the width of the features the heads read (``GEM.feature_dim``).
+        schema: tasks (in order; ``requires`` chains a task to the one it needs) and domains.
+        cfg: ``HeadsConfig`` (``model.heads.*``): trunk and tower widths, ``domain_mode``,
+            ``chain_required``, dropout.
+
+    Shapes: ``forward(feats [B, F], domain [B] long, shortcut [B, T] or None)`` → logits [B, T]
+    in schema task order; parameters ``out_w`` [G, T, H], ``out_b`` [G, T] with G = domains
+    (``output``) or 1 (``shared``). Row b uses output group ``domain[b]``: with domains
+    (feed, video) and ``domain = [1, 0]``, row 0 is scored by video's outputs, row 1 by feed's.
+    """
+
     def __init__(self, in_dim: int, schema: FeatureSchema, cfg: HeadsConfig):
         super().__init__()
         self.cfg = cfg
@@ -164,35 +178,3 @@ class LowOrderShortcut(nn.Module):
             out = out + self.pairs(gram[:, i, j])
         return out
 
-
-class FeatureCrosses(nn.Module):
-    """Wide & Deep's cross-product features: one learned logit per task for every value pair of
-    chosen (user or context) × ad field pairs.
-
-    Legend: P field pairs, T tasks; pair k crosses fields a_k (|a_k| ids) and b_k (|b_k| ids).
-
-        cell_k = offset_k + id_a · |b_k| + id_b       [B, P]
-        out    = Σ_k table[cell_k]                      [B, T]
-
-    Not in the public GEM record. An FM (and the Wukong stack) must fit a segment × category or a
-    country × advertiser affinity through embeddings that also serve every other interaction and
-    the sequence towers; a small table per pair learns it directly, and with row ids known at
-    serving time it costs one gather. Pairs are chosen by ``cross_pairs`` (cells ≤
-    ``model.cross_max_cells``); the table starts at zero, so at init the model equals the one
-    without it.
-    """
-
-    def __init__(self, pairs: list[tuple[str, str, int, int]], num_tasks: int):
-        super().__init__()
-        self.pairs = pairs
-        sizes = [na * nb for _, _, na, nb in pairs]
-        self.offsets = [sum(sizes[:k]) for k in range(len(sizes))]  # python ints: no buffer to shard
-        self.table = nn.Parameter(torch.zeros(sum(sizes), num_tasks))
-
-    def reset_parameters(self) -> None:
-        nn.init.zeros_(self.table)
-
-    def forward(self, ids: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``ids``: each crossed feature's id per row [B] (OOV = vocab_size) → logits [B, T]."""
-        cells = [off + ids[a] * nb + ids[b] for off, (a, b, _, nb) in zip(self.offsets, self.pairs)]
-        return F.embedding(torch.stack(cells, dim=1), self.table).sum(1)

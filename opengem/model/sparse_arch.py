@@ -53,6 +53,23 @@ def table_init_slice(table: str, seed: int, std: float, r0: int, r1: int, c0: in
 
 
 class SparseArch(nn.Module):
+    """The model's embedding tables, built from the schema (module docstring).
+
+    Args:
+        schema: one pooled table per sparse feature; per stream an item, an event-type and one
+            table per event attribute.
+        cfg: ``SparseArchConfig`` (``model.sparse.*``): init std, optional cap on rows per table.
+        dim: D, every table's width.
+        device: where the tables are built (``meta`` before sharding).
+
+    Shapes: ``forward_sparse(kjt, B)`` → [B, n, D] (sum-pooled, schema order; a multi-hot feature
+    sums its ids); ``forward_sequences(kjt)`` → stream → (values [N, D], lengths [B]), the sum of
+    each event's item, event-type and attribute rows, jagged as it came::
+
+        sequences["ads.item"]  lengths [2, 0, 1]  values [i0, i1, i2]
+        → ads: values [3, D] = (item + event + attributes) of i0, i1, i2, lengths [2, 0, 1]
+    """
+
     def __init__(self, schema: FeatureSchema, cfg: SparseArchConfig, dim: int, device: torch.device | None = None):
         super().__init__()
         self.schema, self.cfg, self.dim = schema, cfg, dim
@@ -86,10 +103,6 @@ class SparseArch(nn.Module):
     def _rows(self, vocab: int) -> int:
         cap = self.cfg.max_rows_per_table
         return vocab + 1 if not cap or vocab + 1 <= cap else cap
-
-    @property
-    def num_sparse(self) -> int:
-        return len(self.schema.sparse)
 
     def tables(self) -> dict[str, torch.Tensor]:
         """table name → weight [rows, D] (unsharded modules only)."""

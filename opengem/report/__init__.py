@@ -1,5 +1,6 @@
 """What a user sees of a run: an HTML report with figures (``build_report``), TensorBoard scalars
-(``opengem.train.observe.RunLog``) and JSON logs for scripts (``logs.configure_logging``).
+(``opengem.train.observe.RunLog``), JSON logs for scripts (``logs.configure_logging``) and the
+tables and lines the commands print (``text``).
 
 The names below load on first use, so that ``opengem.report.cli`` (imported by every ``opengem``
 command to build its parser) does not import matplotlib."""

@@ -96,7 +96,7 @@ class LeverRun:
         return fp8, torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None)
 
     def _loss(self, x, seqs, batch) -> torch.Tensor:
-        logits = self.model.heads(self.model._features(x, seqs), batch.domain, self.model.batch_low_order(x, batch))
+        logits = self.model.heads(self.model._features(x, seqs), batch.domain, self.model.low_order(x))
         return masked_bce(logits.float(), batch.labels, batch.label_mask, batch.weights, self.task_w)[0]
 
     def measure_memory(self) -> None:

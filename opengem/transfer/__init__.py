@@ -6,13 +6,13 @@
     adapter.py   the student adapter (stale teacher → calibrated on the freshest labels)
     share.py     parameter sharing (tables copied or PCA-projected from the teacher)
     trainer.py   students stepping on a shared stream; evaluation next to the teacher; transfer ratio
-    distill.py   ``opengem distill`` (direct / --via), run directories, ``distill_demo``
+    distill.py   ``opengem distill`` (direct / --via), run directories
 """
 
 from opengem.transfer.config import TransferConfig, techniques_config
-from opengem.transfer.distill import distill, distill_demo
+from opengem.transfer.distill import distill
 from opengem.transfer.teacher import CachedTeacher, TeacherOutput, TeacherService, UserRepCache
 from opengem.transfer.trainer import transfer_ratio
 
 __all__ = ["CachedTeacher", "TeacherOutput", "TeacherService", "TransferConfig", "UserRepCache", "distill",
-           "distill_demo", "techniques_config", "transfer_ratio"]
+           "techniques_config", "transfer_ratio"]

@@ -159,26 +159,3 @@ def _write(path: Path, obj: dict) -> None:
 
 def _json_default(o):
     return str(o)
-
-
-def summary_line(out: dict, task: str = "click") -> str:
-    """One line: the student's NE and AUC next to the student alone, its teacher and GEM, and R."""
-    key = f"all/{task}"
-    parts = [f"{name} NE {out[k][key]['ne']:.4f} AUC {out[k][key]['auc']:.4f}"
-             for name, k in (("student", "metrics"), ("alone", "alone"), ("teacher", "teacher"), ("GEM", "gem"))
-             if k in out]
-    ratio = out.get("transfer_ratio", {}).get(task)
-    return (f"{task} on {'+'.join(out['domains'])}, {out['split']} ({out['rows']:,} rows): " + "; ".join(parts)
-            + (f"; transfer ratio R {ratio:.3f}" if ratio is not None else ""))
-
-
-# The demo's vertical model: the default techniques (kd + adapter + share), one pass over the
-# student's day of the video surface (30% of the demo world's rows: the teacher scores fewer rows).
-DEMO_RECIPE, DEMO_OVERRIDES = "vm_s", ("transfer.domains=video",)
-
-
-def distill_demo(teacher_run: str | Path, data_dir: str | Path, out_dir: str | Path) -> dict:
-    """Distil the default vertical model from a trained GEM run on the same data (one pass over
-    the student's days); returns the student's evaluation with the teacher's on the same slice
-    (``metrics``, ``teacher``, ``alone``, ``transfer_ratio``; ``summary_line`` prints it)."""
-    return distill(teacher_run, DEMO_RECIPE, data_dir, out_dir, DEMO_OVERRIDES)

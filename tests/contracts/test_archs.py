@@ -267,28 +267,6 @@ def test_shortcut_starts_at_zero_and_reads_pairs():
     assert torch.allclose(sc(x)[:, 0], (x[:, 2] * x[:, 3]).sum(-1) / 3**0.5)
 
 
-def test_feature_crosses_pick_small_user_ad_pairs_and_read_their_cell():
-    from opengem.model.foundation import cross_pairs
-
-    schema = tiny_schema()  # user_id 50 (user), tags 7 (user, multi-hot), ad_id 30 and category 5 (ad)
-    assert cross_pairs(schema, 0) == []
-    assert cross_pairs(schema, 6 * 51) == [("user_id", "category", 51, 6)]  # 51·31 cells are too many
-    assert len(cross_pairs(schema, 51 * 31)) == 2  # multi-hot tags never cross
-    cfg = GEMConfig(embedding_dim=D, cross_max_cells=400, wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2, fm_rank=2),
-                    sequence=SequenceConfig(num_heads=2, recent_len=8, min_recent=2, num_pooled=2))
-    model = _gem(cfg, schema).eval()
-    b = _batch(schema)
-    base = model(b)
-    sp = b.sparse.to_dict()
-    u, c = sp["user_id"].values(), sp["category"].values()
-    with torch.no_grad():
-        model.crosses.table[int(u[0]) * 6 + int(c[0]), 0] = 2.0  # one (user, category) cell, click task
-    hit = (u * 6 + c) == (u[0] * 6 + c[0])
-    d = model(b) - base
-    assert torch.allclose(d[hit, 0], torch.full((int(hit.sum()),), 2.0)) and d[~hit, 0].abs().max() == 0
-    _check_all_params_learn(model.crosses, model.train()(b).sum())
-
-
 def test_a_rows_score_does_not_depend_on_its_batch():
     """Scored alone or beside rows with much longer histories, a row gets the same logits."""
     from opengem.data.batch import collate

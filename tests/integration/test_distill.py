@@ -96,11 +96,11 @@ def test_student_exports_for_serving(gem_run, tmp_path):
 
 
 def test_distill_demo_returns_the_student_and_its_teacher_on_one_slice(gem_run, tmp_path):
-    from opengem.transfer import distill_demo
-    from opengem.transfer.distill import summary_line
+    from opengem.pipeline import distill_demo
+    from opengem.report.text import distill_line
 
     data, gem = gem_run
     out = distill_demo(gem, data, tmp_path / "vm")
     assert out["metrics"]["all/click"]["n"] == out["teacher"]["all/click"]["n"] == _slice_rows(data, "test", "video")
-    assert "student NE" in summary_line(out) and "teacher NE" in summary_line(out)
+    assert "student NE" in distill_line(out) and "teacher NE" in distill_line(out)
     assert (tmp_path / "vm" / "evaluation.json").exists()

@@ -23,9 +23,9 @@ from opengem.testing import tiny_schema
 TOL = 1e-5
 
 
-def _model(schema, max_rows=0, max_seq_len=12, cross_max_cells=0, interleave=True, count_decay_hours=()):
+def _model(schema, max_rows=0, max_seq_len=12, interleave=True, count_decay_hours=()):
     cfg = GEMConfig(embedding_dim=16, max_seq_len=max_seq_len, sparse=SparseArchConfig(max_rows_per_table=max_rows),
-                    cross_max_cells=cross_max_cells, interformer=InterFormerConfig(interleave=interleave),
+                    interformer=InterFormerConfig(interleave=interleave),
                     count_decay_hours=count_decay_hours,
                     wukong=WukongConfig(num_layers=2, num_fm=4, num_lc=4, fm_rank=4, mlp_dims=(32,)),
                     sequence=SequenceConfig(num_heads=2, recent_len=8, min_recent=2, num_pooled=2))
@@ -91,16 +91,6 @@ def test_serving_module_hashes_capped_tables():
     model = _model(schema, max_rows=6)
     diff, _ = _compare(model, schema, _requests(schema, [(4, 9), (3, 2)], seed=5))
     assert diff < TOL
-
-
-@pytest.mark.parametrize("max_rows", [0, 6])
-def test_serving_module_with_feature_crosses(max_rows):
-    """Cross tables read raw ids (OOV included) per candidate, user ids shared across candidates."""
-    schema = tiny_schema()
-    model = _model(schema, max_rows=max_rows, cross_max_cells=10_000)
-    assert model.crosses is not None and len(model.crosses.pairs) >= 2
-    diff, reports = _compare(model, schema, _requests(schema, [(4, 9), (3, 2), (2, 0)], seed=7))
-    assert diff < TOL and reports[0]["oov"]
 
 
 def test_serving_module_equals_gem_without_interleaving():

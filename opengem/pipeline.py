@@ -1,0 +1,161 @@
+"""``opengem demo``: the whole pipeline on one machine, as one library call.
+
+    result = demo("./opengem-demo", preset="tiny")
+    print(format_demo(result))
+
+    OUT/data              a synthetic ads world (``opengem generate``)
+    OUT/run               GEM trained on its train days, recalibrated on the valid days
+    OUT/vm                the default vertical model distilled from it (``distill_demo``)
+    OUT/artifact          the vertical model exported, served once and scored (``serve_smoke``)
+    OUT/evaluation.json   GEM's test metrics, the VM's (``distill``), serving, training and timings
+
+Each step is the library function its own sub-command calls; this module only strings them
+together, times them and prints the summary. It sits above every other module of the package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from opengem.config import apply_overrides
+from opengem.data.parquet import DatasetManifest
+from opengem.data.synthetic import generate
+from opengem.evaluation.evaluate import evaluate_run
+from opengem.evaluation.recalibrate import recalibrate_run
+from opengem.export.artifact import export_run
+from opengem.export.client import free_port, http, wait_ready
+from opengem.export.request import synthetic_request
+from opengem.features.schema import FeatureSchema
+from opengem.recipes import recipe, world_config
+from opengem.report.text import distill_line, format_table, recalibration_line
+from opengem.train.trainer import train
+from opengem.transfer.distill import distill
+
+# The demo's vertical model: the default techniques (kd + adapter + share), one pass over the
+# student's day of the video surface (30% of the demo world's rows: the teacher scores fewer rows).
+DEMO_RECIPE, DEMO_OVERRIDES = "vm_s", ("transfer.domains=video",)
+
+
+def demo(out: str | Path, preset: str = "demo", seed: int = 0, overrides: Sequence[str] = (), *,
+         recalibrate: bool = True, distil: bool = True, serve: bool = True, progress: bool = True) -> dict:
+    """generate → train → recalibrate → evaluate → distil → export, serve, score one request, into
+    ``out`` (see the module docstring). ``preset`` names both the world and the training recipe;
+    ``overrides`` (``key=value``) go to the recipe. Returns ``evaluation`` (what
+    OUT/evaluation.json holds), ``recalibration`` and ``served`` (None when skipped) and ``out``."""
+    out = Path(out)
+    data, run = out / "data", out / "run"
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    with _timed(times, "generate_s"):
+        generate(world_config(preset, seed=seed), data, progress=progress)
+    cfg = apply_overrides(recipe(preset), list(overrides))
+    cfg.train.progress = progress
+    with _timed(times, "train_s"):
+        final = train(cfg, data, run)
+    recal = None
+    if recalibrate and cfg.data.eval_split != "valid" and _has_split(data, "valid"):
+        with _timed(times, "recalibrate_s"):
+            recal = recalibrate_run(run, data, "valid", progress=progress)
+    with _timed(times, "evaluate_s"):
+        ev = evaluate_run(run, data, cfg.data.eval_split, progress=progress)
+    served = None
+    if distil:
+        with _timed(times, "distill_s"):
+            ev["distill"] = distill_demo(run, data, out / "vm")
+    if serve:
+        with _timed(times, "serve_s"):  # the portable torch.export program: AOTInductor would add ~1 min here
+            served = serve_smoke(out / "vm" if distil else run, out / "artifact", compile=False)
+        ev["serving"] = {k: served[k] for k in ("artifact", "model_version", "runtime", "times")}
+    times["total_s"] = time.perf_counter() - t0
+    ev["train"] = {k: final[k] for k in ("steps", "examples", "examples_per_s", "parameters", "params_sha256")}
+    ev["times"] = times
+    (out / "evaluation.json").write_text(json.dumps(ev, indent=2, default=str))
+    return {"evaluation": ev, "recalibration": recal, "served": served, "out": str(out)}
+
+
+def _has_split(data: Path, split: str) -> bool:
+    manifest = DatasetManifest.load(data)
+    return split in manifest.splits and bool(manifest.split_files(split))
+
+
+@contextmanager
+def _timed(times: dict[str, float], key: str) -> Iterator[None]:
+    t = time.perf_counter()
+    yield
+    times[key] = time.perf_counter() - t
+
+
+def distill_demo(teacher_run: str | Path, data_dir: str | Path, out_dir: str | Path) -> dict:
+    """Distil the default vertical model from a trained GEM run on the same data (one pass over
+    the student's days); returns the student's evaluation with the teacher's on the same slice
+    (``metrics``, ``teacher``, ``alone``, ``transfer_ratio``; ``report.text.distill_line`` prints it)."""
+    return distill(teacher_run, DEMO_RECIPE, data_dir, out_dir, DEMO_OVERRIDES)
+
+
+def serve_smoke(run_dir: str | Path, artifact_dir: str | Path, compile: bool = True, candidates: int = 8) -> dict:
+    """Export ``run_dir`` to ``artifact_dir`` (replacing it), serve it on a free loopback port, score
+    one request of ``candidates`` ads, stop the server with SIGTERM. Returns the response and timings."""
+    t0 = time.perf_counter()
+    manifest = export_run(run_dir, artifact_dir, compile=compile, overwrite=True)
+    times = {"export_s": time.perf_counter() - t0}
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "opengem", "--quiet", "serve", "--artifact", str(artifact_dir), "--port", str(port)]
+    status, response, runtime = 0, {}, None
+    with tempfile.TemporaryFile() as log:  # a file, not a pipe: a chatty server never blocks on a full pipe
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ})
+        try:
+            times["startup_s"] = wait_ready(url, proc)
+            runtime = http("GET", f"{url}/readyz")[1].get("runtime")
+            schema = FeatureSchema.load(Path(artifact_dir) / "schema.json")
+            t1 = time.perf_counter()
+            status, response = http("POST", f"{url}/v1/score", synthetic_request(schema, candidates, 20, seed=1))
+            times["request_ms"] = (time.perf_counter() - t1) * 1e3
+        finally:
+            t2 = time.perf_counter()
+            proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+            times["shutdown_s"] = time.perf_counter() - t2
+            log.seek(0)
+            stderr = log.read().decode(errors="replace")[-2000:]
+    if status != 200:
+        raise RuntimeError(f"smoke request failed with {status}: {response}\n{stderr}")
+    return {"artifact": str(artifact_dir), "model_version": manifest["model_version"], "url": url,
+            "status": status, "response": response, "exit_code": code, "times": times,
+            "runtime": runtime}
+
+
+def format_demo(result: dict) -> str:
+    """What ``opengem demo`` prints: GEM's table, the recalibration, sizes and timings, the VM, the
+    served request."""
+    ev, recal, served, out = result["evaluation"], result["recalibration"], result["served"], Path(result["out"])
+    tr = ev["train"]
+    lines = [format_table(ev["metrics"])]
+    if recal is not None:
+        lines.append("\n" + recalibration_line(recal))
+    lines.append(f"\nparameters {tr['parameters']['total']:,} (dense {tr['parameters']['dense']:,}); "
+                 f"{tr['examples']:,} examples at {tr['examples_per_s']:,.0f}/s; "
+                 + ", ".join(f"{k} {v:.0f}s" for k, v in ev["times"].items()))
+    if "distill" in ev:
+        lines.append("vertical model " + distill_line(ev["distill"]))
+    if served is not None:
+        preds = served["response"]["predictions"]
+        first = ", ".join(f"p({t}) {v[0]:.4f}" for t, v in preds.items())
+        lines.append(f"served {out / 'artifact'} ({'the vertical model' if 'distill' in ev else 'GEM'}, "
+                     f"{served['runtime']}): one request of {len(next(iter(preds.values())))} candidates in "
+                     f"{served['times']['request_ms']:.1f} ms; first candidate {first}")
+    lines.append(f"wrote {out / 'evaluation.json'}")
+    return "\n".join(lines)

@@ -1,0 +1,90 @@
+"""What the commands print: the metrics table and the one-line summaries, as plain text.
+
+    format_table({"all/click": {"ne": 0.93, "auc": 0.64, "gauc": nan, "n": 967, …}, …})
+    →
+    slice                           ne         auc        gauc …           n
+    all/click                   0.9352      0.6391           - …         967
+
+    - : undefined on this slice (gAUC needs users with both labels)
+
+A metric that is undefined on a slice (``nan``/``inf`` in the evaluation, or absent) prints ``-``;
+one footnote under the table says why, for the columns that have one. The functions read the
+dicts that ``evaluate_run``, ``recalibrate_run`` and ``distill`` return and import nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+
+COLUMNS = ("ne", "auc", "gauc", "calibration", "logloss", "ne_bayes", "captured", "n")
+
+# Why a column can be undefined (opengem.evaluation.metrics): (what, what it needs), said once under the table.
+WHY_UNDEFINED = {
+    "ne": ("NE", "a base rate strictly between 0 and 1"),
+    "auc": ("AUC", "both labels"),
+    "gauc": ("gAUC", "users with both labels"),
+    "calibration": ("calibration", "a positive"),
+    "logloss": ("logloss", "rows"),
+    "ne_bayes": ("NE_bayes", "true probabilities and a defined NE"),
+    "captured": ("captured", "true probabilities and a defined NE"),
+}
+
+
+def _defined(v) -> bool:
+    return v is not None and not (isinstance(v, float) and not math.isfinite(v))
+
+
+def _cell(v) -> str:
+    if not _defined(v):
+        return f"{'-':>12}"
+    return f"{v:>12,d}" if isinstance(v, int) else f"{v:>12.4f}"
+
+
+def format_table(metrics: dict) -> str:
+    """One row per slice (sorted), one column per metric of ``COLUMNS``, and the footnote if a ``-``
+    was printed."""
+    lines = [f"{'slice':<22}" + "".join(f"{c:>12}" for c in COLUMNS)]
+    undefined = set()
+    for key in sorted(metrics):
+        m = metrics[key]
+        undefined |= {c for c in COLUMNS if not _defined(m.get(c))}
+        lines.append(f"{key:<22}" + "".join(_cell(m.get(c)) for c in COLUMNS))
+    why = _why([c for c in COLUMNS if c in undefined and c in WHY_UNDEFINED])
+    if why:
+        lines += ["", f"- : undefined on this slice ({why})"]
+    return "\n".join(lines)
+
+
+def _why(columns: list[str]) -> str:
+    needs: dict[str, list[str]] = {}
+    for c in columns:
+        what, need = WHY_UNDEFINED[c]
+        needs.setdefault(need, []).append(what)
+    return "; ".join(f"{' and '.join(w)} {'need' if len(w) > 1 else 'needs'} {need}" for need, w in needs.items())
+
+
+def recalibration_line(rec: dict) -> str:
+    """The offsets ``recalibrate_run`` fitted, with each slice's calibration before → after."""
+    before, after = rec["calibration_before"], rec["calibration_after"]
+    return (f"recalibrated on {rec['split']} ({rec['rows']:,} rows): "
+            + ", ".join(f"{k} {rec['offsets'][k]:+.3f} (calibration {before[k]:.3f} → {after[k]:.3f})"
+                        for k in before))
+
+
+def distill_line(out: dict, task: str = "click") -> str:
+    """One line of ``distill``'s evaluation: the student's NE and AUC next to the student alone, its
+    teacher and GEM, and R."""
+    key = f"all/{task}"
+    parts = [f"{name} NE {out[k][key]['ne']:.4f} AUC {out[k][key]['auc']:.4f}"
+             for name, k in (("student", "metrics"), ("alone", "alone"), ("teacher", "teacher"), ("GEM", "gem"))
+             if k in out]
+    ratio = out.get("transfer_ratio", {}).get(task)
+    return (f"{task} on {'+'.join(out['domains'])}, {out['split']} ({out['rows']:,} rows): " + "; ".join(parts)
+            + (f"; transfer ratio R {ratio:.3f}" if ratio is not None else ""))
+
+
+def signal_lines(signal: dict) -> str:
+    """``evaluate --signal``: per part of the model, the slope of its logit on each true term."""
+    return "\n".join(f"\n{part}: slope of the model's logit on each true term (1 = fully learned), "
+                     f"corr {d['corr']:.3f}\n  " + ", ".join(f"{k} {v:+.2f}" for k, v in d["slopes"].items())
+                     for part, d in signal.items())
