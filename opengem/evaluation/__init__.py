@@ -1,6 +1,6 @@
 """Offline evaluation: exact metrics (NE, AUC, gAUC, calibration) per (domain, task)."""
 
-from opengem.evaluation.accumulator import ALL_DOMAIN, MetricAccumulator, RateCounter
+from opengem.evaluation.accumulator import ALL_DOMAIN, MetricAccumulator
 from opengem.evaluation.metrics import (
     auc,
     calibration,
@@ -16,7 +16,6 @@ from opengem.evaluation.metrics import (
 __all__ = [
     "ALL_DOMAIN",
     "MetricAccumulator",
-    "RateCounter",
     "auc",
     "calibration",
     "captured",

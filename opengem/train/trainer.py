@@ -49,16 +49,14 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from opengem.config import Config
+from opengem.data.base_rates import train_base_rates
 from opengem.data.batch import Batch
 from opengem.data.loader import ShardLoader
-from opengem.data.parquet import DatasetManifest, read_shard
-from opengem.evaluation.accumulator import RateCounter
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, materialize
 from opengem.ops.fp8 import fp8_saved_activations
@@ -78,25 +76,6 @@ HASH_LIMIT = 200_000_000
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. the loss became NaN); the message says where."""
-
-
-def train_base_rates(data_dir: str | Path, schema: FeatureSchema, split: str,
-                     rank: int = 0, world_size: int = 1) -> dict[str, float]:
-    """Label means of the training split per task and per domain/task, reading only label columns.
-
-    Rank r reads files r, r+W, …; the counts are summed over ranks (exact: they are integers)."""
-    manifest = DatasetManifest.load(data_dir)
-    counter = RateCounter(list(schema.domains.names), schema.task_names)
-    cols = [schema.domains.column] + [t.label_column for t in schema.tasks]
-    for info in manifest.split_files(split)[rank::world_size]:
-        table = read_shard(data_dir, info, cols, schema)  # a wrong type is a DataError naming it
-        labels = np.stack([table.column(t.label_column).to_numpy(zero_copy_only=False).astype(np.float64)
-                           for t in schema.tasks], 1)
-        mask = ~np.isnan(labels) & ((labels == 0) | (labels == 1))
-        counter.update(np.nan_to_num(labels), mask, table.column(schema.domains.column).to_numpy())
-    if world_size > 1:
-        counter.reduce()
-    return counter.rates()
 
 
 def state_sha256(state: dict[str, torch.Tensor]) -> str:
