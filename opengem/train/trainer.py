@@ -63,6 +63,7 @@ from opengem.ops.fp8 import fp8_saved_activations
 from opengem.parallel import ParallelDims, SparseOptimizerSpec, build_parallel_gem, train_step
 from opengem.parallel.launch import DistInfo, comm_device, destroy_distributed, init_distributed, min_over_ranks
 from opengem.train.checkpoint import latest_checkpoint, save_checkpoint
+from opengem.train.losses import global_masked_bce
 from opengem.train.observe import RunLog
 from opengem.train.optim import Schedule, build_optimizers
 from opengem.train.resume import EXIT_PREEMPTED, Preempted, SigtermFlag, resume_run
@@ -273,8 +274,8 @@ def _step(r: _Run, batch: Batch, task_w: torch.Tensor, dense_params: list) -> tu
     lr_f = r.schedule.set(r.step)  # before the forward: the fused CPU table kernel takes its lr there
     with fp8_saved_activations(r.model) if r.cfg.train.fp8_activations else contextlib.nullcontext():
         logits = r.model(batch)
-    loss, table = train_step.global_masked_bce(logits, batch.labels, batch.label_mask, batch.weights, task_w,
-                                               batch.domain, r.schema.num_domains)
+    loss, table = global_masked_bce(logits, batch.labels, batch.label_mask, batch.weights, task_w,
+                                    batch.domain, r.schema.num_domains)
     value = train_step.global_mean(loss).item()
     if not math.isfinite(value):
         raise TrainingError(f"loss is {value} at step {r.step}; last checkpoint: {latest_checkpoint(r.run)}")
