@@ -47,7 +47,7 @@ def run_a(tiny_data, tmp_path_factory):
 
 
 def test_layouts_agree_and_the_checkpoint_loads_in_one_process(tiny_data, run_a, tmp_path):
-    from opengem.evaluation.evaluate import load_run_model
+    from opengem.run import load_run_model
     from opengem.train.trainer import params_sha256
 
     T.run(2, *_train_args(tiny_data, tmp_path / "b", "parallel.default_sharding=row_wise"), log=tmp_path / "log")

@@ -64,7 +64,7 @@ def test_recalibrate_on_valid_then_every_reader_sees_the_offsets(tiny_data, tmp_
     import torch
 
     from opengem.data.loader import ShardLoader
-    from opengem.evaluation.evaluate import load_run_model
+    from opengem.run import load_run_model
 
     run = tmp_path / "run"
     assert _train(tiny_data, run) == 0

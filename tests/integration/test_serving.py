@@ -21,12 +21,12 @@ import uvicorn
 
 from opengem.cli import main
 from opengem.data.batch import collate
-from opengem.evaluation.evaluate import load_run_model
 from opengem.export import ArtifactError, Predictor, serve_smoke
 from opengem.export.artifact import load_manifest
 from opengem.export.request import Limits, rows_of, split_row, synthetic_request
 from opengem.export.server import create_app
 from opengem.export.smoke import free_port, wait_ready
+from opengem.run import load_run_model
 
 TOL = 1e-5
 

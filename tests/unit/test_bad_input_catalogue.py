@@ -20,10 +20,10 @@ from opengem.config import ConfigError, apply_overrides
 from opengem.data.loader import ShardLoader
 from opengem.data.parquet import DataError, ShardWriter
 from opengem.data.synthetic import build_schema, world_config
-from opengem.evaluation.evaluate import load_run_model
 from opengem.features.schema import FeatureSchema, SchemaError
 from opengem.parallel import ParallelConfigError, ParallelDims
 from opengem.recipes import recipe
+from opengem.run import load_run_model
 from opengem.testing import random_table, tiny_schema
 from opengem.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from opengem.train.trainer import train
