@@ -48,11 +48,11 @@ from opengem.model.heads import Heads
 from opengem.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 
 __all__ = [
-    "BASE_RATES_FILE", "CONFIG_FILE", "EVAL_METRICS_FILE", "EVALUATION_FILE", "FINAL_FILE", "METRICS_FILE", "QUARANTINE_DIR",
-    "RECALIBRATION_FILE", "REPORT_DIR", "SCHEMA_FILE", "TENSORBOARD_DIR", "TRANSFER_FILE", "USER_REP_FILE",
-    "RecalibrationError", "apply_recalibration", "gem_heads", "load_base_rates", "load_config", "load_final",
-    "load_recalibration", "load_run_model", "load_schema", "offsets_tensor", "save_base_rates", "save_config",
-    "save_final", "save_recalibration", "save_schema", "write_json",
+    "BASE_RATES_FILE", "CONFIG_FILE", "EVAL_METRICS_FILE", "EVALUATION_FILE", "FINAL_FILE", "METRICS_FILE",
+    "QUARANTINE_DIR", "RECALIBRATION_FILE", "REPORT_DIR", "SCHEMA_FILE", "TENSORBOARD_DIR", "TRANSFER_FILE",
+    "USER_REP_FILE", "RecalibrationError", "apply_recalibration", "gem_heads", "load_base_rates", "load_config",
+    "load_final", "load_recalibration", "load_run_model", "load_schema", "offset_groups", "offsets_tensor",
+    "save_base_rates", "save_config", "save_final", "save_recalibration", "save_schema", "write_json"
 ]
 
 CONFIG_FILE = "config.json"
@@ -158,11 +158,16 @@ def gem_heads(model: torch.nn.Module) -> Heads:
     return heads
 
 
+def offset_groups(heads: Heads, schema: FeatureSchema) -> list[str]:
+    """The names of the heads' output groups, the first half of an offset's key: the domains, or
+    ``["all"]`` with shared heads."""
+    return list(schema.domains.names) if heads.out_b.shape[0] == schema.num_domains else ["all"]
+
+
 def offsets_tensor(heads: Heads, offsets: dict[str, float], schema: FeatureSchema) -> torch.Tensor:
-    """{"<domain>/<task>": δ} → [G, T] in the heads' layout ("all/<task>" with shared heads)."""
-    G = heads.out_b.shape[0]
-    groups = list(schema.domains.names) if G == schema.num_domains else ["all"]
-    out = torch.zeros(G, len(schema.task_names), dtype=torch.float64)
+    """{"<group>/<task>": δ} → [G, T] in the heads' layout (``offset_groups``)."""
+    groups = offset_groups(heads, schema)
+    out = torch.zeros(len(groups), len(schema.task_names), dtype=torch.float64)
     for key, value in offsets.items():
         g, _, t = key.partition("/")
         if g not in groups or t not in schema.task_names:

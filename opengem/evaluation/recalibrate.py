@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from opengem.data.loader import ShardLoader
 from opengem.evaluation import EVAL_BATCH
 from opengem.features.schema import FeatureSchema
-from opengem.run import RecalibrationError, gem_heads, load_run_model, save_recalibration
+from opengem.run import RecalibrationError, gem_heads, load_run_model, offset_groups, save_recalibration
 
 
 @torch.no_grad()
@@ -113,7 +113,7 @@ def recalibrate_run(run_dir: str | Path, data_dir: str | Path, split: str = "val
     rows = head_inputs(model, schema, data_dir, split, batch_size or EVAL_BATCH, progress)
     G = heads.out_b.shape[0]
     delta = fit_offsets(heads, rows, G, prior_std)
-    groups = list(schema.domains.names) if G == schema.num_domains else ["all"]
+    groups = offset_groups(heads, schema)
 
     def calibration(shift: torch.Tensor) -> dict[str, float]:
         p = torch.sigmoid(heads.chain(rows["raw"] + shift[rows["group"]]))
