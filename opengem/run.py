@@ -1,7 +1,8 @@
 """The run directory: the third contract beside the feature schema and the ``Batch``.
 
 ``opengem train`` (and ``opengem distill``, for a student) writes a run directory; every later stage
-reads one: evaluation, recalibration, export, teachers, reports. Its files, each name spelled here::
+reads one: evaluation, recalibration, export, teachers, reports. Its files, each name spelled once: here,
+but for ``schema.json`` (the schema's own name) and ``checkpoints/`` (the checkpoint format's)::
 
     RUN/config.json         the full config (recipe + overrides); the model is rebuilt from it
     RUN/schema.json         the data's schema (``features.schema.SCHEMA_FILE``)
