@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from opengem.run import FINAL_FILE, METRICS_FILE
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -82,8 +84,8 @@ def train(n: int, data: Path, out: Path, a: argparse.Namespace) -> dict:
            "-m", "opengem", "--quiet", "train", "--recipe", a.recipe, "--data", str(data), "--out", str(run),
            *overrides]
     wall = _run(cmd, out / f"train-{n}.log")
-    final = json.loads((run / "final.json").read_text())
-    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    final = json.loads((run / FINAL_FILE).read_text())
+    recs = [json.loads(x) for x in (run / METRICS_FILE).read_text().splitlines()]
     prev = [0] + [r["examples"] for r in recs[:-1]]
     steps = [(r["examples"] - p, r["examples_per_s"]) for r, p in zip(recs, prev)]  # (rows, rows/s) per step
     steady = steps[a.warmup:] or steps[-1:]

@@ -35,6 +35,7 @@ from opengem.data.synthetic import generate
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import count_parameters
 from opengem.recipes import recipe, student_recipe, world_config
+from opengem.run import FINAL_FILE
 from opengem.train.trainer import train
 from opengem.transfer.config import techniques_config
 from opengem.transfer.distill import make_trainer
@@ -73,7 +74,7 @@ def world(args, seed: int):
 def run_seed(args, seed: int, root: Path, direct=DIRECT, hier=HIER, fm_row=FM, online=ONLINE) -> dict:
     data, run = root / f"data{seed}", root / f"gem{seed}"
     t0 = time.perf_counter()
-    if not (run / "final.json").exists():  # a kept --out directory is reused
+    if not (run / FINAL_FILE).exists():  # a kept --out directory is reused
         generate(world(args, seed), data, progress=False)
         cfg = apply_overrides(recipe(args.teacher), [f"train.seed={seed}", "train.progress=false", "train.threads=1",
                                                      *args.teacher_overrides])

@@ -148,7 +148,8 @@ def cmd_train(args) -> dict:
 
 
 def cmd_evaluate(args) -> dict:
-    from opengem.evaluation.evaluate import EVAL_BATCH, evaluate_run
+    from opengem.evaluation import EVAL_BATCH
+    from opengem.evaluation.evaluate import evaluate_run
 
     out = evaluate_run(args.run, args.data, args.split, args.batch_size or EVAL_BATCH, progress=not args.quiet,
                        signal=args.signal)

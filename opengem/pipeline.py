@@ -34,9 +34,10 @@ from opengem.evaluation.recalibrate import recalibrate_run
 from opengem.export.artifact import export_run
 from opengem.export.client import free_port, http, wait_ready
 from opengem.export.request import synthetic_request
-from opengem.features.schema import FeatureSchema
+from opengem.features.schema import SCHEMA_FILE, FeatureSchema
 from opengem.recipes import recipe, world_config
 from opengem.report.text import distill_line, format_table, recalibration_line
+from opengem.run import EVALUATION_FILE
 from opengem.train.trainer import train
 from opengem.transfer.distill import distill
 
@@ -78,7 +79,7 @@ def demo(out: str | Path, preset: str = "demo", seed: int = 0, overrides: Sequen
     times["total_s"] = time.perf_counter() - t0
     ev["train"] = {k: final[k] for k in ("steps", "examples", "examples_per_s", "parameters", "params_sha256")}
     ev["times"] = times
-    (out / "evaluation.json").write_text(json.dumps(ev, indent=2, default=str))
+    (out / EVALUATION_FILE).write_text(json.dumps(ev, indent=2, default=str))
     return {"evaluation": ev, "recalibration": recal, "served": served, "out": str(out)}
 
 
@@ -116,7 +117,7 @@ def serve_smoke(run_dir: str | Path, artifact_dir: str | Path, compile: bool = T
         try:
             times["startup_s"] = wait_ready(url, proc)
             runtime = http("GET", f"{url}/readyz")[1].get("runtime")
-            schema = FeatureSchema.load(Path(artifact_dir) / "schema.json")
+            schema = FeatureSchema.load(Path(artifact_dir) / SCHEMA_FILE)
             t1 = time.perf_counter()
             status, response = http("POST", f"{url}/v1/score", synthetic_request(schema, candidates, 20, seed=1))
             times["request_ms"] = (time.perf_counter() - t1) * 1e3
@@ -157,5 +158,5 @@ def format_demo(result: dict) -> str:
         lines.append(f"served {out / 'artifact'} ({'the vertical model' if 'distill' in ev else 'GEM'}, "
                      f"{served['runtime']}): one request of {len(next(iter(preds.values())))} candidates in "
                      f"{served['times']['request_ms']:.1f} ms; first candidate {first}")
-    lines.append(f"wrote {out / 'evaluation.json'}")
+    lines.append(f"wrote {out / EVALUATION_FILE}")
     return "\n".join(lines)

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from opengem.features.schema import FeatureSchema, SchemaError
+from opengem.features.schema import SCHEMA_FILE, FeatureSchema, SchemaError
 
 MANIFEST = "dataset.json"
 
@@ -103,7 +103,7 @@ class ShardWriter:
         return info
 
     def close(self, splits: dict[str, list[int]], source: dict | None = None) -> DatasetManifest:
-        self.schema.save(self.out / "schema.json")
+        self.schema.save(self.out / SCHEMA_FILE)
         files = sorted(self.files, key=lambda f: (f.day, f.path))
         manifest = DatasetManifest(files=files, splits=splits, source=source or {})
         tmp = self.out / (MANIFEST + ".tmp")

@@ -6,10 +6,10 @@ appended as numpy chunks and concatenated lazily. Besides the real domains, ever
 ``"all"`` pseudo-domain that pools all domains; it is reported as ``"all/<task>"`` and computed from
 the per-domain arrays (nothing is stored twice).
 
-:class:`RateCounter` keeps only label sums and counts; the trainer uses it to record the training
-base rates that NE is normalised by.
+Base rates without stored predictions (what the trainer records, NE's normaliser) are counted by
+``opengem.data.base_rates.RateCounter``, which applies the same input checks.
 
-Both accept torch tensors (detached and moved to CPU here) or numpy arrays. In multi-process
+It accepts torch tensors (detached and moved to CPU here) or numpy arrays. In multi-process
 evaluation each rank updates with its own shard of the data and then calls ``reduce()`` once; after
 that every rank holds the global state.
 """
@@ -21,96 +21,19 @@ from typing import Any
 
 import numpy as np
 
-from opengem.evaluation.metrics import _check_labels, _check_probs, reliability_bins, summarize
+from opengem.data.base_rates import (
+    ALL_DOMAIN,
+    as_2d,
+    check_labels,
+    check_names,
+    domain_index,
+    initialized_dist,
+    mask_2d,
+    to_numpy,
+)
+from opengem.evaluation.metrics import _check_probs, reliability_bins, summarize
 
-__all__ = ["ALL_DOMAIN", "MetricAccumulator", "RateCounter"]
-
-ALL_DOMAIN = "all"
-
-
-# ------------------------------------------------------------------------------------- helpers
-
-
-def _to_numpy(x: Any, name: str) -> np.ndarray:
-    """torch tensor or array-like -> numpy array (floats below 32 bits are widened to float32)."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a hard dependency of the project
-        torch = None
-    if torch is not None and isinstance(x, torch.Tensor):
-        t = x.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if t.is_floating_point() and t.dtype not in (torch.float32, torch.float64):
-            t = t.float()
-        return t.numpy()
-    arr = np.asarray(x)
-    if arr.dtype.kind == "f" and arr.dtype.itemsize < 4:
-        arr = arr.astype(np.float32)
-    if arr.dtype.kind not in "biuf":
-        raise ValueError(f"{name} must be numeric, got dtype {arr.dtype}")
-    return arr
-
-
-def _as_2d(x: Any, name: str, num_tasks: int) -> np.ndarray:
-    arr = _to_numpy(x, name)
-    if arr.ndim == 1 and num_tasks == 1:
-        arr = arr[:, None]
-    if arr.ndim != 2 or arr.shape[1] != num_tasks:
-        raise ValueError(f"{name} must have shape [B, {num_tasks}] (one column per task), got {arr.shape}")
-    return arr
-
-
-def _domain_index(domains: Any, batch: int, num_domains: int) -> np.ndarray:
-    d = _to_numpy(domains, "domains")
-    if d.ndim != 1 or d.shape[0] != batch:
-        raise ValueError(f"domains must have shape [{batch}], got {d.shape}")
-    if d.dtype.kind == "f":
-        if not np.all(np.isfinite(d)) or not np.all(d == np.round(d)):
-            raise ValueError("domains must hold integer domain indices")
-    elif d.dtype.kind not in "biu":
-        raise ValueError(f"domains must be integer, got dtype {d.dtype}")
-    d = d.astype(np.int64, copy=False)
-    if d.size and (int(d.min()) < 0 or int(d.max()) >= num_domains):
-        raise ValueError(
-            f"domains must lie in [0, {num_domains}), got values in [{int(d.min())}, {int(d.max())}]"
-        )
-    return d
-
-
-def _mask_2d(mask: Any, batch: int, num_tasks: int) -> np.ndarray:
-    if mask is None:
-        return np.ones((batch, num_tasks), dtype=bool)
-    m = _as_2d(mask, "mask", num_tasks)
-    if m.shape[0] != batch:
-        raise ValueError(f"mask has {m.shape[0]} rows but probs has {batch}")
-    if m.dtype != np.bool_:
-        if not np.all((m == 0) | (m == 1)):
-            raise ValueError("mask must be boolean (or 0/1)")
-        m = m.astype(bool)
-    return m
-
-
-def _check_names(names: Sequence[str], what: str) -> list[str]:
-    names = list(names)
-    if not names:
-        raise ValueError(f"{what} must not be empty")
-    if any(not isinstance(n, str) or not n or "/" in n for n in names):
-        raise ValueError(f"{what} must be non-empty strings without '/', got {names}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"{what} contain duplicates: {names}")
-    return names
-
-
-def _dist():
-    """torch.distributed if it is available and initialised, else None."""
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover
-        return None
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    return dist
+__all__ = ["ALL_DOMAIN", "MetricAccumulator"]
 
 
 # -------------------------------------------------------------------------- MetricAccumulator
@@ -167,8 +90,8 @@ class MetricAccumulator:
         task_names: Sequence[str],
         base_rates: Mapping[str, float] | None = None,
     ) -> None:
-        self.domain_names = _check_names(domain_names, "domain_names")
-        self.task_names = _check_names(task_names, "task_names")
+        self.domain_names = check_names(domain_names, "domain_names")
+        self.task_names = check_names(task_names, "task_names")
         if ALL_DOMAIN in self.domain_names:
             raise ValueError(f"domain name {ALL_DOMAIN!r} is reserved for the pooled pseudo-domain")
         self.base_rates = None if base_rates is None else self._check_base_rates(base_rates)
@@ -240,23 +163,23 @@ class MetricAccumulator:
         if self._reduced:
             raise RuntimeError("update() after reduce(); call reset() to start a new evaluation")
         num_t = len(self.task_names)
-        p = _as_2d(probs, "probs", num_t)
+        p = as_2d(probs, "probs", num_t)
         batch = p.shape[0]
-        y = _as_2d(labels, "labels", num_t)
+        y = as_2d(labels, "labels", num_t)
         if y.shape[0] != batch:
             raise ValueError(f"labels has {y.shape[0]} rows but probs has {batch}")
-        m = _mask_2d(mask, batch, num_t)
-        d = _domain_index(domains, batch, len(self.domain_names))
+        m = mask_2d(mask, batch, num_t)
+        d = domain_index(domains, batch, len(self.domain_names))
         g = None
         if groups is not None:
-            g = _to_numpy(groups, "groups")
+            g = to_numpy(groups, "groups")
             if g.ndim != 1 or g.shape[0] != batch:
                 raise ValueError(f"groups must have shape [{batch}], got {g.shape}")
             if g.dtype.kind == "f" and np.isnan(g).any():
                 raise ValueError("groups contains NaN")
         pt = None
         if true_probs is not None:
-            pt = _as_2d(true_probs, "true_probs", num_t)
+            pt = as_2d(true_probs, "true_probs", num_t)
             if pt.shape[0] != batch:
                 raise ValueError(f"true_probs has {pt.shape[0]} rows but probs has {batch}")
         has_groups = self._consistent(self._has_groups, g is not None, "groups")
@@ -272,7 +195,7 @@ class MetricAccumulator:
             ptc = None if pt is None else pt[rows, t]
             try:  # masked-out entries are not looked at: they may hold anything
                 _check_probs(pc, "probs")
-                yc = _check_labels(yc, "labels").astype(np.int8)
+                yc = check_labels(yc, "labels").astype(np.int8)
                 if ptc is not None:
                     ptc = _check_probs(ptc, "true_probs")
             except ValueError as e:
@@ -377,7 +300,7 @@ class MetricAccumulator:
 
         Only slices with rows appear. The result can be passed as ``base_rates`` of another
         accumulator (it is how training base rates are recorded when predictions are kept anyway;
-        otherwise use :class:`RateCounter`).
+        otherwise use ``opengem.data.base_rates.RateCounter``).
         """
         out: dict[str, float] = {}
         for domain, t, task in self._keys():
@@ -398,7 +321,7 @@ class MetricAccumulator:
         initialised. With NCCL, ``torch.cuda.set_device`` must have been called (as
         all_gather_object requires).
         """
-        dist = _dist()
+        dist = initialized_dist()
         if dist is None:
             return
         if self._reduced:
@@ -431,79 +354,3 @@ class MetricAccumulator:
                     sl.pt.append(pt)
         self._slices = slices
         self._reduced = True
-
-
-# --------------------------------------------------------------------------------- RateCounter
-
-
-class RateCounter:
-    """Label sums and counts per (domain, task): base rates without storing predictions.
-
-    ``update(labels [B, T], mask [B, T], domains [B])``; ``rates()`` gives the mean label per
-    ``"<task>"`` and ``"<domain>/<task>"`` in the same format as
-    :meth:`MetricAccumulator.label_rates`, suitable as ``base_rates``.
-    """
-
-    def __init__(self, domain_names: Sequence[str], task_names: Sequence[str]) -> None:
-        self.domain_names = _check_names(domain_names, "domain_names")
-        self.task_names = _check_names(task_names, "task_names")
-        if ALL_DOMAIN in self.domain_names:
-            raise ValueError(f"domain name {ALL_DOMAIN!r} is reserved for the pooled pseudo-domain")
-        self.reset()
-
-    def reset(self) -> None:
-        shape = (len(self.domain_names), len(self.task_names))
-        self.sums = np.zeros(shape, dtype=np.float64)
-        self.counts = np.zeros(shape, dtype=np.float64)
-        self._reduced = False
-
-    def update(self, labels: Any, mask: Any, domains: Any) -> None:
-        """Add the labelled rows (``mask`` true) of one batch; masked-out labels are ignored."""
-        if self._reduced:
-            raise RuntimeError("update() after reduce(); call reset() to start over")
-        num_t, num_d = len(self.task_names), len(self.domain_names)
-        y = _as_2d(labels, "labels", num_t)
-        batch = y.shape[0]
-        m = _mask_2d(mask, batch, num_t)
-        d = _domain_index(domains, batch, num_d)
-        for t, task in enumerate(self.task_names):
-            rows = np.flatnonzero(m[:, t])
-            if rows.size == 0:
-                continue
-            try:
-                yc = _check_labels(y[rows, t], "labels")
-            except ValueError as e:
-                raise ValueError(f"task {task!r}: {e}") from None
-            self.sums[:, t] += np.bincount(d[rows], weights=yc, minlength=num_d)
-            self.counts[:, t] += np.bincount(d[rows], minlength=num_d)
-
-    def rates(self) -> dict[str, float]:
-        """Mean label per ``"<task>"`` and per ``"<domain>/<task>"`` (slices with rows only)."""
-        out: dict[str, float] = {}
-        for t, task in enumerate(self.task_names):
-            total = float(self.counts[:, t].sum())
-            if total > 0:
-                out[task] = float(self.sums[:, t].sum()) / total
-            for di, domain in enumerate(self.domain_names):
-                c = float(self.counts[di, t])
-                if c > 0:
-                    out[f"{domain}/{task}"] = float(self.sums[di, t]) / c
-        return out
-
-    def reduce(self, group: Any = None) -> None:
-        """Sum the counters of all ranks (``all_reduce``); call once. No-op without torch.distributed."""
-        dist = _dist()
-        if dist is None:
-            return
-        if self._reduced:
-            raise RuntimeError("reduce() was already called; call reset() to start over")
-        import torch
-
-        buf = torch.from_numpy(np.stack([self.sums, self.counts]))
-        if dist.get_backend(group) == "nccl":
-            buf = buf.cuda()
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
-        buf = buf.cpu().numpy()
-        self.sums, self.counts = buf[0].copy(), buf[1].copy()
-        self._reduced = True
-

@@ -7,44 +7,17 @@ slice also reports ``ne_bayes`` and ``captured = (1 − ne) / (1 − ne_bayes)``
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from opengem.config import Config
 from opengem.data.loader import ShardLoader
+from opengem.evaluation import EVAL_BATCH
 from opengem.evaluation.accumulator import MetricAccumulator
+from opengem.evaluation.signal import signal_decomposition
 from opengem.features.schema import FeatureSchema, SchemaError
-from opengem.model.build import build_gem, materialize
-from opengem.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
-
-
-def load_run_model(run_dir: str | Path, recalibrated: bool = True) -> tuple[torch.nn.Module, Config, FeatureSchema]:
-    """The trained model of a run (latest checkpoint), single process, in eval mode; with
-    ``recalibrated``, plus the offsets of ``RUN/recalibration.json`` if the run has been recalibrated
-    (``opengem.evaluation.recalibrate``)."""
-    run = Path(run_dir)
-    if not (run / "config.json").exists():
-        raise CheckpointError(f"{run}: no config.json (not a training run directory)")
-    cfg = Config.from_dict(json.loads((run / "config.json").read_text()))
-    schema = FeatureSchema.load(run / "schema.json")
-    ckpt = latest_checkpoint(run)
-    if ckpt is None:
-        raise CheckpointError(f"{run}: no checkpoint (did training finish?)")
-    model = materialize(build_gem(schema, cfg.model), "cpu")
-    load_checkpoint(ckpt, model, expect={"schema": schema.fingerprint()})
-    if recalibrated:
-        from opengem.evaluation.recalibrate import apply_recalibration
-
-        apply_recalibration(model, run, schema)
-    return model.eval(), cfg, schema
-
-
-# Rows per forward when scoring. On CPU the demo model scores 4,474 rows/s at 1,024 and 3,168 at 4,096
-# (two threads): the bigger batch's sequence buffers outgrow the caches.
-EVAL_BATCH = 1024
+from opengem.run import load_base_rates, load_recalibration, load_run_model
 
 
 @torch.no_grad()
@@ -72,15 +45,12 @@ def evaluate_run(run_dir: str | Path, data_dir: str | Path, split: str = "test",
     data_schema = FeatureSchema.load(data_dir)
     if data_schema.fingerprint() != schema.fingerprint():
         raise SchemaError(f"{data_dir}: its schema differs from the one run {run_dir} was trained on")
-    rates = json.loads((Path(run_dir) / "base_rates.json").read_text())
-    out = evaluate_model(model, schema, data_dir, split, rates, batch_size, progress)
+    out = evaluate_model(model, schema, data_dir, split, load_base_rates(run_dir), batch_size, progress)
     out["run"] = str(run_dir)
     out["recipe"] = cfg.recipe
-    recal = Path(run_dir) / "recalibration.json"
-    if recal.exists():
-        out["recalibration"] = json.loads(recal.read_text())
+    recal = load_recalibration(run_dir)
+    if recal is not None:
+        out["recalibration"] = recal
     if signal:
-        from opengem.evaluation.signal import signal_decomposition
-
         out["signal"] = signal_decomposition(model, schema, data_dir, split, batch_size)
     return out

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from opengem.data.base_rates import as_1d, check_labels
+
 __all__ = [
     "auc",
     "calibration",
@@ -45,13 +47,6 @@ __all__ = [
 # --------------------------------------------------------------------------------------- checks
 
 
-def _as_1d(x: Any, name: str) -> np.ndarray:
-    arr = np.asarray(x)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    return arr
-
-
 def _same_length(n: int, arr: np.ndarray, name: str, ref: str) -> None:
     if arr.shape[0] != n:
         raise ValueError(f"length mismatch: {name} has {arr.shape[0]} rows but {ref} has {n}")
@@ -59,7 +54,7 @@ def _same_length(n: int, arr: np.ndarray, name: str, ref: str) -> None:
 
 def _check_probs(x: Any, name: str = "p") -> np.ndarray:
     """Return ``x`` as float64 1-D; raise ValueError on NaN or values outside [0, 1]."""
-    arr = _as_1d(x, name)
+    arr = as_1d(x, name)
     if arr.dtype.kind not in "biuf":
         raise ValueError(f"{name} must be numeric, got dtype {arr.dtype}")
     arr = arr.astype(np.float64, copy=False)
@@ -73,23 +68,8 @@ def _check_probs(x: Any, name: str = "p") -> np.ndarray:
     return arr
 
 
-def _check_labels(x: Any, name: str = "y") -> np.ndarray:
-    """Return ``x`` as float64 1-D; raise ValueError unless every value is 0 or 1."""
-    arr = _as_1d(x, name)
-    if arr.dtype.kind not in "biuf":
-        raise ValueError(f"{name} must be numeric or bool, got dtype {arr.dtype}")
-    arr = arr.astype(np.float64, copy=False)
-    bad = ~((arr == 0.0) | (arr == 1.0))
-    if bad.any():
-        example = arr[np.flatnonzero(bad)[0]]
-        raise ValueError(
-            f"{name} (labels) must be 0 or 1; {int(bad.sum())} value(s) are not, e.g. {example}"
-        )
-    return arr
-
-
 def _check_weights(x: Any, n: int, name: str = "w") -> np.ndarray:
-    arr = _as_1d(x, name)
+    arr = as_1d(x, name)
     _same_length(n, arr, name, "p")
     if arr.dtype.kind not in "biuf":
         raise ValueError(f"{name} must be numeric, got dtype {arr.dtype}")
@@ -100,7 +80,7 @@ def _check_weights(x: Any, n: int, name: str = "w") -> np.ndarray:
 
 
 def _check_groups(x: Any, n: int, name: str = "groups") -> np.ndarray:
-    arr = _as_1d(x, name)
+    arr = as_1d(x, name)
     _same_length(n, arr, name, "p")
     if arr.dtype.kind == "f" and np.isnan(arr).any():
         raise ValueError(f"{name} contains NaN")
@@ -109,7 +89,7 @@ def _check_groups(x: Any, n: int, name: str = "groups") -> np.ndarray:
 
 def _check_py(p: Any, y: Any, w: Any = None, p_name: str = "p"):
     p = _check_probs(p, p_name)
-    y = _check_labels(y)
+    y = check_labels(y)
     _same_length(p.shape[0], y, "y", p_name)
     if w is not None:
         w = _check_weights(w, p.shape[0])

@@ -14,8 +14,8 @@ task by task in schema order (a chained task is fitted with its parent's offsets
 prior σ (``prior_std``, 0.1) is the spread of the click offsets over four training seeds of the demo
 (−0.05 to +0.17); it keeps a slice with few labels near 0: σ = 0.5 fitted +0.13 to video conversion
 from ~70 valid conversions, and that slice's test calibration went 1.04 → 1.21. The offsets are written to
-``RUN/recalibration.json``; ``load_run_model`` adds them to ``heads.out_b``, so evaluation, export,
-serving and teachers all read the recalibrated model, and the checkpoint itself is never changed.
+``RUN/recalibration.json``; ``opengem.run.load_run_model`` adds them to ``heads.out_b``, so evaluation,
+export, serving and teachers all read the recalibrated model, and the checkpoint itself is never changed.
 The fitting split must not be the evaluation split: ``valid`` (the days between train and test).
 
 Measured on the demo world (four training seeds, test day): click calibration 0.86–1.02 → 0.97–0.98,
@@ -25,7 +25,6 @@ unchanged (0.885 ± 0.004 mean either way).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -33,22 +32,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from opengem.data.loader import ShardLoader
+from opengem.evaluation import EVAL_BATCH
 from opengem.features.schema import FeatureSchema
-
-RECALIBRATION_FILE = "recalibration.json"
-
-
-class RecalibrationError(ValueError):
-    """The run or split cannot be recalibrated; the message says why."""
-
-
-def _heads(model: torch.nn.Module):
-    from opengem.model.heads import Heads
-
-    heads = getattr(model, "heads", None)
-    if not isinstance(heads, Heads):
-        raise RecalibrationError(f"{type(model).__name__} has no GEM heads to recalibrate (peer baselines have none)")
-    return heads
+from opengem.run import RecalibrationError, gem_heads, load_run_model, offset_groups, save_recalibration
 
 
 @torch.no_grad()
@@ -56,7 +42,7 @@ def head_inputs(model: torch.nn.Module, schema: FeatureSchema, data_dir: str | P
                 batch_size: int, progress: bool = True) -> dict[str, torch.Tensor]:
     """Each row's raw (pre-chain) logits [R, T], output group [R], labels, label mask [R, T] and
     weight [R] on ``split``, read through a forward hook on the heads (any model with GEM heads)."""
-    heads = _heads(model)
+    heads = gem_heads(model)
     loader = ShardLoader(data_dir, split, batch_size, schema, shuffle=False, epochs=1,
                          max_seq_len=model.max_seq_len(), prefetch=2)
     seen: list[tuple] = []
@@ -112,38 +98,10 @@ def _fit_task(heads, rows: dict[str, torch.Tensor], w_R: torch.Tensor, delta: to
     return d.detach()
 
 
-def offsets_tensor(heads, offsets: dict[str, float], schema: FeatureSchema) -> torch.Tensor:
-    """{"<domain>/<task>": δ} → [G, T] in the heads' layout ("all/<task>" with shared heads)."""
-    G = heads.out_b.shape[0]
-    groups = list(schema.domains.names) if G == schema.num_domains else ["all"]
-    out = torch.zeros(G, len(schema.task_names), dtype=torch.float64)
-    for key, value in offsets.items():
-        g, _, t = key.partition("/")
-        if g not in groups or t not in schema.task_names:
-            raise RecalibrationError(f"{RECALIBRATION_FILE}: unknown slice {key!r} (groups {groups}, "
-                                     f"tasks {schema.task_names})")
-        out[groups.index(g), schema.task_names.index(t)] = float(value)
-    return out
-
-
-def apply_recalibration(model: torch.nn.Module, run_dir: str | Path, schema: FeatureSchema) -> dict | None:
-    """Add the run's fitted offsets (if any) to the heads' output biases; returns the file's record."""
-    path = Path(run_dir) / RECALIBRATION_FILE
-    if not path.exists():
-        return None
-    record = json.loads(path.read_text())
-    heads = _heads(model)
-    with torch.no_grad():
-        heads.out_b.add_(offsets_tensor(heads, record["offsets"], schema).to(heads.out_b.dtype))
-    return record
-
-
 def recalibrate_run(run_dir: str | Path, data_dir: str | Path, split: str = "valid", prior_std: float = 0.1,
                     batch_size: int | None = None, progress: bool = True) -> dict:
     """Fit the offsets of a run on ``split`` and write ``RUN/recalibration.json``; returns its record
     (offsets and each slice's calibration Σp/Σy on ``split`` before and after)."""
-    from opengem.evaluation.evaluate import EVAL_BATCH, load_run_model
-
     if split == "test":
         raise RecalibrationError("fitting the recalibration on the test split would grade the model on its own "
                                  "answer key; use valid (the days between train and test)")
@@ -151,11 +109,11 @@ def recalibrate_run(run_dir: str | Path, data_dir: str | Path, split: str = "val
     data_schema = FeatureSchema.load(data_dir)
     if data_schema.fingerprint() != schema.fingerprint():
         raise RecalibrationError(f"{data_dir}: its schema differs from the one run {run_dir} was trained on")
-    heads = _heads(model)
+    heads = gem_heads(model)
     rows = head_inputs(model, schema, data_dir, split, batch_size or EVAL_BATCH, progress)
     G = heads.out_b.shape[0]
     delta = fit_offsets(heads, rows, G, prior_std)
-    groups = list(schema.domains.names) if G == schema.num_domains else ["all"]
+    groups = offset_groups(heads, schema)
 
     def calibration(shift: torch.Tensor) -> dict[str, float]:
         p = torch.sigmoid(heads.chain(rows["raw"] + shift[rows["group"]]))
@@ -174,5 +132,5 @@ def recalibrate_run(run_dir: str | Path, data_dir: str | Path, split: str = "val
               "offsets": {f"{g}/{t}": round(float(delta[i, j]), 6) for i, g in enumerate(groups)
                           for j, t in enumerate(schema.task_names)},
               "calibration_before": before, "calibration_after": after}
-    (Path(run_dir) / RECALIBRATION_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    save_recalibration(run_dir, record)
     return record

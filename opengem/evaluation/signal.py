@@ -23,7 +23,9 @@ import torch
 
 from opengem.data.loader import ShardLoader
 from opengem.data.parquet import DatasetManifest
-from opengem.evaluation.evaluate import EVAL_BATCH
+from opengem.data.synthetic import columns_from_table, world_from_manifest
+from opengem.data.synthetic_world import probabilities
+from opengem.evaluation import EVAL_BATCH
 from opengem.features.schema import FeatureSchema
 
 
@@ -51,9 +53,6 @@ def signal_decomposition(model, schema: FeatureSchema, data_dir: str | Path, spl
 
     ``model(batch)`` returns logits [B, T] in schema task order (click, then conversion chained on it).
     """
-    from opengem.data.synthetic import columns_from_table, world_from_manifest
-    from opengem.data.synthetic_world import probabilities
-
     manifest = DatasetManifest.load(data_dir)
     world = world_from_manifest(manifest)  # raises on non-synthetic data
     loader = ShardLoader(data_dir, split, batch_size, schema, shuffle=False, epochs=1,

@@ -49,15 +49,22 @@ import shutil
 import time
 from importlib import metadata
 from pathlib import Path
+from unittest import mock
 
+import pyarrow as pa
 import torch
+import torch.fx.experimental._config as fx_config
 
+from opengem.data.batch import collate
+from opengem.evaluation.evaluate import evaluate_model
 from opengem.export.layout import Layout, assemble
 from opengem.export.program import serving_module
 from opengem.export.request import parse, request_models, rows_of, synthetic_request
 from opengem.export.tables import compress, tables_info
-from opengem.features.schema import FeatureSchema
+from opengem.features.schema import SCHEMA_FILE, FeatureSchema
+from opengem.model.build import count_parameters
 from opengem.ops.quantize import table_bytes
+from opengem.run import EVALUATION_FILE, load_base_rates, load_final, load_recalibration, load_run_model
 
 log = logging.getLogger("opengem.export")
 FORMAT, FORMAT_VERSION = "opengem-artifact", 1
@@ -123,10 +130,6 @@ def export_program(module: torch.nn.Module, x: dict) -> torch.export.ExportedPro
     that AOTInductor calls costs ~110 µs a call (6 calls per VM forward, one core), while the
     math compiles into the graph's own loops (the VM's program at 64 candidates: 1.15 → 0.95 ms).
     """
-    from unittest import mock
-
-    import torch.fx.experimental._config as fx_config
-
     with fx_config.patch(backed_size_oblivious=True), torch.no_grad(), \
             mock.patch("torch.nn.functional.scaled_dot_product_attention", attention_math):
         return torch.export.export(module, (x,), dynamic_shapes=(_dynamic_shapes(x),), strict=False)
@@ -146,10 +149,6 @@ def attention_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
 def parity(model, schema: FeatureSchema, layout: Layout, programs: dict, fp32_model=None) -> dict:
     """max |Δp| of each program vs the training model's forward on the same rows (collated);
     ``fp32_model``: also max |Δp| of ``model`` (tables compressed) vs the uncompressed one."""
-    import pyarrow as pa
-
-    from opengem.data.batch import collate
-
     # the first request's histories are twice the limit, so the batch holds full recent windows, as
     # training batches do (see opengem.export.layout on why that matters for the reference)
     reqs = example_requests(schema, layout, [(3, -1), (2, 0), (5, 7), (4, 1)], seed=11, oov=True)
@@ -168,7 +167,7 @@ def parity(model, schema: FeatureSchema, layout: Layout, programs: dict, fp32_mo
 
 def find_evaluation(run: Path) -> dict | None:
     """An evaluation.json of this run (in the run or beside it, as ``opengem demo`` writes it)."""
-    for p in (run / "evaluation.json", run.parent / "evaluation.json"):
+    for p in (run / EVALUATION_FILE, run.parent / EVALUATION_FILE):
         if p.exists():
             ev = json.loads(p.read_text())
             if Path(ev.get("run", "")).resolve() == run.resolve():
@@ -184,9 +183,6 @@ def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | 
     of the run is recorded if one exists). ``compile``: also build the AOTInductor package.
     ``table_dtype``: fp32 | fp16 | int8 embedding tables in the artifact (see the module docstring).
     """
-    from opengem.evaluation.evaluate import load_run_model
-    from opengem.model.build import count_parameters
-
     run, out = Path(run_dir), Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ArtifactError(f"{out} exists and is not empty (artifacts are immutable; pick a new directory)")
@@ -202,7 +198,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    schema.save(tmp / "schema.json")
+    schema.save(tmp / SCHEMA_FILE)
     (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     torch.save(model.state_dict(), tmp / "weights.pt")
 
@@ -230,14 +226,12 @@ def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | 
 
     evaluation = None
     if data_dir is not None:
-        from opengem.evaluation.evaluate import evaluate_model
-
-        rates = json.loads((run / "base_rates.json").read_text())
-        ev = evaluate_model(model, schema, data_dir, split, rates, progress=False)
+        ev = evaluate_model(model, schema, data_dir, split, load_base_rates(run), progress=False)
         evaluation = {"source": f"evaluated at export on split {split!r}", "split": split, "metrics": ev["metrics"]}
     else:
         evaluation = find_evaluation(run)
-    final = json.loads((run / "final.json").read_text()) if (run / "final.json").exists() else {}
+    final = load_final(run) or {}
+    recalibration = load_recalibration(run)
     files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
     manifest = {
         "format": FORMAT,
@@ -249,8 +243,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | 
                   "schema_fingerprint": schema.fingerprint(), "tasks": schema.task_names},
         "run": {"name": run.name, "checkpoint": final.get("checkpoint"), "steps": final.get("steps"),
                 "params_sha256": final.get("params_sha256"),  # of the checkpoint, before any recalibration
-                "recalibration": (json.loads((run / "recalibration.json").read_text())["offsets"]
-                                  if (run / "recalibration.json").exists() else None)},
+                "recalibration": recalibration["offsets"] if recalibration is not None else None},
         "layout": layout.to_dict(),
         "tables": tables_info(model, table_dtype, fp32_bytes),
         "export": {"method": "torch.export (non-strict, dynamic shapes)", "aoti": "aoti" in programs,
@@ -269,13 +262,13 @@ def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | 
 
 def compile_aoti(ep: torch.export.ExportedProgram, path: Path):
     """AOTInductor: the exported program compiled to a shared library for this CPU (a C++ compiler is needed)."""
-    import torch._inductor
+    import torch._inductor  # heavy (the compiler stack): imported only when compiling
 
     torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
     return torch._inductor.aoti_load_package(str(path))
 
 
-def load_manifest(artifact_dir: str | Path, verify: tuple[str, ...] = ("schema.json", "program.pt2")) -> dict:
+def load_manifest(artifact_dir: str | Path, verify: tuple[str, ...] = (SCHEMA_FILE, "program.pt2")) -> dict:
     """The manifest of an artifact, after checking its format and the hashes of the files in ``verify``."""
     root = Path(artifact_dir)
     p = root / "manifest.json"

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from opengem.export.artifact import ArtifactError, load_manifest
 from opengem.export.layout import Layout, assemble
 from opengem.export.request import Limits, ParsedRequest, error_from_validation, parse, request_models
-from opengem.features.schema import FeatureSchema
+from opengem.features.schema import SCHEMA_FILE, FeatureSchema
 
 log = logging.getLogger("opengem.export")
 RUNTIMES = ("aoti", "exported", "eager")
@@ -49,8 +49,8 @@ class Predictor:
 
     def __init__(self, artifact_dir: str | Path, runtime: str = "auto", limits: Limits | None = None):
         self.root = Path(artifact_dir)
-        self.manifest = load_manifest(self.root, verify=("schema.json",))
-        self.schema = FeatureSchema.load(self.root / "schema.json")
+        self.manifest = load_manifest(self.root, verify=(SCHEMA_FILE,))
+        self.schema = FeatureSchema.load(self.root / SCHEMA_FILE)
         self.layout = Layout(**self.manifest["layout"])
         self.tasks = self.schema.task_names
         self.version = self.manifest["model_version"]

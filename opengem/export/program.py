@@ -37,7 +37,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from opengem.export.tables import packed_tables, without_tables
 from opengem.model.foundation import GEM, signed_log
+from opengem.model.student import Student
 
 
 class ServingGEM(nn.Module):
@@ -237,14 +239,15 @@ def serving_module(model: nn.Module) -> nn.Module:
 
     GEM has its adapter here, over ``PackedTable``s of its tables (a GEM whose tables ``quantize_tables``
     swapped for ``torchrec.quant`` ones serves their compressed rows, see ``opengem.export.tables``),
-    on a copy of GEM without its TorchRec tables (so the program holds each row once); any other model (e.g. a
-    distilled student) exports by defining ``serving_module()`` that returns a module taking the
-    same input dict (see the module docstring).
+    on a copy of GEM without its TorchRec tables (so the program holds each row once). A ``Student``
+    serves its backbone (the aux head is training-only), reading the backbone's own tables. Any other
+    model exports by defining ``serving_module()`` that returns a module taking the same input dict
+    (see the module docstring).
     """
     if isinstance(model, GEM):
-        from opengem.export.tables import packed_tables, without_tables
-
         return ServingGEM(without_tables(model), packed_tables(model.sparse_arch)).eval()
+    if isinstance(model, Student):
+        return ServingGEM(model.backbone).eval()
     if hasattr(model, "serving_module"):
         return model.serving_module().eval()
     raise TypeError(f"{type(model).__name__} has no serving adapter: define serving_module() on it "

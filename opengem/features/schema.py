@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 SCHEMA_VERSION = 1
+SCHEMA_FILE = "schema.json"  # its name in a data directory, a run directory and an artifact
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -287,7 +288,7 @@ class FeatureSchema:
     def load(cls, path: str | Path) -> "FeatureSchema":
         p = Path(path)
         if p.is_dir():
-            p = p / "schema.json"
+            p = p / SCHEMA_FILE
         return cls.from_dict(read_json(p, SchemaError, "schema file"))
 
     def fingerprint(self) -> str:

@@ -116,11 +116,6 @@ class Student(nn.Module):
         sparse = {id(p) for p in self.backbone.sparse_parameters()}
         return [p for p in self.parameters() if id(p) not in sparse and p.requires_grad]
 
-    def serving_module(self) -> nn.Module:
-        from opengem.export.program import ServingGEM  # export imports model, never the reverse at import time
-
-        return ServingGEM(self.backbone).eval()
-
 
 def build_student(schema: FeatureSchema, cfg, base_rates: list[float], seed: int = 0,
                   aux_heads: HeadsConfig | None = None, aux_label_scale: float = 1.0,

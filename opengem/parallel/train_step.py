@@ -7,6 +7,7 @@ Per step (the trainer's order; only the marked calls differ from one process)::
                                                  the lr it applies in backward at forward time)
     logits = model(local_batch)                 each rank: its own rows
     loss, table = global_masked_bce(...)   (*)  so that the mean over ranks is the global-batch loss
+                                                 (``opengem.train.losses``: a loss, not a sharding API)
     dense_opt.zero_grad(); sparse_opt.zero_grad()   (the second has no gradients to clear)
     loss.backward()                             FSDP reduce-scatters dense grads (mean over ranks);
                                                  tables update in place (fused)
@@ -29,30 +30,10 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 from opengem.parallel.launch import comm_device
-from opengem.train.losses import masked_bce
 
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def global_masked_bce(logits_BT, labels_BT, mask_BT, weights_B, task_weights_T, domain_B=None, num_domains=1):
-    """``masked_bce`` scaled so that the mean over ranks equals ``masked_bce`` of the global batch.
-
-    Each task's loss is a mean over its labelled rows; when ranks hold different numbers of them the
-    mean of per-rank means is not the global mean. Using the global denominators (one all-reduce of
-    T numbers, no gradient) and multiplying by the world size fixes that: FSDP and TorchRec both
-    average gradients over ranks. The returned per-(domain, task) table is this rank's.
-    """
-    W = _world()
-    if W == 1:
-        return masked_bce(logits_BT, labels_BT, mask_BT, weights_B, task_weights_T, domain_B, num_domains)
-    with torch.no_grad():
-        den_local = (mask_BT.to(logits_BT.dtype) * weights_B.unsqueeze(1)).sum(0)
-        den_global = den_local.clone()
-        dist.all_reduce(den_global)
-        scale = W * den_local.clamp(min=1e-12) / den_global.clamp(min=1e-12)
-    return masked_bce(logits_BT, labels_BT, mask_BT, weights_B, task_weights_T * scale, domain_B, num_domains)
 
 
 def global_mean(x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from pathlib import Path
 from opengem.report import plots
 from opengem.report.calibration import MIN_ROWS, compute_bins
 from opengem.report.sources import Sources, load_sources
+from opengem.run import REPORT_DIR
 
 EVAL_COLUMNS = ("ne", "ne_bayes", "captured", "auc", "gauc", "calibration", "logloss", "n", "positives")
 
@@ -45,7 +46,7 @@ class Report:
 def build_report(run_dir: str | Path, out: str | Path | None = None, evaluation: str | Path | dict | None = None,
                  *, benchmarks=(), data: str | Path | None = None, split: str = "test", n_bins: int = 20) -> Path:
     """Write ``report.html`` and its PNGs into ``out`` (default RUN/report); return the HTML's path."""
-    out = Path(out) if out is not None else Path(run_dir) / "report"
+    out = Path(out) if out is not None else Path(run_dir) / REPORT_DIR
     report = make_report(run_dir, out, evaluation, benchmarks=benchmarks, data=data, split=split, n_bins=n_bins)
     path = out / "report.html"
     path.write_text(render(report))

@@ -11,9 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from opengem.evaluation.evaluate import EVAL_BATCH
+from opengem.data.loader import ShardLoader
+from opengem.evaluation import EVAL_BATCH
 from opengem.evaluation.metrics import reliability_bins
+from opengem.run import load_run_model
 
 __all__ = ["compute_bins", "reliability_bins", "slice_bins"]
 
@@ -24,11 +27,6 @@ MIN_ROWS = 100  # fewer rows per bin and a bin's observed rate is mostly noise
 def compute_bins(run_dir: str | Path, data_dir: str | Path, split: str = "test", n_bins: int = 20,
                  batch_size: int = EVAL_BATCH) -> dict[str, dict[str, list]]:
     """Reliability bins per slice of a run's model on ``split`` (one pass over the split's rows)."""
-    import torch
-
-    from opengem.data.loader import ShardLoader
-    from opengem.evaluation.evaluate import load_run_model
-
     model, _, schema = load_run_model(run_dir)
     loader = ShardLoader(data_dir, split, batch_size, schema, shuffle=False, epochs=1,
                          max_seq_len=model.max_seq_len(), prefetch=2)

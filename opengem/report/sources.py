@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opengem.run import BASE_RATES_FILE, EVAL_METRICS_FILE, EVALUATION_FILE, METRICS_FILE, load_final
+
 
 @dataclass
 class Sources:
@@ -69,9 +71,9 @@ def last_json(path: Path) -> dict:
 
 
 def _find_evaluation(run: Path) -> Path | None:
-    if (run / "evaluation.json").exists():
-        return run / "evaluation.json"
-    beside = run.parent / "evaluation.json"
+    if (run / EVALUATION_FILE).exists():
+        return run / EVALUATION_FILE
+    beside = run.parent / EVALUATION_FILE
     if beside.exists():
         owner = json.loads(beside.read_text()).get("run")
         if owner is None or Path(owner).name == run.name:
@@ -85,11 +87,11 @@ def load_sources(run_dir: str | Path, evaluation: str | Path | dict | None = Non
     if not run.is_dir():
         raise ValueError(f"{run}: not a directory")
     src = Sources(run)
-    lines = read_jsonl(run / "metrics.jsonl", src.notes)
+    lines = read_jsonl(run / METRICS_FILE, src.notes)
     src.records = [r for r in lines if "loss" in r and "step" in r]
-    src.evals = [r for r in lines + read_jsonl(run / "eval.jsonl", src.notes) if "eval" in r and "step" in r]
-    src.final = _json(run / "final.json")
-    src.base_rates = _json(run / "base_rates.json") or {}
+    src.evals = [r for r in lines + read_jsonl(run / EVAL_METRICS_FILE, src.notes) if "eval" in r and "step" in r]
+    src.final = load_final(run)
+    src.base_rates = _json(run / BASE_RATES_FILE) or {}
     if isinstance(evaluation, dict):
         src.evaluation, src.evaluation_file = evaluation, None
     else:

@@ -23,10 +23,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Self
 
-log = logging.getLogger(__name__)
+from opengem.run import METRICS_FILE, TENSORBOARD_DIR
 
-METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
+log = logging.getLogger(__name__)
 
 
 def flatten_scalars(values: Mapping, prefix: str = "") -> Iterator[tuple[str, float]]:

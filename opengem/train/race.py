@@ -62,7 +62,7 @@ def train_with_evals(cfg: Config, data: Path, eval_every: int, split: str = "val
     k), to keep many evaluations of a big split affordable; every arch sees the same files."""
     from opengem.evaluation.evaluate import evaluate_model
     from opengem.train.optim import Schedule
-    from opengem.train.trainer import train_base_rates
+    from opengem.data.base_rates import train_base_rates
 
     schema = FeatureSchema.load(data)
     rates = train_base_rates(data, schema, cfg.data.train_split)

@@ -17,6 +17,7 @@ import torch
 
 from opengem.data.loader import ShardLoader
 from opengem.parallel.launch import min_over_ranks
+from opengem.run import METRICS_FILE
 from opengem.train.checkpoint import CheckpointError, load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def resume_run(r, ckpt: Path | None) -> None:
     No checkpoint (a run killed before its first one) starts over: only its log lines are dropped."""
     if ckpt is None:
         if r.info.is_main:
-            _truncate_metrics(r.run / "metrics.jsonl", 0)
+            _truncate_metrics(r.run / METRICS_FILE, 0)
         return
     state = load_checkpoint(ckpt, r.model, r.optimizers, expect=r.identity())
     r.step, r.examples = state["step"], state["examples"]
@@ -70,7 +71,7 @@ def resume_run(r, ckpt: Path | None) -> None:
     else:
         _reshard_data(r, ckpt, saved_world)
     if r.info.is_main:
-        _truncate_metrics(r.run / "metrics.jsonl", r.step)
+        _truncate_metrics(r.run / METRICS_FILE, r.step)
     log.info("resumed from %s at step %d", ckpt, r.step)
 
 

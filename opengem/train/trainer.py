@@ -6,16 +6,8 @@ One loop serves both launches::
     torchrun --nproc-per-node N -m opengem train …     N ranks: TorchRec tables + FSDP2 dense
                                                        (``parallel.*`` overrides; docs/distributed.md)
 
-Files (written by rank 0; checkpoints by every rank)::
-
-    RUN/config.json       the full config (recipe + overrides) — evaluation rebuilds the model from it
-    RUN/schema.json       the data's schema
-    RUN/base_rates.json   training base rate per task and per domain/task (NE's normaliser)
-    RUN/metrics.jsonl     one line per logging step: loss (per domain/task) of the global batch, lr, examples/s
-    RUN/tensorboard/      the same numbers as TensorBoard scalars (``observe.RunLog``; purged past the step on resume)
-    RUN/checkpoints/      DCP checkpoints (see ``checkpoint.py``); loader position and RNG per rank
-    RUN/final.json        steps, examples seen (all ranks), params_sha256, parameters, wall time,
-                          examples/s, world size, peak RSS per rank
+Files: config, schema, base rates, metrics, TensorBoard scalars, quarantined rows and final.json
+(written by rank 0) and checkpoints (by every rank), in the run directory laid out in ``opengem.run``.
 
 Distributed rules (the loop is the same; ``opengem.parallel.train_step`` makes it exact):
 
@@ -39,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import math
 import resource
@@ -49,22 +40,22 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from opengem.config import Config
+from opengem.data.base_rates import train_base_rates
 from opengem.data.batch import Batch
 from opengem.data.loader import ShardLoader
-from opengem.data.parquet import DatasetManifest, read_shard
-from opengem.evaluation.accumulator import RateCounter
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, materialize
 from opengem.ops.fp8 import fp8_saved_activations
 from opengem.parallel import ParallelDims, SparseOptimizerSpec, build_parallel_gem, train_step
 from opengem.parallel.launch import DistInfo, comm_device, destroy_distributed, init_distributed, min_over_ranks
+from opengem.run import QUARANTINE_DIR, save_base_rates, save_config, save_final, save_schema
 from opengem.train.checkpoint import latest_checkpoint, save_checkpoint
+from opengem.train.losses import global_masked_bce
 from opengem.train.observe import RunLog
 from opengem.train.optim import Schedule, build_optimizers
 from opengem.train.resume import EXIT_PREEMPTED, Preempted, SigtermFlag, resume_run
@@ -80,25 +71,6 @@ class TrainingError(RuntimeError):
     """Training cannot go on (e.g. the loss became NaN); the message says where."""
 
 
-def train_base_rates(data_dir: str | Path, schema: FeatureSchema, split: str,
-                     rank: int = 0, world_size: int = 1) -> dict[str, float]:
-    """Label means of the training split per task and per domain/task, reading only label columns.
-
-    Rank r reads files r, r+W, …; the counts are summed over ranks (exact: they are integers)."""
-    manifest = DatasetManifest.load(data_dir)
-    counter = RateCounter(list(schema.domains.names), schema.task_names)
-    cols = [schema.domains.column] + [t.label_column for t in schema.tasks]
-    for info in manifest.split_files(split)[rank::world_size]:
-        table = read_shard(data_dir, info, cols, schema)  # a wrong type is a DataError naming it
-        labels = np.stack([table.column(t.label_column).to_numpy(zero_copy_only=False).astype(np.float64)
-                           for t in schema.tasks], 1)
-        mask = ~np.isnan(labels) & ((labels == 0) | (labels == 1))
-        counter.update(np.nan_to_num(labels), mask, table.column(schema.domains.column).to_numpy())
-    if world_size > 1:
-        counter.reduce()
-    return counter.rates()
-
-
 def state_sha256(state: dict[str, torch.Tensor]) -> str:
     """The parameter fingerprint: names and bytes in sorted name order (any world size, same format)."""
     h = hashlib.sha256()
@@ -110,12 +82,6 @@ def state_sha256(state: dict[str, torch.Tensor]) -> str:
 
 def params_sha256(model: torch.nn.Module) -> str:
     return state_sha256(model.state_dict())
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
-    tmp.replace(path)
 
 
 @dataclass
@@ -180,7 +146,7 @@ def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo)
     loader = ShardLoader(data_dir, cfg.data.train_split, cfg.data.batch_size, schema, rank=info.rank,
                          world_size=info.world_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
                          epochs=cfg.train.epochs, drop_last=info.world_size > 1, max_seq_len=model.max_seq_len(),
-                         quarantine_dir=run / "quarantine", prefetch=cfg.data.prefetch)
+                         quarantine_dir=run / QUARANTINE_DIR, prefetch=cfg.data.prefetch)
     total = _planned_steps(cfg, loader, sparse is not None)
     # Built before a checkpoint is loaded: Schedule keeps the config's base lrs.
     schedule = Schedule(optimizers, total, cfg.optim)
@@ -188,9 +154,9 @@ def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo)
     if resume:
         resume_run(r, latest_checkpoint(run))
     if info.is_main:  # after the resume checks: a refused resume leaves the run as it was
-        _write_json(run / "config.json", cfg.to_dict())
-        schema.save(run / "schema.json")
-        _write_json(run / "base_rates.json", rates)
+        save_config(run, cfg)
+        save_schema(run, schema)
+        save_base_rates(run, rates)
     t_start = time.perf_counter()
     with SigtermFlag() as r.sigterm:  # held over the final save too: a late SIGTERM lets it finish
         _loop(r)
@@ -294,8 +260,8 @@ def _step(r: _Run, batch: Batch, task_w: torch.Tensor, dense_params: list) -> tu
     lr_f = r.schedule.set(r.step)  # before the forward: the fused CPU table kernel takes its lr there
     with fp8_saved_activations(r.model) if r.cfg.train.fp8_activations else contextlib.nullcontext():
         logits = r.model(batch)
-    loss, table = train_step.global_masked_bce(logits, batch.labels, batch.label_mask, batch.weights, task_w,
-                                               batch.domain, r.schema.num_domains)
+    loss, table = global_masked_bce(logits, batch.labels, batch.label_mask, batch.weights, task_w,
+                                    batch.domain, r.schema.num_domains)
     value = train_step.global_mean(loss).item()
     if not math.isfinite(value):
         raise TrainingError(f"loss is {value} at step {r.step}; last checkpoint: {latest_checkpoint(r.run)}")
@@ -363,7 +329,7 @@ def _finish(r: _Run, wall: float) -> dict:
     if r.distributed:
         final["parallel"] = {"dims": r.sparse.dims.describe(), "sparse_plan": r.sparse.describe().splitlines()}
     if r.info.is_main:
-        _write_json(r.run / "final.json", final)
+        save_final(r.run, final)
     if r.distributed:
         box = [final]
         dist.broadcast_object_list(box, src=0)

@@ -21,7 +21,6 @@ one as a teacher.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from pathlib import Path
@@ -29,12 +28,22 @@ from pathlib import Path
 import torch
 
 from opengem.config import Config, apply_prefixed_overrides
-from opengem.evaluation.evaluate import EVAL_BATCH
+from opengem.evaluation import EVAL_BATCH
 from opengem.features.schema import FeatureSchema, SchemaError
 from opengem.model.build import count_parameters
 from opengem.model.heads import HeadsConfig
 from opengem.model.student import build_student, rep_dim_of, student_schema
 from opengem.recipes import student_recipe
+from opengem.run import (
+    EVALUATION_FILE,
+    TRANSFER_FILE,
+    USER_REP_FILE,
+    save_base_rates,
+    save_config,
+    save_final,
+    save_schema,
+    write_json,
+)
 from opengem.train.checkpoint import save_checkpoint
 from opengem.train.trainer import params_sha256
 from opengem.transfer.config import TransferConfig, techniques_config
@@ -134,28 +143,19 @@ def save_run(run: Path, tr: StudentTrainer, cfg: Config, tcfg: TransferConfig, r
     run.mkdir(parents=True, exist_ok=True)
     backbone = tr.student.backbone
     schema = backbone.schema
-    _write(run / "config.json", cfg.to_dict())
-    schema.save(run / "schema.json")
-    _write(run / "base_rates.json", rates)
-    _write(run / "transfer.json", {**sources, "recipe": cfg.recipe, "transfer": dataclasses.asdict(tcfg),
-                                   "shared": tr.shared, "rep_dim": rep_dim_of(schema)})
+    save_config(run, cfg)
+    save_schema(run, schema)
+    save_base_rates(run, rates)
+    write_json(run / TRANSFER_FILE, {**sources, "recipe": cfg.recipe, "transfer": dataclasses.asdict(tcfg),
+                                     "shared": tr.shared, "rep_dim": rep_dim_of(schema)})
     if tcfg.rep.enabled and tcfg.rep.source == "user":
-        torch.save(teacher.cache.state_dict(), run / "user_rep.pt")
+        torch.save(teacher.cache.state_dict(), run / USER_REP_FILE)
     ckpt = save_checkpoint(run, tr.step_n, backbone, [], {"schema": schema.fingerprint(), "step": tr.step_n,
                                                           "examples": tr.examples})
     evaluation = {**evaluation, "run": str(run)}
-    _write(run / "evaluation.json", evaluation)
-    _write(run / "final.json", {"steps": tr.step_n, "examples": tr.examples, "parameters": count_parameters(backbone),
-                                "params_sha256": params_sha256(backbone), "checkpoint": ckpt.name,
-                                "recipe": cfg.recipe, "schema": schema.fingerprint(),
-                                **scored, **tr.summary()})
+    write_json(run / EVALUATION_FILE, evaluation)
+    save_final(run, {"steps": tr.step_n, "examples": tr.examples, "parameters": count_parameters(backbone),
+                     "params_sha256": params_sha256(backbone), "checkpoint": ckpt.name,
+                     "recipe": cfg.recipe, "schema": schema.fingerprint(),
+                     **scored, **tr.summary()})
 
-
-def _write(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=_json_default))
-    tmp.replace(path)
-
-
-def _json_default(o):
-    return str(o)

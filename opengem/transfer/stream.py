@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from torchrec import KeyedJaggedTensor
 
+from opengem.data.base_rates import RateCounter
 from opengem.data.batch import Batch, keep_recent
 from opengem.data.loader import ShardLoader
 from opengem.data.parquet import DatasetManifest, read_shard
-from opengem.evaluation.accumulator import RateCounter
 from opengem.features.schema import FeatureSchema
 
 

@@ -22,7 +22,7 @@ end of day d − 1 (zeros for a user not seen before); at serving the same vecto
 lookup by user id, passed as the student's ``teacher_rep_*`` dense user features, so training and
 serving see the same thing. ``rep.source=row`` (the row's own features) is the offline upper bound.
 
-The teacher is built and loaded as in training and evaluation (``load_run_model``: meta →
+The teacher is built and loaded as in training and evaluation (``opengem.run.load_run_model``: meta →
 materialise → load the DCP checkpoint); a large teacher can be passed in already sharded
 (``opengem.parallel.build_parallel_gem`` + ``load_checkpoint``): the service only calls it.
 A student run can be a teacher too (hierarchical transfer): if it reads teacher embeddings, its own
@@ -42,6 +42,7 @@ import torch
 
 from opengem.data.batch import Batch
 from opengem.model.student import forward_with_features, rep_dim_of, with_rep
+from opengem.run import TRANSFER_FILE, load_run_model
 
 
 @dataclass
@@ -142,10 +143,8 @@ class TeacherService:
     @classmethod
     def from_run(cls, run_dir: str | Path, upstream: TeacherService | None = None) -> TeacherService:
         """The latest checkpoint of a training or distillation run, loaded as training/evaluation do."""
-        from opengem.evaluation.evaluate import load_run_model
-
         model, _, _ = load_run_model(run_dir)
-        meta = Path(run_dir) / "transfer.json"
+        meta = Path(run_dir) / TRANSFER_FILE
         source = json.loads(meta.read_text())["transfer"]["rep"]["source"] if meta.exists() else "user"
         return cls(model, upstream=upstream, upstream_source=source)
 

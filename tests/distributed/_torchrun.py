@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from opengem.run import FINAL_FILE, METRICS_FILE
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -81,8 +83,8 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen, log: 
 
 
 def final(run: Path) -> dict:
-    return json.loads((run / "final.json").read_text())
+    return json.loads((run / FINAL_FILE).read_text())
 
 
 def losses(run: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run / METRICS_FILE).read_text().splitlines())]

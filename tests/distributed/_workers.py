@@ -107,7 +107,7 @@ def run_steps(schema, model, opts, schedule, steps, distributed: bool) -> list[f
     import torch.distributed as dist
 
     from opengem.parallel import train_step
-    from opengem.train.losses import masked_bce
+    from opengem.train.losses import global_masked_bce, masked_bce
 
     ocfg = optim_cfg()
     dense_params = model.dense_parameters()
@@ -116,7 +116,7 @@ def run_steps(schema, model, opts, schedule, steps, distributed: bool) -> list[f
         schedule.set(step)
         if distributed:
             b = rank_batch(schema, step, dist.get_rank(), dist.get_world_size())
-            loss_fn, clip = train_step.global_masked_bce, train_step.clip_grad_norm_
+            loss_fn, clip = global_masked_bce, train_step.clip_grad_norm_
         else:
             b = global_batch(schema, step)
             loss_fn, clip = masked_bce, torch.nn.utils.clip_grad_norm_

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 from opengem.cli import main
+from opengem.run import FINAL_FILE, METRICS_FILE
+from opengem.train.checkpoint import checkpoint_dir
 from opengem.train.resume import position_after, shared_data_boundary
 
 pytestmark = pytest.mark.distributed
@@ -47,7 +49,7 @@ def run_a(tiny_data, tmp_path_factory):
 
 
 def test_layouts_agree_and_the_checkpoint_loads_in_one_process(tiny_data, run_a, tmp_path):
-    from opengem.evaluation.evaluate import load_run_model
+    from opengem.run import load_run_model
     from opengem.train.trainer import params_sha256
 
     T.run(2, *_train_args(tiny_data, tmp_path / "b", "parallel.default_sharding=row_wise"), log=tmp_path / "log")
@@ -74,14 +76,14 @@ def test_killed_rank_then_resume_is_bit_identical(tiny_data, run_a, tmp_path):
     layout = ("parallel.default_sharding=table_wise", "train.ckpt_every=2")
     proc = T.start(2, *_train_args(tiny_data, run, *layout), log=log)
     try:
-        T.wait_for(lambda: (run / "checkpoints" / "LATEST").exists(), 240, "the first checkpoint", proc, log)
+        T.wait_for(lambda: (checkpoint_dir(run) / "LATEST").exists(), 240, "the first checkpoint", proc, log)
         pid = T.wait_for(lambda: T.worker_pid(proc, 1), 10, "rank 1's pid", proc, log)
         os.kill(pid, signal.SIGKILL)
         assert proc.wait(timeout=120) != 0
     finally:
         T.stop(proc)
-    assert not (run / "final.json").exists(), "the run finished before the kill; nothing was tested"
-    killed_at = (run / "checkpoints" / "LATEST").read_text()
+    assert not (run / FINAL_FILE).exists(), "the run finished before the kill; nothing was tested"
+    killed_at = (checkpoint_dir(run) / "LATEST").read_text()
     T.run(2, *_train_args(tiny_data, run, *layout, resume=True), log=log)
     a, c = T.final(run_a), T.final(run)
     assert (c["steps"], c["examples"], c["params_sha256"]) == (a["steps"], a["examples"], a["params_sha256"]), killed_at
@@ -93,15 +95,15 @@ def test_sigterm_to_one_rank_checkpoints_both_and_resumes_bit_identical(tiny_dat
     layout = ("parallel.default_sharding=table_wise",)  # no periodic checkpoints: only SIGTERM saves
     proc = T.start(2, *_train_args(tiny_data, run, *layout), log=log)
     try:
-        metrics = run / "metrics.jsonl"
+        metrics = run / METRICS_FILE
         T.wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240, "two steps", proc, log)
         pid = T.wait_for(lambda: T.worker_pid(proc, 1), 10, "rank 1's pid", proc, log)
         os.kill(pid, signal.SIGTERM)
         assert proc.wait(timeout=120) != 0  # preempted, not finished
     finally:
         T.stop(proc)
-    assert not (run / "final.json").exists(), "the run finished before the SIGTERM; nothing was tested"
-    latest = run / "checkpoints" / (run / "checkpoints" / "LATEST").read_text().strip()
+    assert not (run / FINAL_FILE).exists(), "the run finished before the SIGTERM; nothing was tested"
+    latest = checkpoint_dir(run) / (checkpoint_dir(run) / "LATEST").read_text().strip()
     assert sorted(p.name for p in latest.glob("trainer_state-rank*.pt")) == ["trainer_state-rank0.pt",
                                                                              "trainer_state-rank1.pt"]
     assert "exiting with code 75" in log.read_text()

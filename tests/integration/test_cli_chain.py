@@ -6,6 +6,7 @@ import math
 import pytest
 
 from opengem.cli import main
+from opengem.run import BASE_RATES_FILE, EVALUATION_FILE, FINAL_FILE, METRICS_FILE, RECALIBRATION_FILE
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +23,10 @@ def _train(data, run, *extra):
 def test_generate_train_evaluate(tiny_data, tmp_path):
     run = tmp_path / "run"
     assert _train(tiny_data, run, "train.epochs=2") == 0
-    final = json.loads((run / "final.json").read_text())
+    final = json.loads((run / FINAL_FILE).read_text())
     assert final["steps"] > 0 and final["examples"] > 0 and len(final["params_sha256"]) == 64
     assert final["parameters"]["total"] > final["parameters"]["dense"] > 0
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (run / METRICS_FILE).read_text().splitlines()]
     assert lines[-1]["step"] == final["steps"] and lines[-1]["loss"] > 0
     out = tmp_path / "eval.json"
     assert main(["--quiet", "evaluate", "--run", str(run), "--data", str(tiny_data), "--json", str(out),
@@ -40,22 +41,22 @@ def test_generate_train_evaluate(tiny_data, tmp_path):
         assert m["n"] > 0
     assert ev["metrics"]["all/click"]["base_rate_source"] == "train"
     # NE is normalised by the training base rate recorded by the run
-    rates = json.loads((run / "base_rates.json").read_text())
+    rates = json.loads((run / BASE_RATES_FILE).read_text())
     assert abs(ev["metrics"]["feed/click"]["base_rate"] - rates["feed/click"]) < 1e-12
 
 
 def test_training_is_deterministic_and_resume_is_exact(tiny_data, tmp_path):
     assert _train(tiny_data, tmp_path / "a", "train.epochs=2") == 0
     assert _train(tiny_data, tmp_path / "b", "train.epochs=2") == 0
-    a = json.loads((tmp_path / "a" / "final.json").read_text())
-    b = json.loads((tmp_path / "b" / "final.json").read_text())
+    a = json.loads((tmp_path / "a" / FINAL_FILE).read_text())
+    b = json.loads((tmp_path / "b" / FINAL_FILE).read_text())
     assert a["params_sha256"] == b["params_sha256"]
     # preempted after 7 steps (mid-epoch), then resumed: the same final parameters
     assert _train(tiny_data, tmp_path / "c", "train.epochs=2", "train.stop_at=7") == 0
-    c = json.loads((tmp_path / "c" / "final.json").read_text())
+    c = json.loads((tmp_path / "c" / FINAL_FILE).read_text())
     assert c["steps"] == 7
     assert _train(tiny_data, tmp_path / "c", "train.epochs=2", "--resume") == 0
-    c = json.loads((tmp_path / "c" / "final.json").read_text())
+    c = json.loads((tmp_path / "c" / FINAL_FILE).read_text())
     assert (c["steps"], c["examples"]) == (a["steps"], a["examples"])
     assert c["params_sha256"] == a["params_sha256"]
 
@@ -64,14 +65,14 @@ def test_recalibrate_on_valid_then_every_reader_sees_the_offsets(tiny_data, tmp_
     import torch
 
     from opengem.data.loader import ShardLoader
-    from opengem.evaluation.evaluate import load_run_model
+    from opengem.run import load_run_model
 
     run = tmp_path / "run"
     assert _train(tiny_data, run) == 0
     assert main(["--quiet", "recalibrate", "--run", str(run), "--data", str(tiny_data), "--split", "test"]) == 2
-    assert "test split" in capsys.readouterr().err and not (run / "recalibration.json").exists()
+    assert "test split" in capsys.readouterr().err and not (run / RECALIBRATION_FILE).exists()
     assert main(["--quiet", "recalibrate", "--run", str(run), "--data", str(tiny_data)]) == 0
-    rec = json.loads((run / "recalibration.json").read_text())
+    rec = json.loads((run / RECALIBRATION_FILE).read_text())
     assert rec["split"] == "valid" and rec["rows"] > 0
     assert set(rec["offsets"]) == {f"{d}/{t}" for d in ("feed", "video", "messaging") for t in ("click", "conversion")}
     assert any(abs(v) > 1e-4 for v in rec["offsets"].values())
@@ -107,7 +108,7 @@ def test_demo_runs_every_stage_and_serves(tmp_path, capsys):
     """``opengem demo`` on the tiny preset: generate → train → evaluate → distil a VM → export it → serve one request."""
     out = tmp_path / "demo"
     assert main(["--quiet", "demo", "--preset", "tiny", "--out", str(out)]) == 0
-    ev = json.loads((out / "evaluation.json").read_text())
+    ev = json.loads((out / EVALUATION_FILE).read_text())
     assert ev["metrics"]["all/click"]["n"] > 0 and ev["train"]["steps"] > 0
     assert ev["serving"]["runtime"] and (out / "artifact" / "manifest.json").exists()
     assert set(ev["times"]) >= {"generate_s", "train_s", "recalibrate_s", "evaluate_s", "distill_s", "serve_s", "total_s"}

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from opengem.cli import main
+from opengem.run import EVALUATION_FILE, FINAL_FILE, SCHEMA_FILE, TRANSFER_FILE, USER_REP_FILE
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def _slice_rows(data, split, domain):
     import pyarrow.parquet as pq
 
     days = set(manifest["splits"][split])
-    names = json.loads((data / "schema.json").read_text())["domains"]["names"]
+    names = json.loads((data / SCHEMA_FILE).read_text())["domains"]["names"]
     return sum(int((pq.read_table(data / f["path"], columns=["domain"]).column("domain").to_numpy()
                     == names.index(domain)).sum()) for f in manifest["files"] if f["day"] in days)
 
@@ -41,16 +42,16 @@ def test_direct_distillation_writes_a_servable_student_run(gem_run, tmp_path, ca
     vm = tmp_path / "vm"
     assert _distill(data, gem, vm, "vm_xs", "transfer.domains=feed", "data.batch_size=64") == 0
     assert "transfer ratio R" in capsys.readouterr().out
-    ev = json.loads((vm / "evaluation.json").read_text())
+    ev = json.loads((vm / EVALUATION_FILE).read_text())
     assert ev["techniques"] == ["kd", "adapter", "share"] and ev["domains"] == ["feed"]
     for part in ("metrics", "alone", "teacher"):
         m = ev[part]["all/click"]
         assert m["n"] == ev["rows"] == _slice_rows(data, "test", "feed")
         assert {"ne", "auc", "calibration", "ne_bayes"} <= set(m)
     assert set(ev["transfer_ratio"]) == {"click", "conversion"}
-    final = json.loads((vm / "final.json").read_text())
+    final = json.loads((vm / FINAL_FILE).read_text())
     assert final["teacher_rows"] == final["examples"] == _slice_rows(data, "valid", "feed")  # once per example
-    meta = json.loads((vm / "transfer.json").read_text())
+    meta = json.loads((vm / TRANSFER_FILE).read_text())
     assert meta["teacher"] == str(gem) and meta["via"] is None and "t_ad_id" in meta["shared"]
     # an ordinary run directory: evaluate takes it like a GEM run
     assert main(["--quiet", "evaluate", "--run", str(vm), "--data", str(data), "--json", str(tmp_path / "e.json")]) == 0
@@ -62,16 +63,16 @@ def test_hierarchical_distillation_via_a_domain_fm(gem_run, tmp_path):
     fm, vm = tmp_path / "fm", tmp_path / "vm"
     # the domain FM reads GEM's per-user embeddings, so the VM's teacher chain is GEM → FM
     assert _distill(data, gem, fm, "fm_domain", "transfer.rep.enabled=true") == 0
-    assert (fm / "user_rep.pt").exists()
+    assert (fm / USER_REP_FILE).exists()
     assert _distill(data, gem, vm, "vm_xs", "--via", str(fm), "transfer.rep.enabled=true",
                     "transfer.rep.source=row") == 0
-    ev = json.loads((vm / "evaluation.json").read_text())
+    ev = json.loads((vm / EVALUATION_FILE).read_text())
     assert {"metrics", "alone", "teacher", "gem"} <= set(ev)
     assert ev["gem"]["all/click"]["n"] == ev["teacher"]["all/click"]["n"] == ev["rows"]
     assert ev["gem"]["all/click"]["ne"] != ev["teacher"]["all/click"]["ne"]  # two different teachers, one slice
-    meta = json.loads((vm / "transfer.json").read_text())
+    meta = json.loads((vm / TRANSFER_FILE).read_text())
     assert meta["via"] == str(fm) and meta["rep_dim"] > 0
-    schema = json.loads((vm / "schema.json").read_text())
+    schema = json.loads((vm / SCHEMA_FILE).read_text())
     assert sum(f["name"].startswith("teacher_rep_") for f in schema["dense"]) == meta["rep_dim"]
 
 
@@ -103,4 +104,4 @@ def test_distill_demo_returns_the_student_and_its_teacher_on_one_slice(gem_run, 
     out = distill_demo(gem, data, tmp_path / "vm")
     assert out["metrics"]["all/click"]["n"] == out["teacher"]["all/click"]["n"] == _slice_rows(data, "test", "video")
     assert "student NE" in distill_line(out) and "teacher NE" in distill_line(out)
-    assert (tmp_path / "vm" / "evaluation.json").exists()
+    assert (tmp_path / "vm" / EVALUATION_FILE).exists()

@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from opengem.cli import main
 from opengem.data.parquet import DatasetManifest
 from opengem.features.schema import FeatureSchema
-from opengem.train.checkpoint import latest_checkpoint
+from opengem.run import FINAL_FILE, METRICS_FILE
+from opengem.train.checkpoint import checkpoint_dir, latest_checkpoint
 from opengem.train.resume import EXIT_PREEMPTED
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,7 +67,7 @@ def _start(data, run, resume: bool, env: dict | None = None) -> subprocess.Popen
 
 
 def _lines(run: Path) -> int:
-    p = run / "metrics.jsonl"
+    p = run / METRICS_FILE
     return p.read_text().count("\n") if p.exists() else 0
 
 
@@ -90,7 +91,7 @@ def _kill_after(data, run, resume: bool, k: int, sig=signal.SIGKILL) -> tuple[in
     _wait(proc, lambda: _lines(run) >= start + k, f"{k} more metrics lines")
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    assert not (run / "final.json").exists(), "the run finished before the signal; nothing was tested"
+    assert not (run / FINAL_FILE).exists(), "the run finished before the signal; nothing was tested"
     return proc.returncode, err
 
 
@@ -119,7 +120,7 @@ def _assert_identical(a, b, where: str = "") -> None:
 def test_killed_and_preempted_runs_resume_bit_identical(bad_data, tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert main(_args(bad_data, ref)) == 0
-    want = json.loads((ref / "final.json").read_text())
+    want = json.loads((ref / FINAL_FILE).read_text())
     assert sorted(want["quarantined"].values()) == [2, 3] and want["steps"] > 40
     rng = np.random.default_rng(8)
 
@@ -130,7 +131,7 @@ def test_killed_and_preempted_runs_resume_bit_identical(bad_data, tmp_path):
     # 2. SIGKILL inside a save: step-N.tmp is complete, not yet renamed
     proc = _start(bad_data, run, True, {"OPENGEM_FAULT_SLEEP_IN_SAVE": "30"})
     before = latest_checkpoint(run)
-    tmp = _wait(proc, lambda: next((p.parent for p in (run / "checkpoints").glob("step-*.tmp/trainer_state-*.pt")),
+    tmp = _wait(proc, lambda: next((p.parent for p in checkpoint_dir(run).glob("step-*.tmp/trainer_state-*.pt")),
                                    None), "a checkpoint save")
     proc.kill()
     proc.communicate(timeout=60)
@@ -139,18 +140,18 @@ def test_killed_and_preempted_runs_resume_bit_identical(bad_data, tmp_path):
     # 3. SIGTERM: the step in flight ends, a checkpoint there, exit code 75, the .tmp of 2 gone
     rc, err = _kill_after(bad_data, run, True, int(rng.integers(3, 9)), signal.SIGTERM)
     assert rc == EXIT_PREEMPTED and "SIGTERM: stopped after step" in err, err
-    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    last = json.loads((run / METRICS_FILE).read_text().splitlines()[-1])["step"]
     assert latest_checkpoint(run).name == f"step-{last:08d}"
-    assert not list((run / "checkpoints").glob("*.tmp"))
+    assert not list(checkpoint_dir(run).glob("*.tmp"))
 
     # then resume to the end (in this process)
     assert main(_args(bad_data, run, "--resume")) == 0
 
-    got = json.loads((run / "final.json").read_text())
+    got = json.loads((run / FINAL_FILE).read_text())
     for key in ("steps", "examples", "params_sha256", "quarantined", "repaired", "checkpoint"):
         assert got[key] == want[key], key
-    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    ref_metrics = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(x) for x in (run / METRICS_FILE).read_text().splitlines()]
+    ref_metrics = [json.loads(x) for x in (ref / METRICS_FILE).read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, want["steps"] + 1))
     assert [m["loss"] for m in metrics] == [m["loss"] for m in ref_metrics]
     a, b = _state(latest_checkpoint(ref), tmp_path / "a.pt"), _state(latest_checkpoint(run), tmp_path / "b.pt")

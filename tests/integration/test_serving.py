@@ -21,13 +21,13 @@ import uvicorn
 
 from opengem.cli import main
 from opengem.data.batch import collate
-from opengem.evaluation.evaluate import load_run_model
 from opengem.export import ArtifactError, Predictor
 from opengem.export.artifact import load_manifest
 from opengem.export.client import free_port, wait_ready
 from opengem.export.request import Limits, rows_of, split_row, synthetic_request
 from opengem.export.server import create_app
 from opengem.pipeline import serve_smoke
+from opengem.run import load_run_model
 
 TOL = 1e-5
 

@@ -20,12 +20,12 @@ from opengem.config import ConfigError, apply_overrides
 from opengem.data.loader import ShardLoader
 from opengem.data.parquet import DataError, ShardWriter
 from opengem.data.synthetic import build_schema
-from opengem.evaluation.evaluate import load_run_model
 from opengem.features.schema import FeatureSchema, SchemaError
 from opengem.parallel import ParallelConfigError, ParallelDims
 from opengem.recipes import recipe, world_config
+from opengem.run import BASE_RATES_FILE, CONFIG_FILE, SCHEMA_FILE, load_run_model
 from opengem.testing import random_table, tiny_schema
-from opengem.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from opengem.train.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, load_checkpoint
 from opengem.train.trainer import train
 
 ROWS = 12
@@ -187,12 +187,12 @@ def test_schema_that_does_not_match_the_data(tmp_path):
     data = _write(tmp_path, random_table(tiny_schema(), ROWS))
     d = tiny_schema().to_dict()
     d["dense"] = [*d["dense"], {"name": "price", "group": "ad"}]
-    FeatureSchema.from_dict(d).save(data / "schema.json")
+    FeatureSchema.from_dict(d).save(data / SCHEMA_FILE)
     with pytest.raises(DataError, match=r"s0.parquet: missing columns \['price'\]"):
         _load(data, tmp_path)
     d = tiny_schema().to_dict()
     d["sparse"][1]["multi_hot"] = True
-    FeatureSchema.from_dict(d).save(data / "schema.json")
+    FeatureSchema.from_dict(d).save(data / SCHEMA_FILE)
     with pytest.raises(DataError, match="column 'ad_id' is int64, expected a list of integers"):
         _load(data, tmp_path)
 
@@ -239,13 +239,13 @@ def test_checkpoint_from_another_schema_or_model(tiny_run, tmp_path):
     want = f"from another schema: schema '{tiny_schema().fingerprint()}' vs '{tiny_schema(3).fingerprint()}'"
     with pytest.raises(CheckpointError, match=want):
         train(cfg, other, run, resume=True)
-    config = json.loads((run / "config.json").read_text())
+    config = json.loads((run / CONFIG_FILE).read_text())
     config["model"]["embedding_dim"] = 32
     (tmp_path / "r").mkdir()
-    for name in ("schema.json", "base_rates.json"):
+    for name in (SCHEMA_FILE, BASE_RATES_FILE):
         (tmp_path / "r" / name).write_text((run / name).read_text())
-    (tmp_path / "r" / "config.json").write_text(json.dumps(config))
-    (tmp_path / "r" / "checkpoints").symlink_to(run / "checkpoints")
+    (tmp_path / "r" / CONFIG_FILE).write_text(json.dumps(config))
+    checkpoint_dir(tmp_path / "r").symlink_to(checkpoint_dir(run))
     with pytest.raises(CheckpointError, match=r"does not fit this model \(.*Size mismatch.*32"):
         load_run_model(tmp_path / "r")
 
@@ -268,7 +268,7 @@ def test_disk_full_while_saving_a_checkpoint(tiny_run, tmp_path, monkeypatch, wh
                        r" \(.*No space left on device\); removed it, step-00000002 is intact"):
         train(more, data, run, resume=True)
     monkeypatch.undo()
-    assert latest_checkpoint(run) == before and not list((run / "checkpoints").glob("*.tmp"))
+    assert latest_checkpoint(run) == before and not list(checkpoint_dir(run).glob("*.tmp"))
     model = load_run_model(run)[0]  # loads LATEST
     assert load_checkpoint(before, model)["step"] == 2
 

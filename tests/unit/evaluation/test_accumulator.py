@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from opengem.evaluation.accumulator import MetricAccumulator, RateCounter
+from opengem.data.base_rates import RateCounter
+from opengem.evaluation.accumulator import MetricAccumulator
 from opengem.evaluation.metrics import entropy, logloss, summarize
 
 DOMAINS = ["feed", "search", "video"]

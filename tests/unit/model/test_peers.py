@@ -16,6 +16,7 @@ from opengem.model.interformer import InterFormer, InterFormerConfig
 from opengem.model.peers import PeerModel, mean_pool
 from opengem.model.sequence_arch import SequenceConfig
 from opengem.recipes import recipe
+from opengem.run import FINAL_FILE
 from opengem.testing import random_table, tiny_schema
 
 ARCHS = ["dlrm", "dlrm_dcn"]
@@ -128,7 +129,7 @@ def test_dlrm_dcn_trains_and_evaluates_through_the_cli(tiny_data, tmp_path, caps
     run = tmp_path / "run"
     assert main(["--quiet", "train", "--recipe", "tiny", "--data", str(tiny_data), "--out", str(run),
                  "model.arch=dlrm_dcn"]) == 0
-    final = json.loads((run / "final.json").read_text())
+    final = json.loads((run / FINAL_FILE).read_text())
     assert final["steps"] > 0 and final["parameters"]["dense"] > 0
     out = tmp_path / "eval.json"
     assert main(["--quiet", "evaluate", "--run", str(run), "--data", str(tiny_data), "--json", str(out)]) == 0

@@ -5,6 +5,7 @@ import json
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from opengem.run import METRICS_FILE, TENSORBOARD_DIR
 from opengem.train.observe import RunLog, flatten_scalars
 from opengem.train.resume import _truncate_metrics
 
@@ -15,7 +16,7 @@ def record(step: int, shift: float = 0.0) -> dict:
 
 
 def scalars(run) -> dict[str, list[tuple[int, float]]]:
-    acc = EventAccumulator(str(run / "tensorboard"))
+    acc = EventAccumulator(str(run / TENSORBOARD_DIR))
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
@@ -24,7 +25,7 @@ def test_json_lines_and_tensorboard_scalars(tmp_path):
     with RunLog(tmp_path) as mlog:
         for step in (1, 2, 3):
             mlog.log(step, record(step))
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (tmp_path / METRICS_FILE).read_text().splitlines()]
     assert lines == [{"step": s, **record(s)} for s in (1, 2, 3)]
     assert list(lines[0]) == ["step", "examples", "loss", "lr_factor", "loss_by_domain_task"]
     tb = scalars(tmp_path)
@@ -40,11 +41,11 @@ def test_resume_purges_redone_steps(tmp_path):
     with RunLog(tmp_path) as mlog:
         for step in range(1, 6):
             mlog.log(step, record(step))
-    _truncate_metrics(tmp_path / "metrics.jsonl", 3)  # what the trainer does on resume from step 3
+    _truncate_metrics(tmp_path / METRICS_FILE, 3)  # what the trainer does on resume from step 3
     with RunLog(tmp_path, purge_step=4) as mlog:
         for step in (4, 5):
             mlog.log(step, record(step, shift=10.0))
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (tmp_path / METRICS_FILE).read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4, 5] and lines[3]["loss"] == record(4, 10.0)["loss"]
     loss = scalars(tmp_path)["loss"]
     assert [s for s, _ in loss] == [1, 2, 3, 4, 5]
@@ -59,7 +60,7 @@ def test_disabled_rank_writes_nothing_and_json_only_without_tensorboard(tmp_path
     assert list((tmp_path / "a").iterdir()) == []
     with RunLog(tmp_path / "b", tensorboard=False) as mlog:
         mlog.log(1, {"loss": float("nan"), "note": "text", "flag": True})
-    assert not (tmp_path / "b" / "tensorboard").exists()
-    assert json.loads((tmp_path / "b" / "metrics.jsonl").read_text())["note"] == "text"
+    assert not (tmp_path / "b" / TENSORBOARD_DIR).exists()
+    assert json.loads((tmp_path / "b" / METRICS_FILE).read_text())["note"] == "text"
     flat = dict(flatten_scalars({"loss": float("nan"), "flag": True, "n": 2, "d": {"x": 1.5}}))
     assert flat == {"n": 2.0, "d/x": 1.5}

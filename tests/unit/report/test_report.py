@@ -17,6 +17,7 @@ from opengem.report.calibration import slice_bins
 from opengem.report.logs import JsonFormatter, configure_logging
 from opengem.report.plots import entropy, plot_heldout_ne, plot_loss, smooth
 from opengem.report.sources import load_sources
+from opengem.run import BASE_RATES_FILE, EVALUATION_FILE, FINAL_FILE, METRICS_FILE, REPORT_DIR
 
 STEPS = [10, 20, 30, 40]
 LOSS = {"feed/click": [0.30, 0.28, 0.26, 0.25], "feed/conversion": [0.050, 0.045, 0.040, 0.041],
@@ -37,13 +38,13 @@ def fake_run(root, eval_lines=()):
     lines = [{"step": s, "examples": 64 * s, "loss": sum(v[i] for v in LOSS.values()), "lr_factor": s / 40,
               "examples_per_s": 1000.0 + s, "loss_by_domain_task": {k: v[i] for k, v in LOSS.items()}}
              for i, s in enumerate(STEPS)]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [*lines, *eval_lines]))
-    (run / "base_rates.json").write_text(json.dumps(RATES))
-    (run / "final.json").write_text(json.dumps({
+    (run / METRICS_FILE).write_text("".join(json.dumps(x) + "\n" for x in [*lines, *eval_lines]))
+    (run / BASE_RATES_FILE).write_text(json.dumps(RATES))
+    (run / FINAL_FILE).write_text(json.dumps({
         "steps": 40, "examples": 2560, "parameters": {"dense": 700, "sparse": 300, "total": 1000}, "wall_s": 12.5,
         "examples_per_s": 204.8, "recipe": "tiny", "quarantined": {"bad_label": 3, "nan_dense": 1},
         "repaired": {"truncated_rows": {"ads": 2}}, "world_size": 1, "peak_rss_mb": [512.0], "checkpoint": "step-40"}))
-    (root / "evaluation.json").write_text(json.dumps({"split": "test", "rows": 200, "run": str(run),
+    (root / EVALUATION_FILE).write_text(json.dumps({"split": "test", "rows": 200, "run": str(run),
                                                       "metrics": METRICS, "calibration_bins": BINS}))
     scaling = {"eps_1": 1000.0, "eps_2": 1800.0, "eps_4": 3000.0, "scaling_2": 1.8, "scaling_4": 3.0,
                "peak_rss_mb": {"1": [500], "2": [400, 410], "4": [300] * 4}, "device": "cpu", "cpu_cores": 2}
@@ -86,9 +87,9 @@ def test_report_files_and_figures(built):
 def test_build_report_writes_into_the_run_and_says_what_is_missing(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "final.json").write_text(json.dumps({"steps": 0, "quarantined": {"bad_label": 2}}))
+    (run / FINAL_FILE).write_text(json.dumps({"steps": 0, "quarantined": {"bad_label": 2}}))
     path = build_report(run)
-    assert path == run / "report" / "report.html"
+    assert path == run / REPORT_DIR / "report.html"
     text = path.read_text()
     assert "<img" not in text and "bad_label" in text
     assert "no training records" in text and "no evaluation JSON" in text and "no calibration curves" in text
@@ -117,7 +118,7 @@ def test_plotted_series_are_the_logged_values(built):
 def test_heldout_ne_lines_are_plotted_and_a_missing_final_is_noted(tmp_path):
     evals = [{"step": 20, "eval": {"all/click": {"ne": 0.95}}}, {"step": 40, "eval": {"all/click": {"ne": 0.9}}}]
     run = fake_run(tmp_path, evals)
-    (run / "final.json").unlink()
+    (run / FINAL_FILE).unlink()
     src = load_sources(run)
     assert [r["step"] for r in src.records] == STEPS and src.evals == evals  # eval lines are not training records
     assert plot_heldout_ne(src.evals, tmp_path).series["click held-out NE|all"] == ([20, 40], [0.95, 0.9])
@@ -128,7 +129,7 @@ def test_heldout_ne_lines_are_plotted_and_a_missing_final_is_noted(tmp_path):
 def test_long_curves_are_smoothed_and_keep_the_raw_points(tmp_path):
     run = fake_run(tmp_path)
     lines = [{"step": s, "loss": float(s % 2), "loss_by_domain_task": {"feed/click": float(s % 2)}} for s in range(20)]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 20, "lo')
+    (run / METRICS_FILE).write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 20, "lo')
     src = load_sources(run)
     s = plot_loss(src.records, tmp_path).series
     assert s["click loss|raw:feed"][1] == [float(i % 2) for i in range(20)]

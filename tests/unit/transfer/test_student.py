@@ -4,6 +4,7 @@ import pytest
 import torch
 from _transfer import make_batch, make_gem
 
+from opengem.export.program import serving_module
 from opengem.model.build import build_gem, count_parameters
 from opengem.model.heads import HeadsConfig
 from opengem.model.student import (
@@ -78,4 +79,4 @@ def test_aux_head_starts_at_the_scaled_base_rate(schema):
     st = build_student(schema, student_recipe("vm_xs"), [0.1, 0.01], aux_heads=HeadsConfig(trunk_dims=(8,)),
                        aux_label_scale=3.0)
     assert torch.sigmoid(st.aux.out_b[0, 0]).item() == pytest.approx(0.3, rel=1e-5)
-    assert st.serving_module() is not None and st.forward(make_batch(schema)).shape == (16, 2)
+    assert serving_module(st).gem is st.backbone and st.forward(make_batch(schema)).shape == (16, 2)

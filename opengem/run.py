@@ -1,0 +1,189 @@
+"""The run directory: the third contract beside the feature schema and the ``Batch``.
+
+``opengem train`` (and ``opengem distill``, for a student) writes a run directory; every later stage
+reads one: evaluation, recalibration, export, teachers, reports. Its files, each name spelled once: here,
+but for ``schema.json`` (the schema's own name) and ``checkpoints/`` (the checkpoint format's)::
+
+    RUN/config.json         the full config (recipe + overrides); the model is rebuilt from it
+    RUN/schema.json         the data's schema (``features.schema.SCHEMA_FILE``)
+    RUN/base_rates.json     training base rate per task and per domain/task (NE's normaliser;
+                            ``data.base_rates``)
+    RUN/metrics.jsonl       one line per logging step: loss (per domain/task) of the global batch, lr,
+                            examples/s (``train.observe.RunLog``; truncated to the checkpoint on resume)
+    RUN/tensorboard/        the same numbers as TensorBoard scalars (purged past the step on resume)
+    RUN/eval.jsonl          periodic held-out evaluation lines ``{"step", "eval": {slice: {"ne", …}}}``
+                            (the report reads them here or in metrics.jsonl)
+    RUN/checkpoints/        DCP checkpoints, loader position and RNG per rank (layout and name in
+                            ``train.checkpoint``: ``checkpoint_dir``, ``latest_checkpoint``)
+    RUN/quarantine/         rows the loader set aside, Parquet per shard and rank, with a ``reason`` column
+    RUN/final.json          steps, examples seen (all ranks), params_sha256, parameters, wall time,
+                            examples/s, world size, peak RSS per rank (absent while training)
+    RUN/recalibration.json  a logit offset per (domain, task), fitted on held-out days
+                            (``opengem recalibrate``, ``evaluation.recalibrate``)
+    RUN/evaluation.json     a distilled student's evaluation (``opengem demo`` writes one beside its run)
+    RUN/transfer.json       a student run: teacher runs, techniques, surfaces, splits, shared tables
+    RUN/user_rep.pt         a student reading teacher embeddings: the per-user feature-store snapshot
+    RUN/report/             ``opengem report``'s default output
+
+Training writes config, schema and base rates on rank 0 once its resume checks pass, metrics while
+it trains, checkpoints on every rank, final.json last. ``load_run_model`` is how every stage gets the
+trained model back: rebuilt from config.json and schema.json, the latest checkpoint loaded, and the
+recalibration offsets (if any) added to the heads' output biases, so evaluation, export, serving and
+teachers all read the recalibrated model while the checkpoint itself is never changed.
+
+This module sits above ``model/`` and the checkpoint format (``train/checkpoint.py``), below everything
+that writes or reads a run (``train/trainer.py``, ``evaluation/``, ``transfer/``, ``export/``, ``report/``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from opengem.config import Config
+from opengem.features.schema import SCHEMA_FILE, FeatureSchema
+from opengem.model.build import build_gem, materialize
+from opengem.model.heads import Heads
+from opengem.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+
+__all__ = [
+    "BASE_RATES_FILE", "CONFIG_FILE", "EVAL_METRICS_FILE", "EVALUATION_FILE", "FINAL_FILE", "METRICS_FILE",
+    "QUARANTINE_DIR", "RECALIBRATION_FILE", "REPORT_DIR", "SCHEMA_FILE", "TENSORBOARD_DIR", "TRANSFER_FILE",
+    "USER_REP_FILE", "RecalibrationError", "apply_recalibration", "gem_heads", "load_base_rates", "load_config",
+    "load_final", "load_recalibration", "load_run_model", "load_schema", "offset_groups", "offsets_tensor",
+    "save_base_rates", "save_config", "save_final", "save_recalibration", "save_schema", "write_json"
+]
+
+CONFIG_FILE = "config.json"
+BASE_RATES_FILE = "base_rates.json"
+METRICS_FILE = "metrics.jsonl"
+EVAL_METRICS_FILE = "eval.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+QUARANTINE_DIR = "quarantine"
+FINAL_FILE = "final.json"
+RECALIBRATION_FILE = "recalibration.json"
+EVALUATION_FILE = "evaluation.json"
+TRANSFER_FILE = "transfer.json"
+USER_REP_FILE = "user_rep.pt"
+REPORT_DIR = "report"
+
+
+class RecalibrationError(ValueError):
+    """The run or split cannot be recalibrated, or its offsets do not fit the model; the message says why."""
+
+
+def write_json(path: Path, obj: dict, sort_keys: bool = True) -> None:
+    """Write ``obj`` atomically (a reader never sees half a file); values JSON lacks are written as str."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=sort_keys, default=str))
+    tmp.replace(path)
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+# ------------------------------------------------------------------------------------- files
+def save_config(run_dir: str | Path, cfg: Config) -> None:
+    write_json(Path(run_dir) / CONFIG_FILE, cfg.to_dict())
+
+
+def load_config(run_dir: str | Path) -> Config:
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.exists():
+        raise CheckpointError(f"{run_dir}: no {CONFIG_FILE} (not a training run directory)")
+    return Config.from_dict(json.loads(path.read_text()))
+
+
+def save_schema(run_dir: str | Path, schema: FeatureSchema) -> None:
+    schema.save(Path(run_dir) / SCHEMA_FILE)
+
+
+def load_schema(run_dir: str | Path) -> FeatureSchema:
+    return FeatureSchema.load(Path(run_dir) / SCHEMA_FILE)
+
+
+def save_base_rates(run_dir: str | Path, rates: dict[str, float]) -> None:
+    write_json(Path(run_dir) / BASE_RATES_FILE, rates)
+
+
+def load_base_rates(run_dir: str | Path) -> dict[str, float]:
+    path = Path(run_dir) / BASE_RATES_FILE
+    if not path.exists():
+        raise CheckpointError(f"{run_dir}: no {BASE_RATES_FILE} (NE's normaliser; written when training starts)")
+    return json.loads(path.read_text())
+
+
+def save_final(run_dir: str | Path, final: dict) -> None:
+    write_json(Path(run_dir) / FINAL_FILE, final)
+
+
+def load_final(run_dir: str | Path) -> dict | None:
+    """The run's summary, or None while it trains (or if it was killed before the end)."""
+    return _read_json(Path(run_dir) / FINAL_FILE)
+
+
+def save_recalibration(run_dir: str | Path, record: dict) -> None:
+    write_json(Path(run_dir) / RECALIBRATION_FILE, record, sort_keys=False)  # the fitting's order reads best
+
+
+def load_recalibration(run_dir: str | Path) -> dict | None:
+    """The record ``evaluation.recalibrate`` wrote (``offsets``, calibration before and after), or None."""
+    return _read_json(Path(run_dir) / RECALIBRATION_FILE)
+
+
+# ------------------------------------------------------------------------------------- the model
+def load_run_model(run_dir: str | Path, recalibrated: bool = True) -> tuple[torch.nn.Module, Config, FeatureSchema]:
+    """The trained model of a run (latest checkpoint), single process, in eval mode; with
+    ``recalibrated``, plus the offsets of ``RUN/recalibration.json`` if the run has been recalibrated."""
+    run = Path(run_dir)
+    cfg = load_config(run)
+    schema = load_schema(run)
+    ckpt = latest_checkpoint(run)
+    if ckpt is None:
+        raise CheckpointError(f"{run}: no checkpoint (did training finish?)")
+    model = materialize(build_gem(schema, cfg.model), "cpu")
+    load_checkpoint(ckpt, model, expect={"schema": schema.fingerprint()})
+    if recalibrated:
+        apply_recalibration(model, run, schema)
+    return model.eval(), cfg, schema
+
+
+def gem_heads(model: torch.nn.Module) -> Heads:
+    """The GEM heads a recalibration offset is added to (GEM and a student's backbone have them)."""
+    heads = getattr(model, "heads", None)
+    if not isinstance(heads, Heads):
+        raise RecalibrationError(f"{type(model).__name__} has no GEM heads to recalibrate (peer baselines have none)")
+    return heads
+
+
+def offset_groups(heads: Heads, schema: FeatureSchema) -> list[str]:
+    """The names of the heads' output groups, the first half of an offset's key: the domains, or
+    ``["all"]`` with shared heads."""
+    return list(schema.domains.names) if heads.out_b.shape[0] == schema.num_domains else ["all"]
+
+
+def offsets_tensor(heads: Heads, offsets: dict[str, float], schema: FeatureSchema) -> torch.Tensor:
+    """{"<group>/<task>": δ} → [G, T] in the heads' layout (``offset_groups``)."""
+    groups = offset_groups(heads, schema)
+    out = torch.zeros(len(groups), len(schema.task_names), dtype=torch.float64)
+    for key, value in offsets.items():
+        g, _, t = key.partition("/")
+        if g not in groups or t not in schema.task_names:
+            raise RecalibrationError(f"{RECALIBRATION_FILE}: unknown slice {key!r} (groups {groups}, "
+                                     f"tasks {schema.task_names})")
+        out[groups.index(g), schema.task_names.index(t)] = float(value)
+    return out
+
+
+def apply_recalibration(model: torch.nn.Module, run_dir: str | Path, schema: FeatureSchema) -> dict | None:
+    """Add the run's fitted offsets (if any) to the heads' output biases; returns the file's record."""
+    record = load_recalibration(run_dir)
+    if record is None:
+        return None
+    heads = gem_heads(model)
+    with torch.no_grad():
+        heads.out_b.add_(offsets_tensor(heads, record["offsets"], schema).to(heads.out_b.dtype))
+    return record
