@@ -97,9 +97,9 @@ class HistoryCounts(nn.Module):
     "how often, how recently did this user engage with this advertiser" is the classic ads feature
     (SIM's hard search reduced to counts). The sums are O(N) jagged segment sums. τ is
     ``model.count_decay_hours`` (fixed, log-spaced: the MLP mixes them); () turns the token off.
-    Counts see the history the loader keeps (``model.max_seq_len``). Measured on the demo world (one
-    pass, seed 0): click captured 0.875 → 0.912, the model's slope on the true ads-history term
-    0.65 → 0.89; τ = (6, 48, 168) h gave 0.898.
+    Counts see the history the loader keeps (``model.max_seq_len``). Softmax attention reads shares of
+    matching events, never how many there were or how recent; this token reads exactly that
+    (docs/experiments.md has what it did on the demo world).
     """
 
     def __init__(self, schema: FeatureSchema, streams: list[str], match_pairs: dict[str, list],
