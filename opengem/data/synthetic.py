@@ -47,11 +47,17 @@ seconds, day 0 starts at ``cfg.sizes.start_ts``):
    β·m + surface; c0 solved so Σp_conversion/Σp_click ≈ ``target_cvr`` on block 0.
    p_conversion = p_click·p_cvr; click ~ Bernoulli(p_click), conversion = click·Bernoulli(p_cvr),
    so P(conversion = 1) = p_conversion exactly.
+7. Steps 5 and 6 are the form of ``structure_seed`` 0. Another structure seed draws the form
+   (``opengem.data.world_structure``: which pairs interact at what rank, how each history acts,
+   numeric shapes, position form, surface tables, conversion terms, drift scales); the draws of
+   steps 1–4 stay as they were, but for the drifts' scales and, through the interest drift, the rows.
+   After the shards, an oracle with the world's exact structure is fitted on the train rows
+   (``opengem.data.oracle``); its NE and ``captured`` per split land in ``source.stats.oracle``.
 
 Everything the true models read is in the row: ``synthetic_world.probabilities(world, cols)``
 recomputes the probability columns from a shard (``columns_from_table``) and the calibrated world
-(``world_from_manifest``). Shards: one per (user block, day), ``d{day:03d}-b{block:05d}``, rows in
-time order; output is bit-reproducible for a seed. The manifest's ``source.stats`` holds rows,
+(``world_from_manifest``; the structure is stored in ``source.structure``). Shards: one per (user
+block, day), ``d{day:03d}-b{block:05d}``, rows in time order; output is bit-reproducible for a seed. The manifest's ``source.stats`` holds rows,
 CTR/CVR (observed and true means), Bayes NE per split (``bayes_ne``: the true probabilities'
 log loss on the drawn labels over the entropy of the split's own label rate;
 ``bayes_ne_expected``: the same in expectation), the share of rows showing ads launched after the
@@ -73,6 +79,7 @@ from opengem.data.synthetic_world import (
     DAY, FORMATS, NUM_AGES, NUM_COUNTRIES, NUM_DEVICES, NUM_GENDERS, NUM_HOURS, NUM_POSITIONS, ORGANIC_EVENTS,
     ADS_EVENTS, SURFACES, TAG_DAY, UserBlock, World, probabilities, ranges, rng_for, sigmoid, solve_intercept,
 )
+from opengem.data.world_structure import WorldStructure
 from opengem.features.schema import DenseFeature, Domains, FeatureSchema, SequenceStream, SparseFeature, Task
 
 
@@ -182,12 +189,14 @@ class WorldConfig:
     ``opengem.recipes.worlds``). Overrides and error messages use dotted keys: ``sizes.num_users``.
 
     Args:
-        seed: the structure and sampling seed; every draw is a pure function of it.
+        seed: the sampling seed: every draw of entities, users and rows is a pure function of it.
         sizes: entity counts and the day window (``WorldSizes``).
         behaviour: activity, interests and event streams (``Behaviour``).
         impressions: impression rate, surfaces, positions and ad choice (``Impressions``).
         click: the true click model (``ClickModel``).
         conversion: the true conversion-given-click model (``ConversionModel``).
+        structure_seed: the functional form of the true models (``opengem.data.world_structure``):
+            0 is today's demo world; another seed draws which terms exist and how each acts.
     """
 
     seed: int = 0
@@ -196,6 +205,7 @@ class WorldConfig:
     impressions: Impressions = field(default_factory=Impressions)
     click: ClickModel = field(default_factory=ClickModel)
     conversion: ConversionModel = field(default_factory=ConversionModel)
+    structure_seed: int = 0
 
     def leaves(self) -> dict[str, tuple[str, object]]:
         """Dotted key → (declared type, value), for every knob."""
@@ -212,11 +222,12 @@ class WorldConfig:
     def from_dict(cls, d: dict) -> WorldConfig:
         """From ``asdict`` (a manifest's ``source.config``); unknown keys are ignored. A flat dict (manifests
         written before the config was nested) maps by field name: names are unique across the parts."""
-        parts = {f.name: f.default_factory for f in fields(cls) if f.name != "seed"}
+        top = ("seed", "structure_seed")
+        parts = {f.name: f.default_factory for f in fields(cls) if f.name not in top}
         flat = not any(isinstance(d.get(p), dict) for p in parts)
         given = {p: d if flat else d.get(p, {}) for p in parts}
-        return cls(seed=d.get("seed", 0), **{p: kind(**{f.name: given[p][f.name] for f in fields(kind)
-                                                        if f.name in given[p]}) for p, kind in parts.items()})
+        return cls(**{k: d.get(k, 0) for k in top}, **{p: kind(**{f.name: given[p][f.name] for f in fields(kind)
+                                                               if f.name in given[p]}) for p, kind in parts.items()})
 
     def validate(self) -> WorldConfig:
         leaves = self.leaves()
@@ -511,15 +522,17 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True) -> Da
             writer.write(table, f"d{d:03d}-b{b:05d}", d)
         del ub
     return writer.close(splits_for(cfg), source={"kind": "synthetic", "config": asdict(cfg),
-                                                 "stats": stats.result(world)})
+                                                 "structure": world.structure.to_dict(), "stats": stats.result(world)})
 
 
 def world_from_manifest(manifest: DatasetManifest) -> World:
-    """The calibrated ``World`` a synthetic dataset was generated from (for exact decompositions)."""
+    """The calibrated ``World`` a synthetic dataset was generated from (for exact decompositions), with
+    the structure its manifest stores (a manifest without one predates the family: structure seed 0)."""
     src = manifest.source
     if src.get("kind") != "synthetic":
         raise ValueError("not a synthetic dataset (manifest source kind is not 'synthetic')")
-    world = World(WorldConfig.from_dict(src["config"]))
+    structure = WorldStructure.from_dict(src["structure"]) if "structure" in src else None
+    world = World(WorldConfig.from_dict(src["config"]), structure)
     world.b0, world.c0 = src["stats"]["calibration"]["b0"], src["stats"]["calibration"]["c0"]
     return world
 
