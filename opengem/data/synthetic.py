@@ -482,8 +482,11 @@ def _plain(x):
 
 
 # ------------------------------------------------------------------------------ generate
-def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True) -> DatasetManifest:
-    """Write the world's shards, schema and manifest into ``out_dir``; one block of users at a time."""
+def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True, oracle: bool = True) -> DatasetManifest:
+    """Write the world's shards, schema and manifest into ``out_dir``; one block of users at a time.
+
+    With ``oracle`` the world's oracle (``opengem.data.oracle``) is fitted once every shard is written
+    and its figures are stored in ``source.stats.oracle``."""
     cfg.validate()
     schema = build_schema(cfg)
     world = World(cfg)
@@ -506,6 +509,11 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True) -> Da
 
     writer = ShardWriter(out_dir, schema)
     stats = _Stats(cfg, world)
+    oracle_rows = None
+    if oracle:
+        from opengem.data.oracle import OracleCollector  # torch, only when an oracle is fitted
+
+        oracle_rows = OracleCollector(world, stats.split_of)
     blocks = range(n_blocks)
     if progress:
         from tqdm import tqdm
@@ -520,9 +528,14 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True) -> Da
             table = _table(schema, c, p_click, p_cvr)
             stats.add(d, c, table, ct, vt)
             writer.write(table, f"d{d:03d}-b{b:05d}", d)
+            if oracle_rows is not None:
+                oracle_rows.add(d, columns_from_table(table))  # what the shard holds, nothing more
         del ub
+    result = stats.result(world)
+    if oracle_rows is not None:
+        result["oracle"] = _plain(oracle_rows.result())
     return writer.close(splits_for(cfg), source={"kind": "synthetic", "config": asdict(cfg),
-                                                 "structure": world.structure.to_dict(), "stats": stats.result(world)})
+                                                 "structure": world.structure.to_dict(), "stats": result})
 
 
 def world_from_manifest(manifest: DatasetManifest) -> World:
