@@ -40,7 +40,8 @@ from opengem.data.base_rates import RateCounter
 from opengem.data.parquet import DatasetManifest
 from opengem.data.synthetic_world import FORMATS, NUM_DEVICES, NUM_POSITIONS, SURFACES, World, field_size
 from opengem.data.synthetic_world import field_values, history_stats, numeric_transform, sigmoid
-from opengem.evaluation.accumulator import MetricAccumulator
+from opengem.evaluation.accumulator import ALL_DOMAIN, MetricAccumulator
+from opengem.evaluation.metrics import captured, entropy
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +227,8 @@ class OracleCollector:
                 for k in parts[0]} if parts else {}
 
     def result(self) -> dict:
-        """Per split (valid, test) and slice: the oracle's NE, Bayes NE, captured and AUC; the L2 chosen."""
+        """Per split (valid, test) and slice: the oracle's NE, Bayes NE, captured (and its expected
+        value) and AUC; the L2 chosen and every λ's valid log loss."""
         t0 = time.perf_counter()
         data = {s: self._split(s) for s in ("train", "valid", "test")}
         if not all(data.values()):
@@ -262,10 +264,28 @@ def _train_rates(train: dict) -> dict[str, float]:
 
 
 def _slices(d: dict, p_click: np.ndarray, p_conv: np.ndarray, rates: dict) -> dict:
+    """The evaluator's metrics of each slice, plus ``captured_expected``: the same ratio with both log
+    losses taken in expectation over the true probabilities (no label noise; below 1 by Gibbs'
+    inequality, where a small slice's ``captured`` can exceed 1 by chance)."""
     acc = MetricAccumulator(list(SURFACES), ["click", "conversion"], rates)
-    acc.update(np.stack([p_click, p_conv], 1), np.stack([d["click"], d["conversion"]], 1), None, d["domain"],
-               true_probs=np.stack([d["p_click"], d["p_conversion"]], 1))
-    return {k: {f: m[f] for f in REPORTED} for k, m in acc.compute().items()}
+    probs, truth = np.stack([p_click, p_conv], 1), np.stack([d["p_click"], d["p_conversion"]], 1)
+    acc.update(probs, np.stack([d["click"], d["conversion"]], 1), None, d["domain"], true_probs=truth)
+    out = {}
+    for key, m in acc.compute().items():
+        domain, task = key.split("/")
+        rows = slice(None) if domain == ALL_DOMAIN else d["domain"] == SURFACES.index(domain)
+        t = ["click", "conversion"].index(task)
+        p, pt = probs[rows, t], truth[rows, t]
+        out[key] = {f: m[f] for f in REPORTED}
+        h = entropy(m["base_rate"]) if 0 < m["base_rate"] < 1 else float("nan")
+        out[key]["captured_expected"] = captured(float(np.mean(_xent(pt, p))) / h, float(np.mean(_xent(pt, pt))) / h)
+    return out
+
+
+def _xent(q, p) -> np.ndarray:
+    """Expected log loss of predicting p when the label is 1 with probability q."""
+    p = np.clip(p, 1e-15, 1 - 1e-15)
+    return -(q * np.log(p) + (1 - q) * np.log1p(-p))
 
 
 def refit(data_dir) -> dict:
