@@ -39,7 +39,7 @@ import torch
 from opengem.data.base_rates import RateCounter
 from opengem.data.parquet import DatasetManifest
 from opengem.data.synthetic_world import FORMATS, NUM_DEVICES, NUM_POSITIONS, SURFACES, World, field_size
-from opengem.data.synthetic_world import field_values, history_stats, numeric_transform, sigmoid
+from opengem.data.synthetic_world import field_values, history_stats, numeric_transform, rng_for, sigmoid
 from opengem.evaluation.accumulator import ALL_DOMAIN, MetricAccumulator
 from opengem.evaluation.metrics import captured, entropy
 
@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 L2_GRID = (100.0, 30.0, 10.0, 3.0, 1.0)  # λ of the sum-form penalty, largest first (warm starts)
 MAX_ITER, TOLERANCE = 300, 1e-9  # L-BFGS iterations per λ; stop when the mean loss moves less
+MAX_TRAIN_ROWS = 4_000_000  # beyond, fit on a subsample of users (demo: 497k rows, small: ~2.1M)
+TAG_ORACLE = 4  # rng tag of that subsample, after synthetic_world's
 REPORTED = ("ne", "ne_bayes", "captured", "auc")
 
 
@@ -205,12 +207,22 @@ def choose_l2(train: Design, valid: Design, num_weights: int, grid=L2_GRID) -> t
 
 
 class OracleCollector:
-    """Collects the oracle's inputs shard by shard (``add``), then fits and scores (``result``)."""
+    """Collects the oracle's inputs shard by shard (``add``), then fits and scores (``result``).
 
-    def __init__(self, world: World, split_of: dict[int, str]):
+    Worlds with more than ``max_train_rows`` expected train rows (the ``large`` preset) fit on a uniform subsample of their users' train rows, reported as
+    ``train_user_share``; valid and test are always scored in full."""
+
+    def __init__(self, world: World, split_of: dict[int, str], max_train_rows: int = MAX_TRAIN_ROWS):
         self.world, self.split_of = world, split_of
         self.layouts = {m: Layout(world, m) for m in ("click", "conversion")}
         self.parts: dict[str, list[dict]] = {}
+        self.rates = RateCounter(list(SURFACES), ["click", "conversion"])
+        sizes = world.cfg.sizes
+        train_days = sum(1 for s in split_of.values() if s == "train")
+        expected = sizes.num_users * world.cfg.impressions.impressions_per_day * train_days
+        self.user_share = min(1.0, max_train_rows / max(expected, 1.0))
+        self.keep = (rng_for(world.cfg.seed, TAG_ORACLE).random(sizes.num_users) < self.user_share
+                     if self.user_share < 1 else None)
 
     def add(self, day: int, c: dict) -> None:
         """Rows of one shard: ``c`` holds the shard's columns (``synthetic.columns_from_table``)."""
@@ -219,7 +231,13 @@ class OracleCollector:
                 "p_click": c["p_click"], "p_conversion": c["p_conversion"]}
         for m, layout in self.layouts.items():
             part[f"{m}_idx"], part[f"{m}_x"] = layout.rows(c, stats)
-        self.parts.setdefault(self.split_of[day], []).append(part)
+        split = self.split_of[day]
+        if split == "train":  # NE's normaliser: the rates of every train row, as the trainer counts them
+            self.rates.update(np.stack([c["click"], c["conversion"]], 1).astype(np.float64), None, c["domain"])
+        if split == "train" and self.keep is not None:
+            rows = self.keep[c["user_id"]]
+            part = {k: v[:, rows] if k.endswith("_idx") else v[rows] for k, v in part.items()}
+        self.parts.setdefault(split, []).append(part)
 
     def _split(self, split: str) -> dict:
         parts = self.parts.get(split, [])
@@ -242,10 +260,11 @@ class OracleCollector:
         cvr_fit, losses["conversion"] = choose_l2(designs["train"]["conversion"].subset(clicked["train"]),
                                                   designs["valid"]["conversion"].subset(clicked["valid"]),
                                                   self.layouts["conversion"].num_weights)
-        rates = _train_rates(data["train"])
+        rates = self.rates.rates()
         out = {"l2": {"click": click_fit.l2, "conversion": cvr_fit.l2},
                "valid_logloss": {m: {str(k): v for k, v in ls.items()} for m, ls in losses.items()},
                "train_rows": {"click": len(data["train"]["click"]), "conversion": len(clicked["train"])},
+               "train_user_share": self.user_share,
                "parameters": {m: lay.num_weights + len(lay.dense_names) + 1 for m, lay in self.layouts.items()}}
         for s in ("valid", "test"):
             pc = sigmoid(click_fit.logits(designs[s]["click"]))
@@ -255,12 +274,6 @@ class OracleCollector:
         log.info("oracle fitted on %d train rows in %.1f s (L2 click %g, conversion %g)",
                  out["train_rows"]["click"], time.perf_counter() - t0, click_fit.l2, cvr_fit.l2)
         return out
-
-
-def _train_rates(train: dict) -> dict[str, float]:
-    counter = RateCounter(list(SURFACES), ["click", "conversion"])
-    counter.update(np.stack([train["click"], train["conversion"]], 1).astype(np.float64), None, train["domain"])
-    return counter.rates()
 
 
 def _slices(d: dict, p_click: np.ndarray, p_conv: np.ndarray, rates: dict) -> dict:
