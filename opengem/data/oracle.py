@@ -277,9 +277,10 @@ class OracleCollector:
 
 
 def _slices(d: dict, p_click: np.ndarray, p_conv: np.ndarray, rates: dict) -> dict:
-    """The evaluator's metrics of each slice, plus ``captured_expected``: the same ratio with both log
-    losses taken in expectation over the true probabilities (no label noise; below 1 by Gibbs'
-    inequality, where a small slice's ``captured`` can exceed 1 by chance)."""
+    """The evaluator's metrics of each slice, plus ``ne_expected``, ``ne_bayes_expected`` and
+    ``captured_expected``: the same with both log losses taken in expectation over the true
+    probabilities, free of label noise (``ne_expected >= ne_bayes_expected`` by Gibbs' inequality,
+    where a small slice's ``ne`` can fall below ``ne_bayes`` by chance)."""
     acc = MetricAccumulator(list(SURFACES), ["click", "conversion"], rates)
     probs, truth = np.stack([p_click, p_conv], 1), np.stack([d["p_click"], d["p_conversion"]], 1)
     acc.update(probs, np.stack([d["click"], d["conversion"]], 1), None, d["domain"], true_probs=truth)
@@ -291,7 +292,8 @@ def _slices(d: dict, p_click: np.ndarray, p_conv: np.ndarray, rates: dict) -> di
         p, pt = probs[rows, t], truth[rows, t]
         out[key] = {f: m[f] for f in REPORTED}
         h = entropy(m["base_rate"]) if 0 < m["base_rate"] < 1 else float("nan")
-        out[key]["captured_expected"] = captured(float(np.mean(_xent(pt, p))) / h, float(np.mean(_xent(pt, pt))) / h)
+        ne, nb = float(np.mean(_xent(pt, p))) / h, float(np.mean(_xent(pt, pt))) / h
+        out[key].update(ne_expected=ne, ne_bayes_expected=nb, captured_expected=captured(ne, nb))
     return out
 
 

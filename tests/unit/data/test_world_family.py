@@ -141,8 +141,9 @@ def test_oracle_between_base_rate_and_bayes(world7):
     for split in ("valid", "test"):
         e = o[split]["all/click"]
         assert e["ne_bayes"] < e["ne"] < 1 and 0 < e["captured"] < 1, (split, e)
-        for key in ("all/click", "all/conversion"):  # a tiny split's few conversions: captured may pass 1
-            assert 0 < o[split][key]["captured_expected"] < 1, (split, key)
+        assert 0 < e["captured_expected"] < 1
+        for key, e in o[split].items():  # a tiny split's few conversions: its drawn labels may favour the oracle
+            assert e["ne_expected"] is None or e["ne_expected"] > e["ne_bayes_expected"], (split, key)
         assert {"feed/click", "video/click", "messaging/click"} <= set(o[split])
     assert set(o["l2"].values()) <= set(map(float, o["valid_logloss"]["click"]))
     assert o["train_rows"]["click"] == m.source["stats"]["rows"]["train"]
