@@ -18,7 +18,7 @@ The drift by day is left out: a future day's drift cannot be known. The model is
 ``logit = b + Σ_groups w_g[index_g] + Σ_c β_c x_c`` with the L2 penalty ``λ/2 (Σ w² + Σ β²)``
 (dense columns standardised on the train rows), fitted full-batch by L-BFGS in float64 with a
 diagonal preconditioner; λ is picked from ``L2_GRID`` by the valid log loss (``choose_l2`` refuses
-any other split), warm-started from the largest λ down. NE and ``captured`` come from evaluation's
+any other split), warm-started from the largest λ down until the valid loss rises. NE and ``captured`` come from evaluation's
 ``MetricAccumulator`` with the train split's base rates (``RateCounter``, as the trainer records
 them), so they are the evaluator's numbers to the digit.
 
@@ -61,11 +61,10 @@ class Layout:
         cfg, st = world.cfg, world.structure
         self.world, self.model = world, model
         sizes = cfg.sizes
-        n_ads = sizes.initial_ads + sizes.new_ads_per_day * (sizes.num_days - 1)
-        groups: list[tuple[str, int, object]] = []
+        groups: list[tuple[str, int, object]] = []  # (name, cells, column or (user field, ad field))
         if model == "click":
             s = st.click
-            groups += [("ad_id", n_ads, "ad_id"), ("advertiser_id", sizes.num_advertisers, "advertiser_id"),
+            groups += [("ad_id", world.num_ads, "ad_id"), ("advertiser_id", sizes.num_advertisers, "advertiser_id"),
                        ("campaign_id", sizes.num_campaigns, "campaign_id"), ("domain", len(SURFACES), "domain"),
                        ("position", NUM_POSITIONS, "position"), ("device", NUM_DEVICES, "device"),
                        ("format", len(FORMATS), "format"), ("domain_format", len(SURFACES) * len(FORMATS),

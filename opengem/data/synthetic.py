@@ -57,12 +57,13 @@ seconds, day 0 starts at ``cfg.sizes.start_ts``):
 Everything the true models read is in the row: ``synthetic_world.probabilities(world, cols)``
 recomputes the probability columns from a shard (``columns_from_table``) and the calibrated world
 (``world_from_manifest``; the structure is stored in ``source.structure``). Shards: one per (user
-block, day), ``d{day:03d}-b{block:05d}``, rows in time order; output is bit-reproducible for a seed. The manifest's ``source.stats`` holds rows,
-CTR/CVR (observed and true means), Bayes NE per split (``bayes_ne``: the true probabilities'
-log loss on the drawn labels over the entropy of the split's own label rate;
-``bayes_ne_expected``: the same in expectation), the share of rows showing ads launched after the
-last train day, stored sequence-length quantiles, the share of the logit variance of each term
-(Var(term) / Var(logit); covariances make them not sum to 1) and the calibrated intercepts.
+block, day), ``d{day:03d}-b{block:05d}``, rows in time order; output is bit-reproducible for a
+seed. The manifest's ``source.stats`` holds rows, CTR/CVR (observed and true means), Bayes NE per
+split (``bayes_ne``: the true probabilities' log loss on the drawn labels over the entropy of the
+split's own label rate; ``bayes_ne_expected``: the same in expectation), the share of rows showing
+ads launched after the last train day, stored sequence-length quantiles, the share of the logit
+variance of each term (Var(term) / Var(logit); covariances make them not sum to 1), the calibrated
+intercepts and the oracle's figures (``oracle``).
 """
 
 from __future__ import annotations

@@ -106,6 +106,9 @@ class PositionEffect:
 
 @dataclass
 class ClickStructure:
+    """The click logit's form; the terms a structure does not draw (hour, device, the ad effects)
+    keep their ``ClickModel`` knobs."""
+
     interactions: list[Interaction]
     history: list[HistoryEffect]  # one per stream: organic, ads
     numeric: list[NumericEffect]  # user_activity (in the "user" term with the device), ad_age, ad_quality
@@ -116,6 +119,8 @@ class ClickStructure:
 
 @dataclass
 class ConversionStructure:
+    """The conversion-given-click logit's form."""
+
     advertiser_sigma: float  # sd of the per-advertiser conversion effect
     interactions: list[Interaction]
     history: list[HistoryEffect]
@@ -133,6 +138,8 @@ class Drift:
 
 @dataclass
 class WorldStructure:
+    """A world's functional form (module docstring): ``seed`` is the structure seed it was drawn from."""
+
     seed: int
     click: ClickStructure
     conversion: ConversionStructure
@@ -156,28 +163,18 @@ class WorldStructure:
 
     @classmethod
     def from_dict(cls, d: dict) -> WorldStructure:
-        return _build(cls, d)
-
-
-def _build(kind, value):
-    """Rebuild a dataclass tree from ``asdict`` output, by the declared field types."""
-    if not dataclasses.is_dataclass(kind):
-        return value
-    hints = {f.name: f.type for f in dataclasses.fields(kind)}
-    kinds = {"Interaction": Interaction, "HistoryEffect": HistoryEffect, "NumericEffect": NumericEffect,
-             "PositionEffect": PositionEffect, "ClickStructure": ClickStructure,
-             "ConversionStructure": ConversionStructure, "Drift": Drift}
-    out = {}
-    for name, v in value.items():
-        hint = str(hints[name])
-        inner = next((k for n, k in kinds.items() if n in hint), None)
-        if inner is not None and hint.startswith("list"):
-            out[name] = [_build(inner, x) for x in v]
-        elif inner is not None:
-            out[name] = _build(inner, v)
-        else:
-            out[name] = v
-    return kind(**out)
+        """From ``to_dict`` (a manifest's ``source.structure``)."""
+        c, v = d["click"], d["conversion"]
+        return cls(
+            seed=d["seed"],
+            click=ClickStructure(
+                [Interaction(**x) for x in c["interactions"]], [HistoryEffect(**x) for x in c["history"]],
+                [NumericEffect(**x) for x in c["numeric"]], PositionEffect(**c["position"]),
+                c["surface_bias"], c["surface_format"]),
+            conversion=ConversionStructure(
+                v["advertiser_sigma"], [Interaction(**x) for x in v["interactions"]],
+                [HistoryEffect(**x) for x in v["history"]], v["surface"]),
+            drift=Drift(**d["drift"]))
 
 
 def today_structure(cfg) -> WorldStructure:

@@ -58,7 +58,8 @@ def test_structure_seed_zero_is_todays_world(seed, tmp_path):
     assert (cal["b0"], cal["c0"]) == pytest.approx((b0, c0), rel=1e-12)
     assert float(t["p_click"].to_numpy().sum()) == pytest.approx(spc, rel=1e-12)
     assert float(t["p_conversion"].to_numpy().sum()) == pytest.approx(spv, rel=1e-12)
-    assert (int(t["click"].to_numpy().sum()), int(t["conversion"].to_numpy().sum()), t.num_rows) == (clicks, convs, rows)
+    counts = int(t["click"].to_numpy().sum()), int(t["conversion"].to_numpy().sum()), t.num_rows
+    assert counts == (clicks, convs, rows)
     world = world_from_manifest(m)
     _, _, ct, vt = probabilities(world, columns_from_table(pq.read_table(tmp_path / m.files[0].path)))
     assert list(ct) == TODAY_TERMS and list(vt) == ["advertiser", "segment_category", "sequence", "surface"]

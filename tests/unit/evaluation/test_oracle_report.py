@@ -14,7 +14,8 @@ def _dataset(path, source):
 
 
 def test_captured_over_oracle_per_slice(tmp_path):
-    oracle = {"test": {"all/click": {"captured": 0.8}, "feed/click": {"captured": None}, "video/click": {"captured": 0}}}
+    oracle = {"test": {"all/click": {"captured": 0.8}, "feed/click": {"captured": None},
+                       "video/click": {"captured": 0}}}
     data = _dataset(tmp_path / "d", {"kind": "synthetic", "stats": {"oracle": oracle}})
     metrics = {"all/click": {"ne": 0.9, "captured": 0.4}, "feed/click": {"captured": 0.3},
                "video/click": {"captured": 0.2}, "messaging/click": {"captured": 0.1}, "all/conversion": {"ne": 0.9}}
