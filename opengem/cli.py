@@ -217,10 +217,10 @@ def cmd_serve(args) -> dict:
 def cmd_bench(args) -> dict:
     from opengem.config import apply_overrides
     from opengem.recipes import recipe
-    from opengem.train.bench import format_bench, run_bench
+    from opengem.bench.levers import format_bench, run_bench
 
     if args.quick:
-        from opengem.train.bench import quick_bench
+        from opengem.bench.quick import quick_bench
 
         out = quick_bench()
         print(json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)}))

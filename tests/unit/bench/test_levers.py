@@ -4,7 +4,7 @@ losses as fp32 eager, and the memory levers save what they claim."""
 import pytest
 
 from opengem.recipes import recipe
-from opengem.train.bench import format_bench, run_bench
+from opengem.bench.levers import format_bench, run_bench
 
 # Stated tolerances on the loss after each of 4 steps, relative to fp32 eager (tiny recipe):
 # activation checkpointing recomputes the same fp32 ops (exact up to reduction order); bf16 autocast
@@ -50,7 +50,7 @@ def test_unknown_lever_is_named():
 def test_forward_held_bytes_counts_what_outlives_the_call():
     import torch
 
-    from opengem.train.bench import forward_held_bytes
+    from opengem.bench.levers import forward_held_bytes
 
     x = torch.randn(256, 256, requires_grad=True)
 

@@ -36,7 +36,7 @@ from opengem.data.loader import ShardLoader
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, materialize
 from opengem.ops.fp8 import fp8_saved_activations
-from opengem.train.bench_ops import plain_step
+from opengem.bench.ops import plain_step
 from opengem.train.optim import build_optimizers
 
 # Each side's learning rates, picked on a small grid on the demo world (click NE on every 4th valid file):
