@@ -7,8 +7,8 @@ timed steps of each phase of the step::
     data      next batch from the loader (Parquet → Batch, prefetched as in training)
     embed     GEM.inputs: TorchRec table lookups (EBC + EC), dense arch, event tokens
     dense     InterFormer (Wukong stack + sequence towers) + heads + loss
-    backward  loss.backward() (tables' and dense gradients)
-    optim     dense AdamW + sparse row-wise Adagrad steps
+    backward  gradients cleared, loss.backward() (tables' and dense gradients)
+    optim     dense gradients clipped (``optim.grad_clip``), dense AdamW + sparse row-wise Adagrad steps
 
 and two memory figures: ``saved_activation_mb``, the bytes autograd's saved-tensor hook sees (what
 FP8 storage compresses; a checkpointed block's own bookkeeping is invisible to it), and
@@ -45,8 +45,8 @@ from opengem.model.build import build_gem, count_parameters, materialize
 from opengem.ops.fp8 import fp8_saved_activations
 from opengem.parallel.activation_checkpoint import apply_activation_checkpoint
 from opengem.parallel.compile import apply_compile
-from opengem.train.losses import masked_bce
 from opengem.train.optim import build_optimizers
+from opengem.train.step import backward, batch_loss, update
 
 LEVERS = ("eager", "compile", "ac", "sac", "bf16", "fp8")
 PHASES = ("data", "embed", "dense", "backward", "optim")
@@ -72,18 +72,25 @@ def build_for_lever(cfg: Config, schema: FeatureSchema, lever: str, device: torc
 
 
 class LeverRun:
-    """One lever's model, optimizers and batches; ``step()`` times one training step by phase."""
+    """One lever's model, optimizers and batches; ``step()`` times one training step by phase.
+
+    Its step is the trainer's (``opengem.train.step``: the loss, clearing the gradients and backward,
+    clipping and the optimizers) cut where the phases are timed; only the forward is split by hand
+    (``GEM.inputs``, then the rest), which ``train_step`` cannot time, and the lr stays at the recipe's.
+    """
 
     def __init__(self, cfg: Config, schema: FeatureSchema, data: Path, lever: str, device: torch.device):
         self.lever, self.device, self.parts = lever, device, set(lever.split("+"))
+        self.num_domains, self.grad_clip = schema.num_domains, cfg.optim.grad_clip
         torch.manual_seed(cfg.train.seed)
         self.model = build_for_lever(cfg, schema, lever, device)
         dense_opt, sparse_opt = build_optimizers(self.model.dense_parameters(), self.model.sparse_parameters(),
                                                  cfg.optim)
         self.opts = [o for o in (dense_opt, sparse_opt) if o is not None]
+        self.dense_params = list(self.model.dense_parameters())
         self.batches = iter(ShardLoader(data, "train", cfg.data.batch_size, shuffle=True, seed=cfg.train.seed,
                                         epochs=1000, drop_last=True, max_seq_len=self.model.max_seq_len()))
-        self.task_w = torch.ones(len(schema.tasks), device=device)
+        self.task_w = torch.tensor([t.weight for t in schema.tasks], device=device)  # as the trainer's
         self.dtype = torch.bfloat16 if "bf16" in self.parts else None
         self.times: dict[str, list[float]] = {p: [] for p in PHASES}
         self.rows, self.saved, self.losses, self.peak = [], [], [], 0.0
@@ -97,7 +104,7 @@ class LeverRun:
 
     def _loss(self, x, seqs, batch) -> torch.Tensor:
         logits = self.model.heads(self.model._features(x, seqs), batch.domain, self.model.batch_low_order(x, batch))
-        return masked_bce(logits.float(), batch.labels, batch.label_mask, batch.weights, self.task_w)[0]
+        return batch_loss(logits.float(), batch, self.task_w, self.num_domains)[0]
 
     def measure_memory(self) -> None:
         """One untimed step whose forward runs under ``forward_held_bytes`` (no optimizer step)."""
@@ -130,13 +137,10 @@ class LeverRun:
             loss = self._loss(x, seqs, batch)
             _sync(dev)
         t3 = time.perf_counter()
-        for o in self.opts:
-            o.zero_grad(set_to_none=True)
-        loss.backward()
+        backward(loss, self.opts)
         _sync(dev)
         t4 = time.perf_counter()
-        for o in self.opts:
-            o.step()
+        update(self.opts, self.dense_params, self.grad_clip)
         _sync(dev)
         t5 = time.perf_counter()
         if self.first_step_s is None:

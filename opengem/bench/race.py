@@ -21,7 +21,6 @@ and stop the clock for evaluations; each side's learning rates are its own (``PE
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import statistics
@@ -35,9 +34,8 @@ from opengem.config import Config
 from opengem.data.loader import ShardLoader
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, materialize
-from opengem.ops.fp8 import fp8_saved_activations
-from opengem.bench.ops import plain_step
 from opengem.train.optim import build_optimizers
+from opengem.train.step import train_step
 
 # Each side's learning rates, picked on a small grid on the demo world (click NE on every 4th valid file):
 # DLRM-DCN, one pass: dense lr 3e-4 0.8397, 1e-3 0.8357, 2e-3 0.8391, 3e-3 (the demo recipe's, tuned
@@ -87,8 +85,8 @@ def train_with_evals(cfg: Config, data: Path, eval_every: int, split: str = "val
     for step, batch in enumerate(loader, start=1):
         t0 = time.perf_counter()
         lr_f = schedule.set(step - 1)
-        with fp8_saved_activations(model) if cfg.train.fp8_activations else contextlib.nullcontext():
-            plain_step(model, opts, batch, task_w, schema.num_domains, cfg.optim.grad_clip)
+        train_step(model, opts, batch, task_w, schema.num_domains, grad_clip=cfg.optim.grad_clip,
+                   fp8=cfg.train.fp8_activations)
         clock += time.perf_counter() - t0
         examples += batch.batch_size
         if (step in eval_at) if eval_at else (step % eval_every == 0):
@@ -213,18 +211,19 @@ def widen_to_params(cfg: Config, schema: FeatureSchema, target_dense: int) -> Co
 
 
 def training_examples_per_s(cfg: Config, data: Path, steps: int = 12, warmup: int = 3) -> float:
-    """Plain training steps (forward, loss, backward, both optimizers) of any arch: examples/s."""
+    """The trainer's step (``opengem.train.step.train_step``: forward, loss, backward, clipping, both
+    optimizers) of any arch on one process, timed alone: examples/s (median step)."""
     schema = FeatureSchema.load(data)
     torch.manual_seed(cfg.train.seed)
     model = materialize(build_gem(schema, cfg.model), seed=cfg.train.seed)
     opts = [o for o in build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim) if o]
     batches = iter(ShardLoader(data, cfg.data.train_split, cfg.data.batch_size, schema, shuffle=True, epochs=1000,
                                drop_last=True, max_seq_len=model.max_seq_len()))
-    task_w, times = torch.ones(len(schema.tasks)), []
+    task_w, dense, times = torch.tensor([t.weight for t in schema.tasks]), list(model.dense_parameters()), []
     for i in range(warmup + steps):
         batch = next(batches)
         t0 = time.perf_counter()
-        plain_step(model, opts, batch, task_w)
+        train_step(model, opts, batch, task_w, schema.num_domains, grad_clip=cfg.optim.grad_clip, dense_params=dense)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return cfg.data.batch_size / statistics.median(times)

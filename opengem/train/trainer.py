@@ -37,7 +37,6 @@ again"). ``--resume`` then continues exactly. A SIGKILL loses the steps since th
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -61,23 +60,20 @@ from opengem.data.parquet import DatasetManifest, read_shard
 from opengem.evaluation.accumulator import RateCounter
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, materialize
-from opengem.ops.fp8 import fp8_saved_activations
-from opengem.parallel import ParallelDims, SparseOptimizerSpec, build_parallel_gem, train_step
+from opengem.parallel import ParallelDims, SparseOptimizerSpec, build_parallel_gem
+from opengem.parallel import train_step as dist_step
 from opengem.parallel.launch import DistInfo, comm_device, destroy_distributed, init_distributed, min_over_ranks
 from opengem.train.checkpoint import latest_checkpoint, save_checkpoint
 from opengem.train.observe import RunLog
 from opengem.train.optim import Schedule, build_optimizers
 from opengem.train.resume import EXIT_PREEMPTED, Preempted, SigtermFlag, resume_run
+from opengem.train.step import TrainingError, train_step
 
 log = logging.getLogger(__name__)
 
 # Above this many parameters final.json skips params_sha256 in distributed runs: hashing needs every
 # full table on every rank at once.
 HASH_LIMIT = 200_000_000
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. the loss became NaN); the message says where."""
 
 
 def train_base_rates(data_dir: str | Path, schema: FeatureSchema, split: str,
@@ -292,20 +288,12 @@ def _next_batch(batches, r: _Run) -> tuple[Batch | None, int]:
 def _step(r: _Run, batch: Batch, task_w: torch.Tensor, dense_params: list) -> tuple[float, torch.Tensor, float]:
     """One optimizer step; returns (loss of the global batch, this rank's per-(domain, task) table, lr factor)."""
     lr_f = r.schedule.set(r.step)  # before the forward: the fused CPU table kernel takes its lr there
-    with fp8_saved_activations(r.model) if r.cfg.train.fp8_activations else contextlib.nullcontext():
-        logits = r.model(batch)
-    loss, table = train_step.global_masked_bce(logits, batch.labels, batch.label_mask, batch.weights, task_w,
-                                               batch.domain, r.schema.num_domains)
-    value = train_step.global_mean(loss).item()
-    if not math.isfinite(value):
-        raise TrainingError(f"loss is {value} at step {r.step}; last checkpoint: {latest_checkpoint(r.run)}")
-    for o in r.optimizers:
-        o.zero_grad(set_to_none=True)
-    loss.backward()
-    if r.cfg.optim.grad_clip:
-        train_step.clip_grad_norm_(dense_params, r.cfg.optim.grad_clip)
-    for o in r.optimizers:
-        o.step()  # the table optimizer's step also averages the 2-D table copies when due
+    try:
+        value, table = train_step(r.model, r.optimizers, batch, task_w, r.schema.num_domains,
+                                  grad_clip=r.cfg.optim.grad_clip, fp8=r.cfg.train.fp8_activations,
+                                  dense_params=dense_params)
+    except TrainingError as e:
+        raise TrainingError(f"{e} at step {r.step}; last checkpoint: {latest_checkpoint(r.run)}") from None
     return value, table, lr_f
 
 
@@ -397,5 +385,5 @@ def _fingerprint(r: _Run, n_params: int) -> tuple[str | None, str | None]:
         return params_sha256(r.model), None
     if n_params > HASH_LIMIT:
         return None, f"{n_params:,} parameters > {HASH_LIMIT:,}: hashing would gather every full table on every rank"
-    full = train_step.gather_full_state_dict(r.model, r.sparse.sharding_pg)
+    full = dist_step.gather_full_state_dict(r.model, r.sparse.sharding_pg)
     return (state_sha256(full) if r.info.is_main else None), None
