@@ -141,13 +141,15 @@ def cmd_generate(args) -> dict:
 
 def cmd_train(args) -> dict:
     from opengem.config import apply_overrides
+    from opengem.evaluation.evaluate import held_out_evaluator
     from opengem.recipes import recipe
     from opengem.train.trainer import train
 
     cfg = apply_overrides(recipe(args.recipe), list(args.overrides))
     if args.quiet:
         cfg.train.progress = False
-    final = train(cfg, args.data, args.out, resume=args.resume)
+    evaluator = held_out_evaluator(args.data, cfg.train.eval_split)  # used when train.eval_* asks for it
+    final = train(cfg, args.data, args.out, resume=args.resume, evaluator=evaluator)
     log.info("trained %d steps (%d examples) in %.1f s", final["steps"], final["examples"], final["wall_s"])
     return final
 

@@ -2,7 +2,8 @@
 
     RUN/metrics.jsonl      training records (``"loss"`` …) and, if a periodic evaluation wrote them,
                            held-out records ``{"step": S, "eval": {"<domain>/<task>": {"ne": …}, …}}``;
-                           RUN/eval.jsonl may hold the latter too. The trainer writes none today.
+                           RUN/eval.jsonl may hold the latter too. The trainer writes them with
+                           ``train.eval_every`` (or ``eval_each_epoch``, ``eval_at``; ``opengem.train.hooks``).
     RUN/final.json         the summary block (absent while the run is training)
     RUN/base_rates.json    NE's normaliser: turns the per-slice training loss into training-batch NE
     evaluation JSON        ``--eval FILE``; else RUN/evaluation.json (a distilled student), else
