@@ -45,8 +45,8 @@ def main() -> None:
     a = _args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    from opengem.data.synthetic import generate, world_config
     from opengem.bench.race import BUDGET_GEM, budget_race, dcn_race, eval_schedule, ne_at, race_steps
+    from opengem.data.synthetic import generate, world_config
 
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(a.data) if a.data else Path(tmp) / "data"
