@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from opengem.config import ConfigError, apply_overrides
 from opengem.data.synthetic import generate, world_config
@@ -66,7 +67,9 @@ def test_periodic_evaluation_writes_lines_and_leaves_training_unchanged(tiny, tm
     train_s = [x["train_s"] for x in evals]
     assert train_s == sorted(train_s) and train_s[-1] < final["wall_s"] - final["evaluation"]["eval_s"] + 1e-6
     assert final["evaluation"]["evaluations"] == 3 and not final["evaluation"]["stopped_early"]
-    assert (tmp_path / "evals" / "tensorboard").is_dir()
+    tb = EventAccumulator(str(tmp_path / "evals" / "tensorboard"))
+    tb.Reload()
+    assert [e.step for e in tb.Scalars("eval/all/click/ne")] == [3, 4, 6] and "train_s" in tb.Tags()["scalars"]
     # Evaluation runs in eval mode under a forked RNG: the trained parameters are those of the plain run.
     assert final["params_sha256"] == plain["params_sha256"] and final["steps"] == plain["steps"] == 6
 
