@@ -8,10 +8,10 @@ import torch
 
 from opengem.config import apply_overrides
 from opengem.data.loader import ShardLoader
-from opengem.data.synthetic import generate, world_config
+from opengem.data.synthetic import generate
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, materialize
-from opengem.recipes import recipe
+from opengem.recipes import recipe, world_config
 from opengem.train.optim import build_optimizers
 from opengem.train.step import TrainingError, train_step
 from opengem.train.trainer import train
