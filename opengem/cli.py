@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     from opengem.data.parquet import DataError
     from opengem.export.artifact import ArtifactError
     from opengem.features.schema import SchemaError
-    from opengem.train.checkpoint import CheckpointError
+    from opengem.checkpoint import CheckpointError
     from opengem.train.resume import Preempted
 
     try:

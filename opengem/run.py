@@ -13,7 +13,7 @@ but for ``schema.json`` (the schema's own name) and ``checkpoints/`` (the checkp
                             one per held-out evaluation when they are on (``train.hooks``)
     RUN/tensorboard/        the same numbers as TensorBoard scalars (purged past the step on resume)
     RUN/checkpoints/        DCP checkpoints, loader position and RNG per rank (layout and name in
-                            ``train.checkpoint``: ``checkpoint_dir``, ``latest_checkpoint``); ``best/``,
+                            ``opengem.checkpoint``: ``checkpoint_dir``, ``latest_checkpoint``); ``best/``,
                             the best held-out evaluation's model, with ``train.keep_best``
     RUN/quarantine/         rows the loader set aside, Parquet per shard and rank, with a ``reason`` column
     RUN/final.json          steps, examples seen (all ranks), params_sha256, parameters, wall time,
@@ -31,7 +31,7 @@ trained model back: rebuilt from config.json and schema.json, the latest checkpo
 recalibration offsets (if any) added to the heads' output biases, so evaluation, export, serving and
 teachers all read the recalibrated model while the checkpoint itself is never changed.
 
-This module sits above ``model/`` and the checkpoint format (``train/checkpoint.py``), below everything
+This module sits above ``model/`` and the checkpoint format (``opengem.checkpoint``), below everything
 that writes or reads a run (``train/trainer.py``, ``evaluation/``, ``transfer/``, ``export/``, ``report/``).
 """
 
@@ -46,7 +46,7 @@ from opengem.config import Config
 from opengem.features.schema import SCHEMA_FILE, FeatureSchema
 from opengem.model.build import build_gem, materialize
 from opengem.model.heads import Heads
-from opengem.train.checkpoint import CheckpointError, best_checkpoint, latest_checkpoint, load_checkpoint
+from opengem.checkpoint import CheckpointError, best_checkpoint, latest_checkpoint, load_checkpoint
 
 __all__ = [
     "BASE_RATES_FILE", "CONFIG_FILE", "EVALUATION_FILE", "FINAL_FILE", "METRICS_FILE",

@@ -18,7 +18,7 @@ import torch
 from opengem.data.loader import ShardLoader
 from opengem.parallel.launch import min_over_ranks
 from opengem.run import METRICS_FILE
-from opengem.train.checkpoint import CheckpointError, load_checkpoint
+from opengem.checkpoint import CheckpointError, load_checkpoint
 
 log = logging.getLogger(__name__)
 

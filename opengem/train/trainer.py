@@ -59,7 +59,7 @@ from opengem.parallel import ParallelDims, SparseOptimizerSpec, build_parallel_g
 from opengem.parallel import train_step as dist_step
 from opengem.parallel.launch import DistInfo, comm_device, destroy_distributed, init_distributed, min_over_ranks
 from opengem.run import QUARANTINE_DIR, save_base_rates, save_config, save_final, save_schema
-from opengem.train.checkpoint import latest_checkpoint, save_best, save_checkpoint
+from opengem.checkpoint import latest_checkpoint, save_best, save_checkpoint
 from opengem.train.hooks import EvalHook, Evaluator
 from opengem.train.observe import RunLog
 from opengem.train.optim import Schedule, build_optimizers

@@ -44,7 +44,7 @@ from opengem.run import (
     save_schema,
     write_json,
 )
-from opengem.train.checkpoint import save_checkpoint
+from opengem.checkpoint import save_checkpoint
 from opengem.train.trainer import params_sha256
 from opengem.transfer.config import TransferConfig, techniques_config
 from opengem.transfer.share import share_parameters

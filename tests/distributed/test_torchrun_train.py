@@ -21,7 +21,7 @@ import pytest
 
 from opengem.cli import main
 from opengem.run import FINAL_FILE, METRICS_FILE
-from opengem.train.checkpoint import checkpoint_dir
+from opengem.checkpoint import checkpoint_dir
 from opengem.train.resume import position_after, shared_data_boundary
 
 pytestmark = pytest.mark.distributed

@@ -25,7 +25,7 @@ from opengem.parallel import ParallelConfigError, ParallelDims
 from opengem.recipes import recipe, world_config
 from opengem.run import BASE_RATES_FILE, CONFIG_FILE, SCHEMA_FILE, load_run_model
 from opengem.testing import random_table, tiny_schema
-from opengem.train.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, load_checkpoint
+from opengem.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, load_checkpoint
 from opengem.train.trainer import train
 
 ROWS = 12

@@ -31,7 +31,7 @@ from opengem.run import (
     save_schema,
 )
 from opengem.testing import tiny_schema
-from opengem.train.checkpoint import CheckpointError, checkpoint_dir, save_checkpoint
+from opengem.checkpoint import CheckpointError, checkpoint_dir, save_checkpoint
 
 RATES = {"click": 0.1, "d0/click": 0.12, "conversion": 0.01}
 

@@ -14,7 +14,7 @@ from opengem.evaluation.evaluate import held_out_evaluator
 from opengem.parallel.launch import DistInfo
 from opengem.recipes import recipe, world_config
 from opengem.run import load_run_model
-from opengem.train.checkpoint import CheckpointError, best_checkpoint
+from opengem.checkpoint import CheckpointError, best_checkpoint
 from opengem.train.hooks import EvalHook
 from opengem.train.trainer import params_sha256, train
 
