@@ -205,9 +205,9 @@ def cmd_serve(args) -> dict:
 
 
 def cmd_bench(args) -> dict:
+    from opengem.bench.levers import format_bench, run_bench
     from opengem.config import apply_overrides
     from opengem.recipes import recipe
-    from opengem.bench.levers import format_bench, run_bench
 
     if args.quick:
         from opengem.bench.quick import quick_bench
@@ -245,11 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(LEVELS[args.log_level], args.log_format)
     # progress bars would interleave with JSON lines; the level set above stays
     args.quiet = args.quiet or args.log_level == "warning" or args.log_format == "json"
+    from opengem.checkpoint import CheckpointError
     from opengem.config import ConfigError
     from opengem.data.parquet import DataError
     from opengem.export.artifact import ArtifactError
     from opengem.features.schema import SchemaError
-    from opengem.checkpoint import CheckpointError
     from opengem.train.resume import Preempted
 
     try:

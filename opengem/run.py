@@ -42,11 +42,11 @@ from pathlib import Path
 
 import torch
 
+from opengem.checkpoint import CheckpointError, best_checkpoint, latest_checkpoint, load_checkpoint
 from opengem.config import Config
 from opengem.features.schema import SCHEMA_FILE, FeatureSchema
 from opengem.model.build import build_gem, materialize
 from opengem.model.heads import Heads
-from opengem.checkpoint import CheckpointError, best_checkpoint, latest_checkpoint, load_checkpoint
 
 __all__ = [
     "BASE_RATES_FILE", "CONFIG_FILE", "EVALUATION_FILE", "FINAL_FILE", "METRICS_FILE",

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from opengem.checkpoint import CheckpointError, load_checkpoint
 from opengem.data.loader import ShardLoader
 from opengem.parallel.launch import min_over_ranks
 from opengem.run import METRICS_FILE
-from opengem.checkpoint import CheckpointError, load_checkpoint
 
 log = logging.getLogger(__name__)
 

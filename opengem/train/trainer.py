@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from opengem.checkpoint import latest_checkpoint, save_best, save_checkpoint
 from opengem.config import Config, ConfigError
 from opengem.data.base_rates import train_base_rates
 from opengem.data.batch import Batch
@@ -59,7 +60,6 @@ from opengem.parallel import ParallelDims, SparseOptimizerSpec, build_parallel_g
 from opengem.parallel import train_step as dist_step
 from opengem.parallel.launch import DistInfo, comm_device, destroy_distributed, init_distributed, min_over_ranks
 from opengem.run import QUARANTINE_DIR, save_base_rates, save_config, save_final, save_schema
-from opengem.checkpoint import latest_checkpoint, save_best, save_checkpoint
 from opengem.train.hooks import EvalHook, Evaluator
 from opengem.train.observe import RunLog
 from opengem.train.optim import Schedule, build_optimizers
@@ -71,8 +71,6 @@ log = logging.getLogger(__name__)
 # Above this many parameters final.json skips params_sha256 in distributed runs: hashing needs every
 # full table on every rank at once.
 HASH_LIMIT = 200_000_000
-
-
 
 
 def state_sha256(state: dict[str, torch.Tensor]) -> str:

@@ -27,8 +27,8 @@ TRAIN_STEPS = 3
 
 def _plain_stage(load_from, save_to):
     """Stage C: the trainer's single-process model and optimizers, loaded with the trainer's loader."""
-    from opengem.testing import tiny_schema
     from opengem.checkpoint import load_checkpoint, save_checkpoint
+    from opengem.testing import tiny_schema
     from opengem.train.optim import Schedule
 
     model = W.plain_model(seed=0)  # another seed: everything must come from the checkpoint

@@ -19,9 +19,9 @@ import _torchrun as T
 import numpy as np
 import pytest
 
+from opengem.checkpoint import checkpoint_dir
 from opengem.cli import main
 from opengem.run import FINAL_FILE, METRICS_FILE
-from opengem.checkpoint import checkpoint_dir
 from opengem.train.resume import position_after, shared_data_boundary
 
 pytestmark = pytest.mark.distributed

@@ -3,8 +3,8 @@ losses as fp32 eager, and the memory levers save what they claim."""
 
 import pytest
 
-from opengem.recipes import recipe
 from opengem.bench.levers import format_bench, run_bench
+from opengem.recipes import recipe
 
 # Stated tolerances on the loss after each of 4 steps, relative to fp32 eager (tiny recipe):
 # activation checkpointing recomputes the same fp32 ops (exact up to reduction order); bf16 autocast

@@ -1,7 +1,7 @@
 """GEM against DLRM-DCN: learning curves, time to quality (mid-run and budgeted), equal-parameter peers."""
 
-from opengem.recipes import recipe
 from opengem.bench.race import budget_crossing
+from opengem.recipes import recipe
 
 FP8_TOL = 3e-2  # the fp8 lever's stated tolerance (tests/unit/bench/test_levers.py)
 
@@ -38,9 +38,9 @@ def test_time_to_quality_sustained_crossing_ignores_a_dip():
 
 
 def test_train_with_evals_records_a_learning_curve(tmp_path):
+    from opengem.bench.race import train_with_evals
     from opengem.data.synthetic import generate
     from opengem.recipes import world_config
-    from opengem.bench.race import train_with_evals
 
     generate(world_config("tiny", seed=0), tmp_path, progress=False)
     out = train_with_evals(recipe("tiny"), tmp_path, eval_every=5)
@@ -55,11 +55,11 @@ def test_train_with_evals_records_a_learning_curve(tmp_path):
 
 
 def test_widen_to_params_matches_gems_dense_size(tmp_path):
+    from opengem.bench.race import training_examples_per_s, widen_to_params
     from opengem.config import apply_overrides
     from opengem.data.synthetic import generate
     from opengem.features.schema import FeatureSchema
     from opengem.model.build import build_gem, count_parameters
-    from opengem.bench.race import training_examples_per_s, widen_to_params
     from opengem.recipes import world_config
 
     generate(world_config("tiny", seed=0), tmp_path, progress=False)
@@ -95,10 +95,10 @@ def test_budget_crossing_interpolates_in_log_seconds():
 
 
 def test_a_budget_run_stops_and_decays_at_its_budget(tmp_path):
+    from opengem.bench.race import race_steps, train_with_evals
     from opengem.data.synthetic import generate
     from opengem.recipes import world_config
     from opengem.train.optim import lr_factor
-    from opengem.bench.race import race_steps, train_with_evals
 
     generate(world_config("tiny", seed=0), tmp_path, progress=False)
     cfg = recipe("tiny")
@@ -114,9 +114,9 @@ def test_a_budget_run_stops_and_decays_at_its_budget(tmp_path):
 def test_budget_race_doubles_gems_budget_until_it_reaches_dcns_ne(tmp_path):
     import itertools
 
+    from opengem.bench.race import budget_race
     from opengem.data.synthetic import generate
     from opengem.recipes import world_config
-    from opengem.bench.race import budget_race
 
     generate(world_config("tiny", seed=0), tmp_path, progress=False)
     race = budget_race(tmp_path, smallest=1 / 8, min_steps=2)

@@ -8,13 +8,13 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from opengem.checkpoint import CheckpointError, best_checkpoint
 from opengem.config import ConfigError, apply_overrides
 from opengem.data.synthetic import generate
 from opengem.evaluation.evaluate import held_out_evaluator
 from opengem.parallel.launch import DistInfo
 from opengem.recipes import recipe, world_config
 from opengem.run import load_run_model
-from opengem.checkpoint import CheckpointError, best_checkpoint
 from opengem.train.hooks import EvalHook
 from opengem.train.trainer import params_sha256, train
 
