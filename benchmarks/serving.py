@@ -271,8 +271,8 @@ def main() -> None:
     artifact, data, built = _prepare(a, work)
 
     from opengem.export.artifact import load_manifest
-    from opengem.export.predictor import Predictor
     from opengem.export.client import free_port, wait_ready
+    from opengem.export.predictor import Predictor
     from opengem.features.schema import FeatureSchema
 
     schema = FeatureSchema.load(artifact / "schema.json")

@@ -8,7 +8,7 @@
 
 The target is the NE on ``all/click`` of ``valid`` that DLRM-DCN ends one pass of the demo recipe with;
 the headline is DLRM-DCN's one-pass time over the time GEM needs to reach it (see
-``opengem.train.race``; each side's learning rate is its own, ``race.PEER`` and ``race.BUDGET_GEM``):
+``opengem.bench.race``; each side's learning rate is its own, ``race.PEER`` and ``race.BUDGET_GEM``):
 
 - budgeted (``speedup``): GEM trains 1/32, 1/16, … of the pass, each budget its own run with warm-up
   and cosine decay fitted to it, until one ends at or below the target; interpolated in log-seconds.
@@ -45,9 +45,9 @@ def main() -> None:
     a = _args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    from opengem.bench.race import BUDGET_GEM, budget_race, dcn_race, eval_schedule, ne_at, race_steps
     from opengem.data.synthetic import generate
     from opengem.recipes import world_config
-    from opengem.train.race import BUDGET_GEM, budget_race, dcn_race, eval_schedule, ne_at, race_steps
 
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(a.data) if a.data else Path(tmp) / "data"

@@ -139,13 +139,15 @@ def cmd_generate(args) -> dict:
 
 def cmd_train(args) -> dict:
     from opengem.config import apply_overrides
+    from opengem.evaluation.evaluate import held_out_evaluator
     from opengem.recipes import recipe
     from opengem.train.trainer import train
 
     cfg = apply_overrides(recipe(args.recipe), list(args.overrides))
     if args.quiet:
         cfg.train.progress = False
-    final = train(cfg, args.data, args.out, resume=args.resume)
+    evaluator = held_out_evaluator(args.data, cfg.train.eval_split)  # used when train.eval_* asks for it
+    final = train(cfg, args.data, args.out, resume=args.resume, evaluator=evaluator)
     log.info("trained %d steps (%d examples) in %.1f s", final["steps"], final["examples"], final["wall_s"])
     return final
 
@@ -206,12 +208,12 @@ def cmd_serve(args) -> dict:
 
 
 def cmd_bench(args) -> dict:
+    from opengem.bench.levers import format_bench, run_bench
     from opengem.config import apply_overrides
     from opengem.recipes import recipe
-    from opengem.train.bench import format_bench, run_bench
 
     if args.quick:
-        from opengem.train.bench import quick_bench
+        from opengem.bench.quick import quick_bench
 
         out = quick_bench()
         print(json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)}))
@@ -246,11 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(LEVELS[args.log_level], args.log_format)
     # progress bars would interleave with JSON lines; the level set above stays
     args.quiet = args.quiet or args.log_level == "warning" or args.log_format == "json"
+    from opengem.checkpoint import CheckpointError
     from opengem.config import ConfigError
     from opengem.data.parquet import DataError
     from opengem.export.artifact import ArtifactError
     from opengem.features.schema import SchemaError
-    from opengem.train.checkpoint import CheckpointError
     from opengem.train.resume import Preempted
 
     try:

@@ -111,6 +111,30 @@ class TrainConfig:
     # per-rank data positions meet at a shard boundary and refuses otherwise; "rewind" restarts
     # the data at the last boundary all ranks had passed (no row lost, rows read after it repeated).
     resume_reshard: str = "exact"
+    # Held-out evaluation while training (opengem.train.hooks; the caller passes the evaluator). All off by default.
+    eval_every: int = 0  # after every N-th step (0 = never)
+    eval_each_epoch: bool = False  # after the step that finishes each epoch
+    eval_at: tuple[int, ...] = ()  # after these steps
+    eval_split: str = "valid"
+    eval_metric: str = "all/click:ne"  # slice:metric that early stopping and keep_best follow
+    early_stop_patience: int = 0  # stop after this many evaluations in a row without a better metric (0 = never)
+    keep_best: bool = False  # RUN/checkpoints/best: the model of the best evaluation
+
+    # Which way is better for each metric ``eval_metric`` may name (calibration has no direction: 1 is best).
+    METRIC_GOALS: typing.ClassVar[dict[str, str]] = {"ne": "min", "logloss": "min", "auc": "max", "gauc": "max",
+                                                      "captured": "max"}
+
+    @property
+    def evaluates(self) -> bool:
+        return bool(self.eval_every or self.eval_each_epoch or self.eval_at)
+
+    def eval_goal(self) -> tuple[str, str, bool]:
+        """(slice, metric, higher is better) of ``eval_metric``, e.g. ("all/click", "ne", False)."""
+        where, _, metric = self.eval_metric.rpartition(":")
+        if not where or metric not in self.METRIC_GOALS:
+            raise ConfigError(f"train.eval_metric must be <domain|all>/<task>:<metric> with metric one of "
+                              f"{sorted(self.METRIC_GOALS)}, got {self.eval_metric!r}")
+        return where, metric, self.METRIC_GOALS[metric] == "max"
 
     def validate(self) -> None:
         if self.epochs < 1:
@@ -119,6 +143,12 @@ class TrainConfig:
             raise ConfigError("train.max_steps/stop_at/ckpt_every must be >= 0 and train.log_every >= 1")
         if self.resume_reshard not in ("exact", "rewind"):
             raise ConfigError(f"train.resume_reshard must be exact or rewind, got {self.resume_reshard!r}")
+        if self.eval_every < 0 or self.early_stop_patience < 0 or any(s < 1 for s in self.eval_at):
+            raise ConfigError("train.eval_every/early_stop_patience must be >= 0 and train.eval_at steps >= 1")
+        self.eval_goal()
+        if (self.early_stop_patience or self.keep_best) and not self.evaluates:
+            raise ConfigError("train.early_stop_patience and train.keep_best follow held-out evaluations: "
+                              "set train.eval_every, train.eval_each_epoch or train.eval_at too")
 
 
 @dataclass
@@ -144,6 +174,11 @@ class Config:
             raise ConfigError(f"data.batch_size must be >= 1, got {self.data.batch_size}")
         self.optim.validate()
         self.train.validate()
+        if (self.train.early_stop_patience or self.train.keep_best) and self.train.eval_split == self.data.eval_split:
+            # Choosing when to stop (or which checkpoint to keep) on the split a run is reported on
+            # would tune on it: the choice belongs to a held-out split of its own.
+            raise ConfigError(f"train.eval_split={self.train.eval_split!r} is data.eval_split, the split a run "
+                              "reports on: early stopping and keep_best must choose on another (e.g. valid)")
         try:
             self.model.validate()  # module configs raise ValueError: one error type for the CLI and callers
         except ValueError as e:

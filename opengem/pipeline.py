@@ -29,7 +29,7 @@ from pathlib import Path
 from opengem.config import apply_overrides
 from opengem.data.parquet import DatasetManifest
 from opengem.data.synthetic import generate
-from opengem.evaluation.evaluate import evaluate_run
+from opengem.evaluation.evaluate import evaluate_run, held_out_evaluator
 from opengem.evaluation.recalibrate import recalibrate_run
 from opengem.export.artifact import export_run
 from opengem.export.client import free_port, http, wait_ready
@@ -61,7 +61,7 @@ def demo(out: str | Path, preset: str = "demo", seed: int = 0, overrides: Sequen
     cfg = apply_overrides(recipe(preset), list(overrides))
     cfg.train.progress = progress
     with _timed(times, "train_s"):
-        final = train(cfg, data, run)
+        final = train(cfg, data, run, evaluator=held_out_evaluator(data, cfg.train.eval_split))
     recal = None
     if recalibrate and cfg.data.eval_split != "valid" and _has_split(data, "valid"):
         with _timed(times, "recalibrate_s"):

@@ -9,12 +9,12 @@ but for ``schema.json`` (the schema's own name) and ``checkpoints/`` (the checkp
     RUN/base_rates.json     training base rate per task and per domain/task (NE's normaliser;
                             ``data.base_rates``)
     RUN/metrics.jsonl       one line per logging step: loss (per domain/task) of the global batch, lr,
-                            examples/s (``train.observe.RunLog``; truncated to the checkpoint on resume)
+                            examples/s (``train.observe.RunLog``; truncated to the checkpoint on resume);
+                            one per held-out evaluation when they are on (``train.hooks``)
     RUN/tensorboard/        the same numbers as TensorBoard scalars (purged past the step on resume)
-    RUN/eval.jsonl          periodic held-out evaluation lines ``{"step", "eval": {slice: {"ne", …}}}``
-                            (the report reads them here or in metrics.jsonl)
     RUN/checkpoints/        DCP checkpoints, loader position and RNG per rank (layout and name in
-                            ``train.checkpoint``: ``checkpoint_dir``, ``latest_checkpoint``)
+                            ``opengem.checkpoint``: ``checkpoint_dir``, ``latest_checkpoint``); ``best/``,
+                            the best held-out evaluation's model, with ``train.keep_best``
     RUN/quarantine/         rows the loader set aside, Parquet per shard and rank, with a ``reason`` column
     RUN/final.json          steps, examples seen (all ranks), params_sha256, parameters, wall time,
                             examples/s, world size, peak RSS per rank (absent while training)
@@ -31,7 +31,7 @@ trained model back: rebuilt from config.json and schema.json, the latest checkpo
 recalibration offsets (if any) added to the heads' output biases, so evaluation, export, serving and
 teachers all read the recalibrated model while the checkpoint itself is never changed.
 
-This module sits above ``model/`` and the checkpoint format (``train/checkpoint.py``), below everything
+This module sits above ``model/`` and the checkpoint format (``opengem.checkpoint``), below everything
 that writes or reads a run (``train/trainer.py``, ``evaluation/``, ``transfer/``, ``export/``, ``report/``).
 """
 
@@ -42,14 +42,14 @@ from pathlib import Path
 
 import torch
 
+from opengem.checkpoint import CheckpointError, best_checkpoint, latest_checkpoint, load_checkpoint
 from opengem.config import Config
 from opengem.features.schema import SCHEMA_FILE, FeatureSchema
 from opengem.model.build import build_gem, materialize
 from opengem.model.heads import Heads
-from opengem.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 
 __all__ = [
-    "BASE_RATES_FILE", "CONFIG_FILE", "EVAL_METRICS_FILE", "EVALUATION_FILE", "FINAL_FILE", "METRICS_FILE",
+    "BASE_RATES_FILE", "CONFIG_FILE", "EVALUATION_FILE", "FINAL_FILE", "METRICS_FILE",
     "QUARANTINE_DIR", "RECALIBRATION_FILE", "REPORT_DIR", "SCHEMA_FILE", "TENSORBOARD_DIR", "TRANSFER_FILE",
     "USER_REP_FILE", "RecalibrationError", "apply_recalibration", "gem_heads", "load_base_rates", "load_config",
     "load_final", "load_recalibration", "load_run_model", "load_schema", "offset_groups", "offsets_tensor",
@@ -59,7 +59,6 @@ __all__ = [
 CONFIG_FILE = "config.json"
 BASE_RATES_FILE = "base_rates.json"
 METRICS_FILE = "metrics.jsonl"
-EVAL_METRICS_FILE = "eval.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 QUARANTINE_DIR = "quarantine"
 FINAL_FILE = "final.json"
@@ -135,15 +134,18 @@ def load_recalibration(run_dir: str | Path) -> dict | None:
 
 
 # ------------------------------------------------------------------------------------- the model
-def load_run_model(run_dir: str | Path, recalibrated: bool = True) -> tuple[torch.nn.Module, Config, FeatureSchema]:
-    """The trained model of a run (latest checkpoint), single process, in eval mode; with
-    ``recalibrated``, plus the offsets of ``RUN/recalibration.json`` if the run has been recalibrated."""
+def load_run_model(run_dir: str | Path, recalibrated: bool = True,
+                   best: bool = False) -> tuple[torch.nn.Module, Config, FeatureSchema]:
+    """The trained model of a run (latest checkpoint; with ``best``, the best held-out evaluation's,
+    ``train.keep_best``), single process, in eval mode; with ``recalibrated``, plus the offsets of
+    ``RUN/recalibration.json`` if the run has been recalibrated."""
     run = Path(run_dir)
     cfg = load_config(run)
     schema = load_schema(run)
-    ckpt = latest_checkpoint(run)
+    ckpt = best_checkpoint(run) if best else latest_checkpoint(run)
     if ckpt is None:
-        raise CheckpointError(f"{run}: no checkpoint (did training finish?)")
+        raise CheckpointError(f"{run}: no {'best ' if best else ''}checkpoint "
+                              f"({'was train.keep_best on?' if best else 'did training finish?'})")
     model = materialize(build_gem(schema, cfg.model), "cpu")
     load_checkpoint(ckpt, model, expect={"schema": schema.fingerprint()})
     if recalibrated:

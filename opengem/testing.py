@@ -6,8 +6,15 @@ import numpy as np
 import pyarrow as pa
 
 from opengem.data.parquet import list_array
-from opengem.features.schema import (DenseFeature, Domains, EventAttribute, FeatureSchema, SequenceStream, SparseFeature,
-                                     Task)
+from opengem.features.schema import (
+    DenseFeature,
+    Domains,
+    EventAttribute,
+    FeatureSchema,
+    SequenceStream,
+    SparseFeature,
+    Task,
+)
 
 
 def tiny_schema(num_domains: int = 2, with_probs: bool = True, streams: int = 2) -> FeatureSchema:

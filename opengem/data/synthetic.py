@@ -77,8 +77,25 @@ import pyarrow as pa
 
 from opengem.data.parquet import DatasetManifest, ShardWriter, list_array
 from opengem.data.synthetic_world import (
-    DAY, FORMATS, NUM_AGES, NUM_COUNTRIES, NUM_DEVICES, NUM_GENDERS, NUM_HOURS, NUM_POSITIONS, ORGANIC_EVENTS,
-    ADS_EVENTS, SURFACES, TAG_DAY, UserBlock, World, probabilities, ranges, rng_for, sigmoid, solve_intercept,
+    ADS_EVENTS,
+    DAY,
+    FORMATS,
+    NUM_AGES,
+    NUM_COUNTRIES,
+    NUM_DEVICES,
+    NUM_GENDERS,
+    NUM_HOURS,
+    NUM_POSITIONS,
+    ORGANIC_EVENTS,
+    SURFACES,
+    TAG_DAY,
+    UserBlock,
+    World,
+    probabilities,
+    ranges,
+    rng_for,
+    sigmoid,
+    solve_intercept,
 )
 from opengem.data.world_structure import WorldStructure
 from opengem.features.schema import DenseFeature, Domains, FeatureSchema, SequenceStream, SparseFeature, Task

@@ -27,19 +27,60 @@ from opengem.run import load_base_rates, load_recalibration, load_run_model
 
 @torch.no_grad()
 def evaluate_model(model, schema: FeatureSchema, data_dir: str | Path, split: str, base_rates: dict | None,
-                   batch_size: int = EVAL_BATCH, progress: bool = True, rank: int = 0, world_size: int = 1) -> dict:
+                   batch_size: int = EVAL_BATCH, progress: bool = True, rank: int = 0, world_size: int = 1,
+                   device: torch.device | None = None) -> dict:
+    """Metrics of ``model`` on the files ``rank``, ``rank + world_size``, … of ``split``; under
+    torch.distributed the ranks' rows are reduced (every rank returns the metrics of all of them)."""
     loader = ShardLoader(data_dir, split, batch_size, schema, shuffle=False, epochs=1,
                          max_seq_len=model.max_seq_len(), prefetch=2, rank=rank, world_size=world_size)
     acc = MetricAccumulator(list(schema.domains.names), schema.task_names, base_rates)
     n = 0
-    for batch in tqdm(loader, desc=f"evaluate {split}", unit="batch", disable=not progress):
+    for batch, counted in _in_step(tqdm(loader, desc=f"evaluate {split}", unit="batch", disable=not progress), split):
+        if device is not None and device.type != "cpu":
+            batch = batch.to(device, non_blocking=True)
         probs = torch.sigmoid(model(batch).double())
-        acc.update(probs, batch.labels, batch.label_mask, batch.domain, batch.user_id, batch.true_probs)
-        n += batch.batch_size
+        if counted:
+            acc.update(probs, batch.labels, batch.label_mask, batch.domain, batch.user_id, batch.true_probs)
+            n += batch.batch_size
     acc.reduce()
     return {"split": split, "rows": n, "metrics": acc.compute(), "calibration_bins": acc.calibration_bins(),
             "quarantined": dict(loader.quarantined),
             "repaired": loader.stats.as_dict()}
+
+
+def _in_step(batches, split: str):
+    """(batch, counted) for each of ``batches``; under torch.distributed, as many as the rank with the
+    most has: a sharded model's forward is a collective (TorchRec all-to-alls, FSDP all-gathers), so a
+    rank that has run out scores its last batch again, not counted, until every rank has run out."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        yield from ((b, True) for b in batches)
+        return
+    it, last = iter(batches), None
+    while True:
+        batch = next(it, None)
+        more = torch.tensor([float(batch is not None)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(more, op=dist.ReduceOp.MAX)
+        if not more.item():
+            return
+        if batch is None and last is None:
+            raise ValueError(f"rank {dist.get_rank()} has no file of split {split!r} while others do: "
+                             "the split has fewer files than there are ranks")
+        last = batch if batch is not None else last
+        yield last, batch is not None
+
+
+def held_out_evaluator(data_dir: str | Path, split: str = "valid", every_kth_file: int = 1,
+                       batch_size: int = EVAL_BATCH):
+    """The trainer's evaluator (``opengem.train.hooks.Evaluator``): ``evaluate_model``'s metrics on
+    ``split`` of ``data_dir``, each rank scoring its share. ``every_kth_file`` > 1 scores 1 file in k
+    (files 0, k, 2k, … on one process), to keep many evaluations of a big split affordable."""
+    def evaluate(model, *, base_rates: dict, rank: int, world_size: int, device: torch.device) -> dict:
+        out = evaluate_model(model, FeatureSchema.load(data_dir), data_dir, split, base_rates, batch_size,
+                             progress=False, rank=rank, world_size=world_size * every_kth_file, device=device)
+        return out["metrics"]
+
+    return evaluate
 
 
 def evaluate_run(run_dir: str | Path, data_dir: str | Path, split: str = "test", batch_size: int = EVAL_BATCH,

@@ -135,11 +135,11 @@ def training_sections(src: Sources, out: Path) -> list[Section]:
     if src.evals:
         held = Section("Held-out NE over training", "", [plots.plot_heldout_ne(src.evals, out)])
     else:
-        src.notes.append("no held-out NE over training: the trainer does not evaluate periodically "
-                         "(metrics.jsonl holds training loss only); the final evaluation is below")
+        src.notes.append("no held-out NE over training: the run did not evaluate periodically "
+                         "(train.eval_every=0: metrics.jsonl holds training loss only); the final evaluation is below")
         held = Section("Held-out NE over training",
-                       "<p>Not recorded: the trainer logs training loss only; no periodic evaluation lines "
-                       "(<code>{\"step\", \"eval\": {slice: {\"ne\"}}}</code>) in metrics.jsonl or eval.jsonl.</p>")
+                       "<p>Not recorded: the run was trained with train.eval_every=0; no periodic evaluation lines "
+                       "(<code>{\"step\", \"eval\": {slice: {\"ne\"}}}</code>) in metrics.jsonl.</p>")
     return [loss, held]
 
 

@@ -1,8 +1,9 @@
 """What a report is made of, read from a run directory and the files next to it.
 
     RUN/metrics.jsonl      training records (``"loss"`` …) and, if a periodic evaluation wrote them,
-                           held-out records ``{"step": S, "eval": {"<domain>/<task>": {"ne": …}, …}}``;
-                           RUN/eval.jsonl may hold the latter too. The trainer writes none today.
+                           held-out records ``{"step": S, "eval": {"<domain>/<task>": {"ne": …}, …}}``,
+                           which the trainer writes with
+                           ``train.eval_every`` (or ``eval_each_epoch``, ``eval_at``; ``opengem.train.hooks``).
     RUN/final.json         the summary block (absent while the run is training)
     RUN/base_rates.json    NE's normaliser: turns the per-slice training loss into training-batch NE
     evaluation JSON        ``--eval FILE``; else RUN/evaluation.json (a distilled student), else
@@ -17,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opengem.run import BASE_RATES_FILE, EVAL_METRICS_FILE, EVALUATION_FILE, METRICS_FILE, load_final
+from opengem.run import BASE_RATES_FILE, EVALUATION_FILE, METRICS_FILE, load_final
 
 
 @dataclass
@@ -89,7 +90,7 @@ def load_sources(run_dir: str | Path, evaluation: str | Path | dict | None = Non
     src = Sources(run)
     lines = read_jsonl(run / METRICS_FILE, src.notes)
     src.records = [r for r in lines if "loss" in r and "step" in r]
-    src.evals = [r for r in lines + read_jsonl(run / EVAL_METRICS_FILE, src.notes) if "eval" in r and "step" in r]
+    src.evals = [r for r in lines if "eval" in r and "step" in r]
     src.final = load_final(run)
     src.base_rates = _json(run / BASE_RATES_FILE) or {}
     if isinstance(evaluation, dict):

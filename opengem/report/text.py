@@ -78,9 +78,10 @@ def distill_line(out: dict, task: str = "click") -> str:
     parts = [f"{name} NE {out[k][key]['ne']:.4f} AUC {out[k][key]['auc']:.4f}"
              for name, k in (("student", "metrics"), ("alone", "alone"), ("teacher", "teacher"), ("GEM", "gem"))
              if k in out]
-    ratio = out.get("transfer_ratio", {}).get(task)
-    return (f"{task} on {'+'.join(out['domains'])}, {out['split']} ({out['rows']:,} rows): " + "; ".join(parts)
-            + (f"; transfer ratio R {ratio:.3f}" if ratio is not None else ""))
+    ratio = out.get("transfer_ratio", {}).get(task, "absent")
+    r = "" if ratio == "absent" else (f"; transfer ratio R {ratio:.3f}" if _defined(ratio) else
+                                      "; transfer ratio R - (undefined: the teacher is not ahead of the student alone)")
+    return f"{task} on {'+'.join(out['domains'])}, {out['split']} ({out['rows']:,} rows): " + "; ".join(parts) + r
 
 
 def signal_lines(signal: dict) -> str:

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from opengem.checkpoint import CheckpointError, load_checkpoint
 from opengem.data.loader import ShardLoader
 from opengem.parallel.launch import min_over_ranks
 from opengem.run import METRICS_FILE
-from opengem.train.checkpoint import CheckpointError, load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ def resume_run(r, ckpt: Path | None) -> None:
     r.step, r.examples = state["step"], state["examples"]
     r.start_examples = r.examples
     torch.set_rng_state(state["rng"])
+    if r.evals is not None and "evals" in state:  # early stopping goes on where it was
+        r.evals.load_state_dict(state["evals"])
     saved_world = int(state["loader"].get("world_size", 1))
     if saved_world == r.info.world_size:
         r.loader.load_state_dict(state["loader"])

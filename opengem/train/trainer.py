@@ -6,8 +6,10 @@ One loop serves both launches::
     torchrun --nproc-per-node N -m opengem train …     N ranks: TorchRec tables + FSDP2 dense
                                                        (``parallel.*`` overrides; docs/distributed.md)
 
-Files: config, schema, base rates, metrics, TensorBoard scalars, quarantined rows and final.json
-(written by rank 0) and checkpoints (by every rank), in the run directory laid out in ``opengem.run``.
+Files: config, schema, base rates, metrics (one line per logging step, and one per held-out
+evaluation when they are on: ``hooks``, ``train.eval_every`` …), TensorBoard scalars, quarantined
+rows and final.json (written by rank 0) and checkpoints (by every rank; ``best/`` with
+``train.keep_best``), in the run directory laid out in ``opengem.run``.
 
 Distributed rules (the loop is the same; ``opengem.parallel.train_step`` makes it exact):
 
@@ -21,6 +23,10 @@ At another world size the data position is re-derived from every rank's saved po
 ``train.resume.shared_data_boundary``): exact where they meet at a shard boundary, else refused, or with
 ``train.resume_reshard=rewind`` restarted at the last shared boundary (rows after it repeat).
 
+Held-out evaluation, early stopping and the best checkpoint are hooks (``opengem.train.hooks``): the
+caller passes ``evaluator=`` (the CLI: ``evaluation.evaluate.held_out_evaluator``) and ``train.eval_*``
+keys say when; with them off the loop runs exactly as without them.
+
 SIGTERM (a preemption notice; torchrun forwards it to every worker and SIGKILLs after 30 s) sets a
 flag; the step in flight finishes, every rank agrees on the flag (a collective, so all stop after
 the same step), a checkpoint is written and the process exits with ``EXIT_PREEMPTED`` (75, "try
@@ -29,7 +35,6 @@ again"). ``--resume`` then continues exactly. A SIGKILL loses the steps since th
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import math
@@ -44,31 +49,28 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from opengem.config import Config
+from opengem.checkpoint import latest_checkpoint, save_best, save_checkpoint
+from opengem.config import Config, ConfigError
 from opengem.data.base_rates import train_base_rates
 from opengem.data.batch import Batch
 from opengem.data.loader import ShardLoader
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, materialize
-from opengem.ops.fp8 import fp8_saved_activations
-from opengem.parallel import ParallelDims, SparseOptimizerSpec, build_parallel_gem, train_step
+from opengem.parallel import ParallelDims, SparseOptimizerSpec, build_parallel_gem
+from opengem.parallel import train_step as dist_step
 from opengem.parallel.launch import DistInfo, comm_device, destroy_distributed, init_distributed, min_over_ranks
 from opengem.run import QUARANTINE_DIR, save_base_rates, save_config, save_final, save_schema
-from opengem.train.checkpoint import latest_checkpoint, save_checkpoint
-from opengem.train.losses import global_masked_bce
+from opengem.train.hooks import EvalHook, Evaluator
 from opengem.train.observe import RunLog
 from opengem.train.optim import Schedule, build_optimizers
 from opengem.train.resume import EXIT_PREEMPTED, Preempted, SigtermFlag, resume_run
+from opengem.train.step import TrainingError, train_step
 
 log = logging.getLogger(__name__)
 
 # Above this many parameters final.json skips params_sha256 in distributed runs: hashing needs every
 # full table on every rank at once.
 HASH_LIMIT = 200_000_000
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. the loss became NaN); the message says where."""
 
 
 def state_sha256(state: dict[str, torch.Tensor]) -> str:
@@ -103,27 +105,37 @@ class _Run:
     start_examples: int = 0
     resumed: dict = field(default_factory=dict)
     sigterm: threading.Event = field(default_factory=threading.Event)
+    evals: EvalHook | None = None
+    eval_s: float = 0.0  # seconds this process spent in evaluations (not training time)
 
     @property
     def distributed(self) -> bool:
         return self.sparse is not None
 
     def trainer_state(self) -> dict:
+        evals = {"evals": self.evals.state_dict()} if self.evals is not None else {}
         return {**self.identity(), "step": self.step, "examples": self.examples,
-                "loader": self.loader.state_dict(), "rng": torch.get_rng_state()}
+                "loader": self.loader.state_dict(), "rng": torch.get_rng_state(), **evals}
 
     def identity(self) -> dict:
         """What a checkpoint must match to be resumed by this run (checked by ``load_checkpoint``)."""
         return {"schema": self.schema.fingerprint(), "model": asdict(self.cfg.model)}
 
 
-def train(cfg: Config, data_dir: str | Path, run_dir: str | Path, resume: bool = False) -> dict:
-    """Train from ``cfg``; under torchrun every rank calls this. Returns final.json's content."""
+def train(cfg: Config, data_dir: str | Path, run_dir: str | Path, resume: bool = False,
+          evaluator: Evaluator | None = None) -> dict:
+    """Train from ``cfg``; under torchrun every rank calls this. Returns final.json's content.
+
+    ``evaluator`` scores the model on held-out data when ``train.eval_every``, ``eval_each_epoch`` or
+    ``eval_at`` asks for it (``opengem.train.hooks``); it is not called otherwise."""
     cfg.validate()
+    if cfg.train.evaluates and evaluator is None:
+        raise ConfigError("train.eval_every/eval_each_epoch/eval_at need an evaluator: pass train(…, evaluator=…), "
+                          "e.g. opengem.evaluation.evaluate.held_out_evaluator(data_dir, cfg.train.eval_split)")
     owned = not (dist.is_available() and dist.is_initialized())
     info = init_distributed(cfg.parallel.backend)
     try:
-        final = _train(cfg, Path(data_dir), Path(run_dir), resume, info)
+        final = _train(cfg, Path(data_dir), Path(run_dir), resume, info, evaluator)
     except BaseException:
         if owned and info.backend is not None:  # no barrier: the other ranks may be gone already
             dist.destroy_process_group()
@@ -133,7 +145,7 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path, resume: bool =
     return final
 
 
-def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo) -> dict:
+def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo, evaluator: Evaluator | None) -> dict:
     run.mkdir(parents=True, exist_ok=True)
     schema = FeatureSchema.load(data_dir)
     if cfg.train.threads:
@@ -151,6 +163,8 @@ def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo)
     # Built before a checkpoint is loaded: Schedule keeps the config's base lrs.
     schedule = Schedule(optimizers, total, cfg.optim)
     r = _Run(cfg, schema, run, info, model, optimizers, sparse, loader, schedule, total)
+    if cfg.train.evaluates:
+        r.evals = EvalHook(cfg.train, evaluator, rates, info)
     if resume:
         resume_run(r, latest_checkpoint(run))
     if info.is_main:  # after the resume checks: a refused resume leaves the run as it was
@@ -197,32 +211,53 @@ def _loop(r: _Run) -> None:
     dense_params = list(r.model.dense_parameters())
     bar = tqdm(total=r.total, initial=r.step, desc="train", unit="step", smoothing=0.05,
                disable=not (cfg.train.progress and r.info.is_main))
-    clock = [time.perf_counter(), r.examples]
+    clock = [time.perf_counter(), r.examples, r.eval_s]
+    started, ended = clock[0], r.step >= r.total
     batches = iter(r.loader)
     r.model.train()
     try:
         # purge_step: after a resume TensorBoard hides the old events of the steps about to be redone
         with RunLog(r.run, enabled=r.info.is_main, purge_step=r.step + 1) as mlog:
-            while r.step < stop:  # checked before the loader hands out (and counts) another batch
+            # checked before the loader hands out (and counts) another batch
+            while r.step < stop and not (r.evals and r.evals.stopped):
                 batch, rows = _next_batch(batches, r)
                 if batch is None:
+                    ended = True
                     break
                 loss, table, lr_f = _step(r, batch, task_w, dense_params)
                 r.step += 1
                 r.examples += rows
                 bar.update(1)
+                ended = r.step >= r.total
                 if r.step % cfg.train.log_every == 0 or r.step == r.total:
                     _log(r, mlog, bar, clock, {"loss": loss, "lr_factor": lr_f}, _global_table(r, table, batch))
-                if r.step >= stop:
+                if r.evals and r.evals.due(r.step, r.loader.state_dict()["epoch"]):
+                    _evaluate(r, mlog, started)
+                if r.step >= stop or (r.evals and r.evals.stopped):
                     break
                 saved = bool(cfg.train.ckpt_every) and r.step % cfg.train.ckpt_every == 0
                 if saved:
                     save_checkpoint(r.run, r.step, r.model, r.optimizers, r.trainer_state())
                 if _any_rank(r.sigterm.is_set(), r.distributed):
                     _preempt(r, saved)
+            if r.evals and ended and r.evals.due_at_end(r.step):  # the final model, not a stop_at pause
+                _evaluate(r, mlog, started)
     finally:
         batches.close()
         bar.close()
+
+
+def _evaluate(r: _Run, mlog, started: float) -> None:
+    """A held-out evaluation after this step (``hooks``), and the best checkpoint when it is the best;
+    their seconds are not training time: ``train_s`` and every examples/s leave them out."""
+    t0 = time.perf_counter()
+    record, best = r.evals.evaluate(r.model, r.step)
+    if best and r.cfg.train.keep_best:
+        save_best(r.run, r.model, {**r.identity(), "step": r.step, "examples": r.examples,
+                                   "eval_metric": record["eval_metric"]})
+    train_s, dt = t0 - started - r.eval_s, time.perf_counter() - t0
+    r.eval_s += dt
+    mlog.log(r.step, {"examples": r.examples, "train_s": train_s, "eval_s": dt, **record})
 
 
 def _any_rank(flag: bool, distributed: bool) -> bool:
@@ -258,20 +293,12 @@ def _next_batch(batches, r: _Run) -> tuple[Batch | None, int]:
 def _step(r: _Run, batch: Batch, task_w: torch.Tensor, dense_params: list) -> tuple[float, torch.Tensor, float]:
     """One optimizer step; returns (loss of the global batch, this rank's per-(domain, task) table, lr factor)."""
     lr_f = r.schedule.set(r.step)  # before the forward: the fused CPU table kernel takes its lr there
-    with fp8_saved_activations(r.model) if r.cfg.train.fp8_activations else contextlib.nullcontext():
-        logits = r.model(batch)
-    loss, table = global_masked_bce(logits, batch.labels, batch.label_mask, batch.weights, task_w,
-                                    batch.domain, r.schema.num_domains)
-    value = train_step.global_mean(loss).item()
-    if not math.isfinite(value):
-        raise TrainingError(f"loss is {value} at step {r.step}; last checkpoint: {latest_checkpoint(r.run)}")
-    for o in r.optimizers:
-        o.zero_grad(set_to_none=True)
-    loss.backward()
-    if r.cfg.optim.grad_clip:
-        train_step.clip_grad_norm_(dense_params, r.cfg.optim.grad_clip)
-    for o in r.optimizers:
-        o.step()  # the table optimizer's step also averages the 2-D table copies when due
+    try:
+        value, table = train_step(r.model, r.optimizers, batch, task_w, r.schema.num_domains,
+                                  grad_clip=r.cfg.optim.grad_clip, fp8=r.cfg.train.fp8_activations,
+                                  dense_params=dense_params)
+    except TrainingError as e:
+        raise TrainingError(f"{e} at step {r.step}; last checkpoint: {latest_checkpoint(r.run)}") from None
     return value, table, lr_f
 
 
@@ -292,8 +319,8 @@ def _log(r: _Run, mlog, bar, clock: list, values: dict, table: torch.Tensor) -> 
     if not r.info.is_main:
         return
     now = time.perf_counter()
-    eps = (r.examples - clock[1]) / max(now - clock[0], 1e-9)
-    clock[:] = [now, r.examples]
+    eps = (r.examples - clock[1]) / max(now - clock[0] - (r.eval_s - clock[2]), 1e-9)
+    clock[:] = [now, r.examples, r.eval_s]
     mlog.log(r.step, {"examples": r.examples, **values, "examples_per_s": eps,
                       "loss_by_domain_task": _table(table, r.schema)})
     bar.set_postfix(loss=f"{values['loss']:.4f}", eps=f"{eps:,.0f}")
@@ -318,12 +345,14 @@ def _finish(r: _Run, wall: float) -> dict:
     sha, why = _fingerprint(r, parameters["total"])
     final = {
         "steps": r.step, "examples": r.examples, "params_sha256": sha, "parameters": parameters, "wall_s": wall,
-        "examples_per_s": (r.examples - r.start_examples) / max(wall, 1e-9), "recipe": r.cfg.recipe,
+        "examples_per_s": (r.examples - r.start_examples) / max(wall - r.eval_s, 1e-9), "recipe": r.cfg.recipe,
         "schema": r.schema.fingerprint(), "checkpoint": str(latest_checkpoint(r.run).name),
         "quarantined": quarantined, "repaired": repaired, "world_size": r.info.world_size, "peak_rss_mb": rss,
     }
     if why:
         final["params_sha256_skipped"] = why
+    if r.evals:
+        final["evaluation"] = {**r.evals.summary(), "eval_s": r.eval_s}
     if r.resumed:
         final["resharded"] = r.resumed
     if r.distributed:
@@ -363,5 +392,5 @@ def _fingerprint(r: _Run, n_params: int) -> tuple[str | None, str | None]:
         return params_sha256(r.model), None
     if n_params > HASH_LIMIT:
         return None, f"{n_params:,} parameters > {HASH_LIMIT:,}: hashing would gather every full table on every rank"
-    full = train_step.gather_full_state_dict(r.model, r.sparse.sharding_pg)
+    full = dist_step.gather_full_state_dict(r.model, r.sparse.sharding_pg)
     return (state_sha256(full) if r.info.is_main else None), None

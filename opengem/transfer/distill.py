@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from opengem.checkpoint import save_checkpoint
 from opengem.config import Config, apply_prefixed_overrides
 from opengem.evaluation import EVAL_BATCH
 from opengem.features.schema import FeatureSchema, SchemaError
@@ -44,7 +45,6 @@ from opengem.run import (
     save_schema,
     write_json,
 )
-from opengem.train.checkpoint import save_checkpoint
 from opengem.train.trainer import params_sha256
 from opengem.transfer.config import TransferConfig, techniques_config
 from opengem.transfer.share import share_parameters

@@ -3,8 +3,10 @@
 Why a loop of its own rather than ``opengem.train.trainer``: that loop's step is GEM's masked BCE
 on one model; a distillation step takes the teacher's output, updates the student adapter *before*
 the student (ExFM Algorithm 1), and steps several students on the same batch. Everything else is
-the trainer's: ``build_optimizers`` (AdamW + row-wise Adagrad), ``Schedule``, ``masked_bce``, grad
-clipping, ``save_checkpoint``. Students are single-process (they are small by construction).
+the trainer's: ``build_optimizers`` (AdamW + row-wise Adagrad), ``Schedule``, ``masked_bce``, the
+second half of the step (``opengem.train.step.backward`` and ``update``: clearing the gradients,
+backward, grad clipping, the optimizers), ``save_checkpoint``. Students are single-process (they are
+small by construction).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from opengem.evaluation.accumulator import MetricAccumulator
 from opengem.features.schema import FeatureSchema
 from opengem.model.student import Student, forward_with_features, with_rep
 from opengem.train.optim import Schedule, build_optimizers
+from opengem.train.step import backward, update
 from opengem.transfer.adapter import StudentAdapter
 from opengem.transfer.config import TransferConfig
 from opengem.transfer.losses import distill_loss
@@ -30,6 +33,9 @@ from opengem.transfer.teacher import TeacherOutput
 
 class StudentTrainer:
     """One student's training state (model, optimisers, lr schedule, adapter) and its step.
+
+    Not the trainer's loop: each step needs the teacher's predictions on the batch, the adapter
+    updated before the student, and the KD losses; from the loss on it is the trainer's step.
 
     Args:
         name: a label for reports.  student: the ``Student``.  cfg: its recipe (``optim`` is read).
@@ -94,13 +100,8 @@ class StudentTrainer:
         loss = distill_loss(logits, aux, soft, batch.labels, batch.label_mask, batch.weights, self.task_w, self.tcfg)
         if not math.isfinite(loss.total.item()):
             raise FloatingPointError(f"student {self.name!r}: loss is {loss.total.item()} at step {self.step_n}")
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=True)
-        loss.total.backward()
-        if self.cfg.optim.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.student.dense_parameters(), self.cfg.optim.grad_clip)
-        for o in self.optimizers:
-            o.step()
+        backward(loss.total, self.optimizers)
+        update(self.optimizers, list(self.student.dense_parameters()), self.cfg.optim.grad_clip)
         self.step_n += 1
         self.examples += batch.batch_size
         self.sums["loss_true"] += loss.true

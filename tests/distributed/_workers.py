@@ -252,8 +252,8 @@ def job_checkpoint(rank: int, world: int, out: Path, args: dict) -> None:
     """Build with ``args["parallel"]`` and the trainer's optimizers; train ``steps`` or load
     ``args["load"]``; record the full state; save to ``args["save"]``; then, if ``resume_step`` is
     given, train that one step and record it (a resumed run must continue like one process)."""
+    from opengem.checkpoint import load_checkpoint, save_checkpoint
     from opengem.parallel import ParallelConfig
-    from opengem.train.checkpoint import load_checkpoint, save_checkpoint
     from opengem.train.optim import Schedule
 
     schema, model, sparse, opts = build_parallel(ParallelConfig(**args["parallel"]), trainer_adam=True)

@@ -7,7 +7,7 @@
                                                                    (then the same step: equals B's)
     D  4 procs  table-wise + one column-wise table, FSDP 4, activation checkpointing
 
-Saved and loaded with ``opengem.train.checkpoint`` unchanged (``get_state_dict`` + ``dcp``).
+Saved and loaded with ``opengem.checkpoint`` unchanged (``get_state_dict`` + ``dcp``).
 """
 
 import _workers as W
@@ -27,8 +27,8 @@ TRAIN_STEPS = 3
 
 def _plain_stage(load_from, save_to):
     """Stage C: the trainer's single-process model and optimizers, loaded with the trainer's loader."""
+    from opengem.checkpoint import load_checkpoint, save_checkpoint
     from opengem.testing import tiny_schema
-    from opengem.train.checkpoint import load_checkpoint, save_checkpoint
     from opengem.train.optim import Schedule
 
     model = W.plain_model(seed=0)  # another seed: everything must come from the checkpoint
@@ -43,7 +43,7 @@ def _plain_stage(load_from, save_to):
 
 
 def test_checkpoint_reshards_4_2_1_4(tmp_path):
-    from opengem.train.checkpoint import latest_checkpoint
+    from opengem.checkpoint import latest_checkpoint
 
     walls = {}
     walls["A"] = W.spawn("checkpoint", 4, tmp_path, {"parallel": A, "steps": TRAIN_STEPS, "save": str(tmp_path / "A"),

@@ -5,6 +5,7 @@
     C  A's config, one rank SIGKILLed after a checkpoint, then ``--resume``: A's exact parameters
     D  A's config, one rank SIGTERMed (a preemption): both ranks stop after the same step, save, exit;
        ``--resume``: A's exact parameters
+    E  A's config with held-out evaluation every 4 steps, early stopping and the best checkpoint
     A's checkpoint in one process: ``opengem evaluate``, the same params_sha256, and a resume on
     another world size (refused by default, ``train.resume_reshard=rewind`` continues)
 """
@@ -18,9 +19,9 @@ import _torchrun as T
 import numpy as np
 import pytest
 
+from opengem.checkpoint import checkpoint_dir
 from opengem.cli import main
 from opengem.run import FINAL_FILE, METRICS_FILE
-from opengem.train.checkpoint import checkpoint_dir
 from opengem.train.resume import position_after, shared_data_boundary
 
 pytestmark = pytest.mark.distributed
@@ -111,6 +112,32 @@ def test_sigterm_to_one_rank_checkpoints_both_and_resumes_bit_identical(tiny_dat
     a, d = T.final(run_a), T.final(run)
     assert (d["steps"], d["examples"], d["params_sha256"]) == (a["steps"], a["examples"], a["params_sha256"]), latest
     assert T.losses(run) == T.losses(run_a)
+
+
+def test_held_out_evaluation_on_two_ranks_matches_one_process(tiny_data, run_a, tmp_path):
+    """The ranks score their own valid files (2 and 1: different numbers of batches, so the row-wise sharded
+    forward runs in lockstep), the metrics are reduced, every rank takes rank 0's stop decision; the figures
+    are those of one process scoring the saved model, and the best checkpoint loads in one process."""
+    from opengem.evaluation.evaluate import evaluate_model
+    from opengem.run import load_run_model
+
+    run = tmp_path / "e"
+    T.run(2, *_train_args(tiny_data, run, "parallel.default_sharding=row_wise", "train.eval_every=1",
+                          "train.eval_metric=all/conversion:auc", "train.early_stop_patience=1",
+                          "train.keep_best=true"), log=tmp_path / "log")
+    e, lines = T.final(run), [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [x for x in lines if "eval" in x]
+    assert [x["step"] for x in evals] == list(range(1, e["steps"] + 1))
+    assert e["evaluation"]["stopped_early"] and e["steps"] < STEPS  # conversion AUC is noisy at 64 rows a rank
+    train_losses, ref = [(x["step"], x["loss"]) for x in lines if "loss" in x], T.losses(run_a)[:e["steps"]]
+    assert max(abs(x - y) / abs(x) for (_, x), (_, y) in zip(train_losses, ref)) <= 1e-5  # evaluating moved nothing
+    rates = json.loads((run / "base_rates.json").read_text())
+    for best, line in ((False, evals[-1]), (True, next(x for x in evals if x["step"] == e["evaluation"]["best_step"]))):
+        model, _, schema = load_run_model(run, recalibrated=False, best=best)
+        one = evaluate_model(model, schema, tiny_data, "valid", rates, progress=False)["metrics"]
+        for key, field in (("all/click", "ne"), ("all/click", "auc"), ("all/conversion", "auc")):
+            assert one[key]["n"] == line["eval"][key]["n"] > 0
+            assert abs(one[key][field] / line["eval"][key][field] - 1) < 1e-6, (key, field, one[key], line["eval"][key])
 
 
 def test_resume_on_another_world_size(tiny_data, run_a, tmp_path, capsys):

@@ -29,11 +29,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from opengem.checkpoint import checkpoint_dir, latest_checkpoint
 from opengem.cli import main
 from opengem.data.parquet import DatasetManifest
 from opengem.features.schema import FeatureSchema
 from opengem.run import FINAL_FILE, METRICS_FILE
-from opengem.train.checkpoint import checkpoint_dir, latest_checkpoint
 from opengem.train.resume import EXIT_PREEMPTED
 
 REPO = Path(__file__).resolve().parents[2]

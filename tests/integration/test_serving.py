@@ -205,6 +205,7 @@ def test_every_bad_request_is_a_4xx_naming_the_problem(server, tiny):
         assert r.status_code == status, (name, r.text)
         err = r.json()["error"]
         assert err["field"].startswith(field) and err["message"], (name, err)
+
     def chunks():  # no content-length: the limit is enforced while reading
         for _ in range(6):
             yield b" " * (1 << 20)

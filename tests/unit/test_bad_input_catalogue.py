@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
 
+from opengem.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, load_checkpoint
 from opengem.config import ConfigError, apply_overrides
 from opengem.data.loader import ShardLoader
 from opengem.data.parquet import DataError, ShardWriter
@@ -25,7 +26,6 @@ from opengem.parallel import ParallelConfigError, ParallelDims
 from opengem.recipes import recipe, world_config
 from opengem.run import BASE_RATES_FILE, CONFIG_FILE, SCHEMA_FILE, load_run_model
 from opengem.testing import random_table, tiny_schema
-from opengem.train.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, load_checkpoint
 from opengem.train.trainer import train
 
 ROWS = 12

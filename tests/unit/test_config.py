@@ -11,7 +11,6 @@ def test_overrides_parse_by_declared_type():
     assert cfg.model.wukong.mlp_dims == (32, 16) and cfg.model.wukong.cross_layer == "dense"
 
 
-
 def test_overrides_leave_the_base_config_alone():
     """One base can seed several runs: overriding ``model.arch`` for one must not reach the next."""
     base = recipe("tiny")

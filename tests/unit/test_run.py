@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 
+from opengem.checkpoint import CheckpointError, checkpoint_dir, save_checkpoint
 from opengem.model.build import build_gem, materialize
 from opengem.model.heads import Heads, HeadsConfig
 from opengem.recipes import recipe
@@ -31,7 +32,6 @@ from opengem.run import (
     save_schema,
 )
 from opengem.testing import tiny_schema
-from opengem.train.checkpoint import CheckpointError, checkpoint_dir, save_checkpoint
 
 RATES = {"click": 0.1, "d0/click": 0.12, "conversion": 0.01}
 

@@ -16,7 +16,11 @@ import pytest
 from opengem.data.parquet import DatasetManifest
 from opengem.data.synthetic import WorldConfig, build_schema, columns_from_table, generate, world_from_manifest
 from opengem.data.synthetic_world import (
-    ORGANIC_EVENT_WEIGHTS, World, history_signals, probabilities, sequence_match,
+    ORGANIC_EVENT_WEIGHTS,
+    World,
+    history_signals,
+    probabilities,
+    sequence_match,
 )
 from opengem.features.schema import FeatureSchema
 from opengem.recipes import world_config

@@ -36,3 +36,5 @@ def test_summary_lines():
           "transfer_ratio": {"click": 0.5}}
     assert distill_line(vm) == ("click on video, test (314 rows): student NE 0.9000 AUC 0.6000; teacher NE 0.9000 "
                                 "AUC 0.6000; transfer ratio R 0.500")
+    vm["transfer_ratio"] = {"click": float("nan")}  # the teacher is not ahead of the student alone
+    assert distill_line(vm).endswith("transfer ratio R - (undefined: the teacher is not ahead of the student alone)")

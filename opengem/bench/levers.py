@@ -7,8 +7,8 @@ timed steps of each phase of the step::
     data      next batch from the loader (Parquet → Batch, prefetched as in training)
     embed     GEM.inputs: TorchRec table lookups (EBC + EC), dense arch, event tokens
     dense     InterFormer (Wukong stack + sequence towers) + heads + loss
-    backward  loss.backward() (tables' and dense gradients)
-    optim     dense AdamW + sparse row-wise Adagrad steps
+    backward  gradients cleared, loss.backward() (tables' and dense gradients)
+    optim     dense gradients clipped (``optim.grad_clip``), dense AdamW + sparse row-wise Adagrad steps
 
 and two memory figures: ``saved_activation_mb``, the bytes autograd's saved-tensor hook sees (what
 FP8 storage compresses; a checkpointed block's own bookkeeping is invisible to it), and
@@ -45,8 +45,8 @@ from opengem.model.build import build_gem, count_parameters, materialize
 from opengem.ops.fp8 import fp8_saved_activations
 from opengem.parallel.activation_checkpoint import apply_activation_checkpoint
 from opengem.parallel.compile import apply_compile
-from opengem.train.losses import masked_bce
 from opengem.train.optim import build_optimizers
+from opengem.train.step import backward, batch_loss, update
 
 LEVERS = ("eager", "compile", "ac", "sac", "bf16", "fp8")
 PHASES = ("data", "embed", "dense", "backward", "optim")
@@ -72,18 +72,25 @@ def build_for_lever(cfg: Config, schema: FeatureSchema, lever: str, device: torc
 
 
 class LeverRun:
-    """One lever's model, optimizers and batches; ``step()`` times one training step by phase."""
+    """One lever's model, optimizers and batches; ``step()`` times one training step by phase.
+
+    Its step is the trainer's (``opengem.train.step``: the loss, clearing the gradients and backward,
+    clipping and the optimizers) cut where the phases are timed; only the forward is split by hand
+    (``GEM.inputs``, then the rest), which ``train_step`` cannot time, and the lr stays at the recipe's.
+    """
 
     def __init__(self, cfg: Config, schema: FeatureSchema, data: Path, lever: str, device: torch.device):
         self.lever, self.device, self.parts = lever, device, set(lever.split("+"))
+        self.num_domains, self.grad_clip = schema.num_domains, cfg.optim.grad_clip
         torch.manual_seed(cfg.train.seed)
         self.model = build_for_lever(cfg, schema, lever, device)
         dense_opt, sparse_opt = build_optimizers(self.model.dense_parameters(), self.model.sparse_parameters(),
                                                  cfg.optim)
         self.opts = [o for o in (dense_opt, sparse_opt) if o is not None]
+        self.dense_params = list(self.model.dense_parameters())
         self.batches = iter(ShardLoader(data, "train", cfg.data.batch_size, shuffle=True, seed=cfg.train.seed,
                                         epochs=1000, drop_last=True, max_seq_len=self.model.max_seq_len()))
-        self.task_w = torch.ones(len(schema.tasks), device=device)
+        self.task_w = torch.tensor([t.weight for t in schema.tasks], device=device)  # as the trainer's
         self.dtype = torch.bfloat16 if "bf16" in self.parts else None
         self.times: dict[str, list[float]] = {p: [] for p in PHASES}
         self.rows, self.saved, self.losses, self.peak = [], [], [], 0.0
@@ -97,7 +104,7 @@ class LeverRun:
 
     def _loss(self, x, seqs, batch) -> torch.Tensor:
         logits = self.model.heads(self.model._features(x, seqs), batch.domain, self.model.low_order(x))
-        return masked_bce(logits.float(), batch.labels, batch.label_mask, batch.weights, self.task_w)[0]
+        return batch_loss(logits.float(), batch, self.task_w, self.num_domains)[0]
 
     def measure_memory(self) -> None:
         """One untimed step whose forward runs under ``forward_held_bytes`` (no optimizer step)."""
@@ -130,13 +137,10 @@ class LeverRun:
             loss = self._loss(x, seqs, batch)
             _sync(dev)
         t3 = time.perf_counter()
-        for o in self.opts:
-            o.zero_grad(set_to_none=True)
-        loss.backward()
+        backward(loss, self.opts)
         _sync(dev)
         t4 = time.perf_counter()
-        for o in self.opts:
-            o.step()
+        update(self.opts, self.dense_params, self.grad_clip)
         _sync(dev)
         t5 = time.perf_counter()
         if self.first_step_s is None:
@@ -253,68 +257,3 @@ def format_bench(out: dict) -> str:
     lines.append(f"loader alone: {out['loader_examples_per_s']:,.0f} examples/s"
                  + (f" = {out['loader_over_training']:.1f}× eager training" if "loader_over_training" in out else ""))
     return "\n".join(lines)
-
-
-def quick_bench(cfg_name: str = "tiny", users: int | None = None, eval_every_kth_file: int = 4) -> dict:
-    """``opengem bench --quick``: the headline figures on 2 CPU cores in about 4 minutes.
-
-    The levers and the loader on the ``cfg_name`` recipe's world; the rest on the demo world (36,000
-    users unless ``users`` says otherwise): GEM's time to DLRM-DCN's quality (``race.budget_race``, the
-    evaluations scoring every ``eval_every_kth_file``-th file of ``valid``), FP8's NE cost on the budget
-    that crossed, int8 tables' memory, examples/s at equal dense parameters."""
-    from opengem.config import apply_overrides
-    from opengem.data.synthetic import generate
-    from opengem.ops.quantize import quantize_tables, table_bytes
-    from opengem.recipes import recipe, world_config
-    from opengem.train.bench_ops import attention_case
-    from opengem.train.race import (
-        BUDGET_GEM,
-        budget_config,
-        budget_race,
-        train_with_evals,
-        training_examples_per_s,
-        widen_to_params,
-    )
-
-    levers = run_bench(recipe(cfg_name), None, ("eager", "fp8"), warmup=2, steps=4, loader_seconds=2.0)
-    att = attention_case(32, 70, 3000, 32, heads=2, reps=2)
-    with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "data"
-        generate(world_config("demo", seed=0, overrides=[f"sizes.num_users={users}"] if users else []), data, progress=False)
-        schema = FeatureSchema.load(data)
-        fp32 = materialize(build_gem(schema, recipe("demo").model))
-        int8_saved = table_bytes(fp32) / table_bytes(quantize_tables(fp32, "int8"))
-        race = budget_race(data, eval_every_kth_file)
-        peer, gem = race["runs"]["dlrm_dcn"], race["runs"]["gem"][-1]
-        # FP8's NE cost: GEM's last budget again with saved activations stored as e4m3.
-        n = gem["steps"]
-        fp8_cfg = budget_config("gem", n, [*BUDGET_GEM, "train.fp8_activations=true"])
-        fp8_run = train_with_evals(fp8_cfg, data, n + 1, eval_every_kth_file=eval_every_kth_file, max_steps=n)
-        # Examples/s at equal dense parameters: DLRM-DCN's heads widened to GEM's dense size, timed
-        # alternately with GEM on the same data (round robin, as the levers are).
-        dcn_wide = widen_to_params(apply_overrides(recipe("demo"), ["model.arch=dlrm_dcn"]), schema,
-                                   gem["parameters"]["dense"])
-        eq = {"gem": [], "dlrm_dcn": []}
-        for _ in range(2):
-            eq["gem"].append(training_examples_per_s(recipe("demo"), data))
-            eq["dlrm_dcn"].append(training_examples_per_s(dcn_wide, data))
-        equal = {"dense_parameters": {"gem": gem["parameters"]["dense"],
-                                      "dlrm_dcn": count_parameters(build_gem(schema, dcn_wide.model))["dense"]},
-                 "dcn_head_dims": [*dcn_wide.model.heads.trunk_dims, *dcn_wide.model.heads.task_dims],
-                 "examples_per_s": {k: round(max(v), 1) for k, v in eq.items()}}
-    ttq = race["ttq"]
-    lv = levers["levers"]
-    return {"padded_over_jagged_time": round(att["padded_over_jagged_time"], 2),
-            "max_over_mean_len": round(att["max_len"] / att["mean_len"], 2),
-            "loader_over_train_eps": levers["loader_over_training"],
-            "time_to_dcn_quality_speedup": ttq["speedup"],
-            "fp8_act_mem_saved": round(lv["eager"]["saved_activation_mb"] / lv["fp8"]["saved_activation_mb"], 2),
-            "int8_table_mem_saved": round(int8_saved, 2),
-            "fp8_ne_cost_pct": round(100 * (fp8_run["final_ne"] / gem["final_ne"] - 1), 3),
-            "dcn_final_ne": round(peer["final_ne"], 4), "dcn_s": peer["train_s"],
-            "gem_s_to_dcn_ne": ttq["gem_s_to_target"],
-            "gem_examples_per_s": gem["examples_per_s"], "dcn_examples_per_s": peer["examples_per_s"],
-            "gem_over_dcn_eps_equal_params": round(equal["examples_per_s"]["gem"] / equal["examples_per_s"]["dlrm_dcn"], 3),
-            "ttq": ttq, "equal_params": equal,
-            "params": {"gem": gem["parameters"]["total"], "dlrm_dcn": peer["parameters"]["total"]}, "attention": att,
-            "levers": {k: {kk: v[kk] for kk in ("examples_per_s", "saved_activation_mb")} for k, v in lv.items()}}

@@ -5,6 +5,8 @@ Layout::
     RUN/checkpoints/step-00000100/   DCP files: model + both optimizers (dense AdamW, sparse row-wise Adagrad)
         trainer_state-rank0.pt       step, examples seen, loader position, RNG, schema fingerprint
     RUN/checkpoints/LATEST           name of the newest complete checkpoint
+    RUN/checkpoints/best/            ``train.keep_best``: the model (no optimizer) of the best held-out
+                                     evaluation, replaced at each better one (``save_best``, ``best_checkpoint``)
 
 A checkpoint is written into ``step-N.tmp`` and renamed only once complete; ``LATEST`` is
 replaced atomically after the rename. A crash mid-save therefore leaves the previous checkpoint
@@ -27,7 +29,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+
+BEST = "best"  # RUN/checkpoints/best: the one file name of the best model; readers call best_checkpoint()
 
 
 class CheckpointError(RuntimeError):
@@ -58,6 +62,12 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return path
 
 
+def best_checkpoint(run_dir: str | Path) -> Path | None:
+    """RUN/checkpoints/best when a run with ``train.keep_best`` has written it, else None."""
+    path = checkpoint_dir(run_dir) / BEST
+    return path if (path / ".metadata").exists() else None
+
+
 def _failures(e: BaseException) -> list[BaseException]:
     """``e`` and, for DCP's ``CheckpointException``, the per-rank exceptions it wraps."""
     return [e] + [f[0] if isinstance(f, tuple) else f for f in (getattr(e, "failures", None) or {}).values()]
@@ -74,12 +84,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, opti
         tmp.mkdir(parents=True)
     _barrier()
     msd, osd = get_state_dict(model, [o for o in optimizers if o is not None])
-    try:
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
-        torch.save(trainer_state, tmp / f"trainer_state-rank{_rank()}.pt")
-    except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
-        shutil.rmtree(tmp, ignore_errors=True)  # a full disk needs the space back
-        raise _save_error(e, tmp, root) from e
+    _write(tmp, {"model": msd, "optim": osd}, trainer_state, root)
     if os.environ.get("OPENGEM_FAULT_SLEEP_IN_SAVE"):
         time.sleep(float(os.environ["OPENGEM_FAULT_SLEEP_IN_SAVE"]))
     _barrier()
@@ -95,6 +100,37 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, opti
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def save_best(run_dir: str | Path, model: torch.nn.Module, trainer_state: dict) -> Path:
+    """Replace RUN/checkpoints/best with ``model`` (every rank calls this). Written into ``best.tmp``;
+    a crash before the swap keeps the previous best, and one inside it leaves ``best.old`` (not loaded)."""
+    root = checkpoint_dir(run_dir)
+    final, tmp, old = root / BEST, root / f"{BEST}.tmp", root / f"{BEST}.old"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    _write(tmp, {"model": get_model_state_dict(model)}, trainer_state, root)
+    _barrier()
+    if _rank() == 0:
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def _write(tmp: Path, state: dict, trainer_state: dict, root: Path) -> None:
+    """DCP files of ``state`` and this rank's trainer state into ``tmp``; on failure ``tmp`` is removed."""
+    try:
+        dcp.save(state, checkpoint_id=tmp)
+        torch.save(trainer_state, tmp / f"trainer_state-rank{_rank()}.pt")
+    except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk needs the space back
+        raise _save_error(e, tmp, root) from e
 
 
 def _save_error(e: BaseException, tmp: Path, root: Path) -> CheckpointError:

@@ -3,8 +3,8 @@ losses as fp32 eager, and the memory levers save what they claim."""
 
 import pytest
 
+from opengem.bench.levers import format_bench, run_bench
 from opengem.recipes import recipe
-from opengem.train.bench import format_bench, run_bench
 
 # Stated tolerances on the loss after each of 4 steps, relative to fp32 eager (tiny recipe):
 # activation checkpointing recomputes the same fp32 ops (exact up to reduction order); bf16 autocast
@@ -50,7 +50,7 @@ def test_unknown_lever_is_named():
 def test_forward_held_bytes_counts_what_outlives_the_call():
     import torch
 
-    from opengem.train.bench import forward_held_bytes
+    from opengem.bench.levers import forward_held_bytes
 
     x = torch.randn(256, 256, requires_grad=True)
 
@@ -61,24 +61,3 @@ def test_forward_held_bytes_counts_what_outlives_the_call():
 
     _, held = forward_held_bytes(f, torch.device("cpu"))
     assert 2 * 256 * 256 * 4 <= held < 3.2 * 256 * 256 * 4  # ``kept`` and the output (+ a few scalars)
-
-
-def test_trainer_fp8_activations_stay_near_fp32(tmp_path):
-    """``train.fp8_activations=true`` through the trainer: same losses as fp32 within the bench tolerance."""
-    import json
-
-    from opengem.config import apply_overrides
-    from opengem.data.synthetic import generate
-    from opengem.recipes import world_config
-    from opengem.train.trainer import train
-
-    generate(world_config("tiny", seed=0), tmp_path / "data", progress=False)
-    losses = {}
-    for flag in ("false", "true"):
-        cfg = apply_overrides(recipe("tiny"), ["train.max_steps=4", "train.log_every=1",
-                                               f"train.fp8_activations={flag}"])
-        cfg.train.progress = False
-        train(cfg, tmp_path / "data", tmp_path / flag)
-        losses[flag] = [json.loads(x)["loss"] for x in (tmp_path / flag / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses["true"]) == 4
-    assert max(abs(a - b) / b for a, b in zip(losses["true"], losses["false"])) < TOL["fp8"]

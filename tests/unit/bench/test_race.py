@@ -1,13 +1,13 @@
 """GEM against DLRM-DCN: learning curves, time to quality (mid-run and budgeted), equal-parameter peers."""
 
+from opengem.bench.race import budget_crossing
 from opengem.recipes import recipe
-from opengem.train.race import budget_crossing
 
-FP8_TOL = 3e-2  # the fp8 lever's stated tolerance (tests/unit/train/test_bench.py)
+FP8_TOL = 3e-2  # the fp8 lever's stated tolerance (tests/unit/bench/test_levers.py)
 
 
 def test_time_to_quality_interpolates_the_first_crossing():
-    from opengem.train.race import time_to_quality
+    from opengem.bench.race import time_to_quality
 
     gem = {"curve": [(1.0, 100, 0.99), (2.0, 200, 0.95), (3.0, 300, 0.90)], "final_ne": 0.90}
     peer = {"curve": [(0.5, 300, 0.95)], "final_ne": 0.95, "train_s": 4.0}
@@ -23,7 +23,7 @@ def test_time_to_quality_interpolates_the_first_crossing():
 
 
 def test_time_to_quality_sustained_crossing_ignores_a_dip():
-    from opengem.train.race import time_to_quality
+    from opengem.bench.race import time_to_quality
 
     # Dips below 0.93 at t = 2, spikes back to 0.97 at t = 3, then stays below from t = 4 on.
     gem = {"curve": [(1.0, 100, 0.99), (2.0, 200, 0.92), (3.0, 300, 0.97), (4.0, 400, 0.91), (5.0, 500, 0.90)],
@@ -38,9 +38,9 @@ def test_time_to_quality_sustained_crossing_ignores_a_dip():
 
 
 def test_train_with_evals_records_a_learning_curve(tmp_path):
+    from opengem.bench.race import train_with_evals
     from opengem.data.synthetic import generate
     from opengem.recipes import world_config
-    from opengem.train.race import train_with_evals
 
     generate(world_config("tiny", seed=0), tmp_path, progress=False)
     out = train_with_evals(recipe("tiny"), tmp_path, eval_every=5)
@@ -55,12 +55,12 @@ def test_train_with_evals_records_a_learning_curve(tmp_path):
 
 
 def test_widen_to_params_matches_gems_dense_size(tmp_path):
+    from opengem.bench.race import training_examples_per_s, widen_to_params
     from opengem.config import apply_overrides
     from opengem.data.synthetic import generate
     from opengem.features.schema import FeatureSchema
     from opengem.model.build import build_gem, count_parameters
     from opengem.recipes import world_config
-    from opengem.train.race import training_examples_per_s, widen_to_params
 
     generate(world_config("tiny", seed=0), tmp_path, progress=False)
     schema = FeatureSchema.load(tmp_path)
@@ -73,7 +73,7 @@ def test_widen_to_params_matches_gems_dense_size(tmp_path):
 
 
 def test_eval_schedule_and_reading_a_curve_at_a_time():
-    from opengem.train.race import eval_schedule, ne_at
+    from opengem.bench.race import eval_schedule, ne_at
 
     assert eval_schedule(100, 40, 10, 25) == [10, 20, 30, 40, 65, 90, 100]  # dense, then sparse, then the end
     assert eval_schedule(30, 100, 20, 20) == [20, 30]
@@ -95,10 +95,10 @@ def test_budget_crossing_interpolates_in_log_seconds():
 
 
 def test_a_budget_run_stops_and_decays_at_its_budget(tmp_path):
+    from opengem.bench.race import race_steps, train_with_evals
     from opengem.data.synthetic import generate
     from opengem.recipes import world_config
     from opengem.train.optim import lr_factor
-    from opengem.train.race import race_steps, train_with_evals
 
     generate(world_config("tiny", seed=0), tmp_path, progress=False)
     cfg = recipe("tiny")
@@ -114,9 +114,9 @@ def test_a_budget_run_stops_and_decays_at_its_budget(tmp_path):
 def test_budget_race_doubles_gems_budget_until_it_reaches_dcns_ne(tmp_path):
     import itertools
 
+    from opengem.bench.race import budget_race
     from opengem.data.synthetic import generate
     from opengem.recipes import world_config
-    from opengem.train.race import budget_race
 
     generate(world_config("tiny", seed=0), tmp_path, progress=False)
     race = budget_race(tmp_path, smallest=1 / 8, min_steps=2)

@@ -1,9 +1,7 @@
 """The op measurements behind ``benchmarks/jagged.py`` and ``opengem bench --quick``, at toy sizes:
 each figure is computed from real runs and has the value its definition implies."""
 
-import torch
-
-from opengem.train import bench_ops
+from opengem.bench import ops as bench_ops
 
 
 def test_attention_case_figures_follow_their_definitions():
@@ -25,23 +23,3 @@ def test_trained_tiny_fp8_and_table_compression(tmp_path):
     t = bench_ops.table_ne(model, test, rates)
     assert t["fp16_table_bytes_ratio"] == 2.0 and t["int8_table_bytes_ratio"] > 3
     assert all(abs(c) < 1.0 for c in t["ne_cost_int8_pct"] + t["ne_cost_fp16_pct"])  # < 1 % NE either way
-
-
-def test_plain_step_updates_parameters_and_returns_the_loss(tmp_path):
-    from opengem.data.loader import ShardLoader
-    from opengem.data.synthetic import generate
-    from opengem.features.schema import FeatureSchema
-    from opengem.model.build import build_gem, materialize
-    from opengem.recipes import recipe, world_config
-    from opengem.train.optim import build_optimizers
-
-    generate(world_config("tiny", seed=0), tmp_path, progress=False)
-    schema, cfg = FeatureSchema.load(tmp_path), recipe("tiny")
-    model = materialize(build_gem(schema, cfg.model))
-    opts = [o for o in build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim) if o]
-    batch = next(iter(ShardLoader(tmp_path, "train", 64, schema, max_seq_len=model.max_seq_len())))
-    before = [p.detach().clone() for p in model.parameters()]
-    loss = bench_ops.plain_step(model, opts, batch, torch.ones(len(schema.tasks)), schema.num_domains)
-    assert 0 < loss.item() < 2
-    moved = sum(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    assert moved > len(before) // 2

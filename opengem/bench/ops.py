@@ -23,27 +23,10 @@ from opengem.model.build import build_gem, materialize
 from opengem.ops.fp8 import fp8_saved_activations
 from opengem.ops.jagged import jagged_attention
 from opengem.ops.quantize import quantize_tables, table_bytes
-from opengem.parallel.train_step import clip_grad_norm_
 from opengem.recipes import recipe, world_config
 from opengem.train.losses import masked_bce
 from opengem.train.optim import build_optimizers
-
-
-def plain_step(model: torch.nn.Module, optimizers: list, batch, task_w: torch.Tensor,
-               num_domains: int | None = None, grad_clip: float = 0.0) -> torch.Tensor:
-    """One training step without the trainer's machinery (benchmarks): masked BCE (per domain × task
-    when ``num_domains`` is given), backward, the dense gradients' norm clipped to ``grad_clip`` when
-    > 0 (as the trainer does with ``optim.grad_clip``), every optimizer. Returns the loss."""
-    by_domain = (batch.domain, num_domains) if num_domains else ()
-    loss, _ = masked_bce(model(batch), batch.labels, batch.label_mask, batch.weights, task_w, *by_domain)
-    for o in optimizers:
-        o.zero_grad(set_to_none=True)
-    loss.backward()
-    if grad_clip:
-        clip_grad_norm_(model.dense_parameters(), grad_clip)  # the trainer's own clip
-    for o in optimizers:
-        o.step()
-    return loss
+from opengem.train.step import train_step
 
 
 def lognormal_lengths(b: int, median: float, max_len: int, sigma: float = 1.0, seed: int = 0) -> torch.Tensor:
@@ -119,7 +102,7 @@ def trained_tiny(tmp: str, epochs: int):
     pos = torch.zeros(len(schema.tasks))
     seen = 0
     for batch in loader:
-        plain_step(model, opts, batch, task_w)
+        train_step(model, opts, batch, task_w, schema.num_domains)
         pos += (batch.labels * batch.label_mask).sum(0)
         seen += batch.labels.shape[0]
     test = list(ShardLoader(tmp, "test", 512, shuffle=False, epochs=1, max_seq_len=model.max_seq_len()))

@@ -14,17 +14,21 @@ Two readings:
   fall at full learning rate, where both models' calibration follows the last few batches' click
   rate (±25 % at batch 256 with ~10 clicks per batch, for GEM and DLRM-DCN alike).
 
-Both give every run the same recipe, batches, warm-up (10 % of its own steps) and gradient clipping,
-and stop the clock for evaluations; each side's learning rates are its own (``PEER``,
-``BUDGET_GEM``): the demo recipe's is tuned for GEM's full pass, and DLRM-DCN does better with a lower one.
+Every run is the trainer's (``opengem.train.trainer.train`` in a temporary run directory, its
+held-out evaluation hooks scoring ``valid``), so each gets the same recipe, batches, warm-up (10 % of
+its own steps) and gradient clipping, and the clock is the trainer's ``train_s``: evaluations stopped
+it. Each side's learning rates are its own (``PEER``, ``BUDGET_GEM``): the demo recipe's is tuned for
+GEM's full pass, and DLRM-DCN does better with a lower one.
 """
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import dataclasses
+import json
 import math
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,18 +37,17 @@ import torch
 
 from opengem.config import Config
 from opengem.data.loader import ShardLoader
+from opengem.evaluation.evaluate import held_out_evaluator
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, materialize
-from opengem.ops.fp8 import fp8_saved_activations
-from opengem.train.bench_ops import plain_step
+from opengem.run import METRICS_FILE
 from opengem.train.optim import build_optimizers
+from opengem.train.step import train_step
+from opengem.train.trainer import train
 
-# Each side's learning rates, picked on a small grid on the demo world (click NE on every 4th valid file):
-# DLRM-DCN, one pass: dense lr 3e-4 0.8397, 1e-3 0.8357, 2e-3 0.8391, 3e-3 (the demo recipe's, tuned
-# for GEM) 0.8471, 1e-2 1.0426; at 1e-3, table lr 0.1 0.8510, 0.3 0.8357, 0.5 0.8326, 0.8 0.8320,
-# 1.5 0.8333; batch 512 0.8354.
-# GEM, a budget of 1/8 of the pass: dense lr 1e-3 0.8392, 3e-3 0.8306, 6e-3 0.8227, 1e-2 0.8243; table lr
-# 0.5 0.8315 (at 3e-3); 1/16: 3e-3 0.8496, 6e-3 0.8503. A full GEM pass keeps the recipe's 3e-3.
+# Each side's learning rates, picked on a small grid on the demo world's valid day (the grid and its NE
+# values are in docs/experiments.md). The race then scores those same files: a known bias, to be
+# replaced by tuning on a split the race does not score.
 PEER = ("optim.lr=1e-3", "optim.sparse_lr=0.8")
 BUDGET_GEM = ("optim.lr=6e-3",)
 
@@ -52,54 +55,24 @@ BUDGET_GEM = ("optim.lr=6e-3",)
 def train_with_evals(cfg: Config, data: Path, eval_every: int, split: str = "valid",
                      task: str = "click", eval_at: Sequence[int] = (), eval_every_kth_file: int = 1,
                      max_steps: int | None = None) -> dict:
-    """One pass over ``train`` (or its first ``max_steps`` batches, with the warm-up and decay of the lr
-    schedule fitted to that budget) with the recipe's optimizers, lr schedule and gradient clipping
-    (``optim.grad_clip``, as the trainer does) and FP8 saved activations when
-    ``train.fp8_activations``, pausing the clock every ``eval_every`` steps (or at the steps in
-    ``eval_at`` when given) to evaluate ``all/<task>`` NE on ``split``: [(train seconds, examples, NE)].
+    """The trainer on ``cfg`` over ``data`` (its first ``max_steps`` batches when given, the lr
+    schedule's warm-up and decay fitted to that budget), evaluating ``all/<task>`` NE on ``split`` every
+    ``eval_every`` steps (or at the steps in ``eval_at`` when given) and after the last step:
+    {"curve": [(train seconds, examples, NE)], "train_s", "examples_per_s", "final_ne", …}.
 
-    ``eval_every_kth_file`` > 1 scores every k-th file of ``split`` only (the loader's rank-0 share of
-    k), to keep many evaluations of a big split affordable; every arch sees the same files."""
-    from opengem.evaluation.evaluate import evaluate_model
-    from opengem.train.optim import Schedule
-    from opengem.data.base_rates import train_base_rates
-
-    schema = FeatureSchema.load(data)
-    rates = train_base_rates(data, schema, cfg.data.train_split)
-    torch.manual_seed(cfg.train.seed)
-    model = materialize(build_gem(schema, cfg.model), seed=cfg.train.seed,
-                        base_rates=[rates.get(t, 0.5) for t in schema.task_names])
-    loader = ShardLoader(data, cfg.data.train_split, cfg.data.batch_size, schema, shuffle=True, seed=cfg.data.seed,
-                         epochs=cfg.train.epochs, drop_last=True, max_seq_len=model.max_seq_len())
-    dense_opt, sparse_opt = build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim)
-    opts = [o for o in (dense_opt, sparse_opt) if o is not None]
-    total = loader.rows_per_epoch * cfg.train.epochs // cfg.data.batch_size
-    schedule = Schedule(opts, min(total, max_steps or total), cfg.optim)
-    task_w = torch.ones(len(schema.tasks))
-    curve, clock, examples, eval_at = [], 0.0, 0, set(eval_at)
-
-    def evaluate() -> None:
-        m = evaluate_model(model.eval(), schema, data, split, rates, progress=False,
-                           world_size=eval_every_kth_file)["metrics"][f"all/{task}"]
-        curve.append((round(clock, 3), examples, m["ne"]))
-        model.train()
-
-    for step, batch in enumerate(loader, start=1):
-        t0 = time.perf_counter()
-        lr_f = schedule.set(step - 1)
-        with fp8_saved_activations(model) if cfg.train.fp8_activations else contextlib.nullcontext():
-            plain_step(model, opts, batch, task_w, schema.num_domains, cfg.optim.grad_clip)
-        clock += time.perf_counter() - t0
-        examples += batch.batch_size
-        if (step in eval_at) if eval_at else (step % eval_every == 0):
-            evaluate()
-        if step == max_steps:
-            break
-    if not curve or curve[-1][1] != examples:
-        evaluate()
-    return {"arch": cfg.model.arch, "parameters": count_parameters(model), "curve": curve,
-            "train_s": round(clock, 2), "examples_per_s": round(examples / max(clock, 1e-9), 1),
-            "final_ne": curve[-1][2], "last_lr_factor": lr_f}
+    ``eval_every_kth_file`` > 1 scores every k-th file of ``split`` only, to keep many evaluations of a
+    big split affordable; every arch sees the same files."""
+    cfg = copy.deepcopy(cfg)
+    cfg.train.eval_every, cfg.train.eval_at = (0, tuple(eval_at)) if eval_at else (eval_every, ())
+    cfg.train.eval_split, cfg.train.max_steps, cfg.train.progress = split, max_steps or 0, False
+    with tempfile.TemporaryDirectory() as run:
+        final = train(cfg, data, run, evaluator=held_out_evaluator(data, split, eval_every_kth_file))
+        lines = [json.loads(x) for x in (Path(run) / METRICS_FILE).read_text().splitlines()]
+    curve = [(round(x["train_s"], 3), x["examples"], x["eval"][f"all/{task}"]["ne"]) for x in lines if "eval" in x]
+    clock = curve[-1][0]
+    return {"arch": cfg.model.arch, "parameters": final["parameters"], "curve": curve,
+            "train_s": round(clock, 2), "examples_per_s": round(final["examples"] / max(clock, 1e-9), 1),
+            "final_ne": curve[-1][2], "last_lr_factor": next(x["lr_factor"] for x in reversed(lines) if "loss" in x)}
 
 
 def time_to_quality(gem: dict, peer: dict) -> dict:
@@ -184,8 +157,8 @@ def dcn_race(data: Path, eval_every: int = 20, eval_at: Sequence[int] = (), eval
     warmup = max(1, steps // 10)
     base = apply_overrides(recipe("demo"), [f"optim.warmup_steps={warmup}"])  # apply_overrides copies: one per run
     extra = {"gem": gem_overrides, "dlrm_dcn": peer_overrides}
-    runs = {arch: train_with_evals(apply_overrides(base, [f"model.arch={arch}", *extra[arch]]),
-                                   data, eval_every, eval_at=eval_at, eval_every_kth_file=eval_every_kth_file)
+    runs = {arch: train_with_evals(apply_overrides(base, [f"model.arch={arch}", *extra[arch]]), data, eval_every,
+                                   eval_at=eval_at, eval_every_kth_file=eval_every_kth_file, max_steps=steps)
             for arch in ("gem", "dlrm_dcn")}
     ttq = {**time_to_quality(runs["gem"], runs["dlrm_dcn"]), "steps": steps, "warmup_steps": warmup}
     return {"ttq": ttq, "runs": runs, "config": base}
@@ -213,18 +186,19 @@ def widen_to_params(cfg: Config, schema: FeatureSchema, target_dense: int) -> Co
 
 
 def training_examples_per_s(cfg: Config, data: Path, steps: int = 12, warmup: int = 3) -> float:
-    """Plain training steps (forward, loss, backward, both optimizers) of any arch: examples/s."""
+    """The trainer's step (``opengem.train.step.train_step``: forward, loss, backward, clipping, both
+    optimizers) of any arch on one process, timed alone: examples/s (median step)."""
     schema = FeatureSchema.load(data)
     torch.manual_seed(cfg.train.seed)
     model = materialize(build_gem(schema, cfg.model), seed=cfg.train.seed)
     opts = [o for o in build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim) if o]
     batches = iter(ShardLoader(data, cfg.data.train_split, cfg.data.batch_size, schema, shuffle=True, epochs=1000,
                                drop_last=True, max_seq_len=model.max_seq_len()))
-    task_w, times = torch.ones(len(schema.tasks)), []
+    task_w, dense, times = torch.tensor([t.weight for t in schema.tasks]), list(model.dense_parameters()), []
     for i in range(warmup + steps):
         batch = next(batches)
         t0 = time.perf_counter()
-        plain_step(model, opts, batch, task_w)
+        train_step(model, opts, batch, task_w, schema.num_domains, grad_clip=cfg.optim.grad_clip, dense_params=dense)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return cfg.data.batch_size / statistics.median(times)
