@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from opengem.data.loader import ShardLoader
+from opengem.discipline import require_tuning_split
 from opengem.evaluation import EVAL_BATCH
 from opengem.features.schema import FeatureSchema
 from opengem.run import RecalibrationError, gem_heads, load_run_model, offset_groups, save_recalibration
@@ -97,9 +98,7 @@ def recalibrate_run(run_dir: str | Path, data_dir: str | Path, split: str = "val
                     batch_size: int | None = None, progress: bool = True) -> dict:
     """Fit the offsets of a run on ``split`` and write ``RUN/recalibration.json``; returns its record
     (offsets and each slice's calibration Σp/Σy on ``split`` before and after)."""
-    if split == "test":
-        raise RecalibrationError("fitting the recalibration on the test split would grade the model on its own "
-                                 "answer key; use valid (the days between train and test)")
+    require_tuning_split(split, "the recalibration (its offsets and prior_std)")
     model, _, schema = load_run_model(run_dir, recalibrated=False)
     data_schema = FeatureSchema.load(data_dir)
     if data_schema.fingerprint() != schema.fingerprint():

@@ -1,0 +1,25 @@
+import pytest
+
+from opengem.discipline import (DEV_WORLD_SEEDS, HELD_OUT_WORLD_SEED_MIN, DisciplineError, held_out_world_seeds,
+                                require_dev_world, require_tuning_split)
+
+
+def test_tuning_refuses_the_test_split_and_names_the_choice():
+    assert require_tuning_split("valid", "x") == "valid"
+    with pytest.raises(DisciplineError, match="the race's learning rate.*test split"):
+        require_tuning_split("test", "the race's learning rate")
+
+
+@pytest.mark.parametrize("seed", [-1, 100, 999, 1000, 1234])
+def test_tuning_refuses_world_seeds_outside_development(seed):
+    with pytest.raises(DisciplineError, match="development world seeds 0-99"):
+        require_dev_world(seed, "the demo recipe")
+
+
+def test_development_and_held_out_seeds_do_not_overlap():
+    assert require_dev_world(0, "x") == 0 and require_dev_world(99, "x") == 99
+    held = held_out_world_seeds(3)
+    assert held == [1000, 1001, 1002] and min(held) == HELD_OUT_WORLD_SEED_MIN
+    assert not set(held) & set(DEV_WORLD_SEEDS)
+    with pytest.raises(ValueError):
+        held_out_world_seeds(0)
