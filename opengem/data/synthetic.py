@@ -51,8 +51,8 @@ seconds, day 0 starts at ``cfg.sizes.start_ts``):
    (``opengem.data.world_structure``: which pairs interact at what rank, how each history acts,
    numeric shapes, position form, surface tables, conversion terms, drift scales); the draws of
    steps 1–4 stay as they were, but for the drifts' scales and, through the interest drift, the rows.
-   After the shards, an oracle with the world's exact structure is fitted on the train rows
-   (``opengem.data.oracle``); its NE and ``captured`` per split land in ``source.stats.oracle``.
+   ``opengem generate`` then fits an oracle with the world's exact structure on the train rows
+   (``opengem.evaluation.oracle``); its NE and ``captured`` per split land in ``source.stats.oracle``.
 
 Everything the true models read is in the row: ``synthetic_world.probabilities(world, cols)``
 recomputes the probability columns from a shard (``columns_from_table``) and the calibrated world
@@ -71,6 +71,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Callable, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -500,11 +501,24 @@ def _plain(x):
 
 
 # ------------------------------------------------------------------------------ generate
-def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True, oracle: bool = True) -> DatasetManifest:
+class ShardObserver(Protocol):
+    """Sees each shard as ``generate`` writes it (``add``); ``result()`` goes into the manifest's
+    ``source.stats[stats_key]``. The oracle is one: it collects its inputs without reading shards back."""
+
+    stats_key: str
+
+    def add(self, day: int, columns: dict) -> None: ...
+
+    def result(self) -> dict: ...
+
+
+def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
+             observer: Callable[[World, dict[int, str]], ShardObserver] | None = None) -> DatasetManifest:
     """Write the world's shards, schema and manifest into ``out_dir``; one block of users at a time.
 
-    With ``oracle`` the world's oracle (``opengem.data.oracle``) is fitted once every shard is written
-    and its figures are stored in ``source.stats.oracle``."""
+    ``observer(world, split_of_day)`` builds a ``ShardObserver`` that sees every shard's columns as it
+    is written; its ``result()`` is stored in ``source.stats[observer.stats_key]``. The CLI passes the
+    world's oracle (``opengem.evaluation.oracle.OracleCollector``): the data layer names no model."""
     cfg.validate()
     schema = build_schema(cfg)
     world = World(cfg)
@@ -527,11 +541,7 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True, oracl
 
     writer = ShardWriter(out_dir, schema)
     stats = _Stats(cfg, world)
-    oracle_rows = None
-    if oracle:
-        from opengem.data.oracle import OracleCollector  # torch, only when an oracle is fitted
-
-        oracle_rows = OracleCollector(world, stats.split_of)
+    watcher = observer(world, stats.split_of) if observer is not None else None
     blocks = range(n_blocks)
     if progress:
         from tqdm import tqdm
@@ -546,12 +556,12 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True, oracl
             table = _table(schema, c, p_click, p_cvr)
             stats.add(d, c, table, ct, vt)
             writer.write(table, f"d{d:03d}-b{b:05d}", d)
-            if oracle_rows is not None:
-                oracle_rows.add(d, columns_from_table(table))  # what the shard holds, nothing more
+            if watcher is not None:
+                watcher.add(d, columns_from_table(table))  # what the shard holds, nothing more
         del ub
     result = stats.result(world)
-    if oracle_rows is not None:
-        result["oracle"] = _plain(oracle_rows.result())
+    if watcher is not None:
+        result[watcher.stats_key] = _plain(watcher.result())
     return writer.close(splits_for(cfg), source={"kind": "synthetic", "config": asdict(cfg),
                                                  "structure": world.structure.to_dict(), "stats": result})
 

@@ -3,7 +3,7 @@
 NE is normalised by the *training* base rate of the same slice (He et al. 2014), read from
 ``RUN/base_rates.json``. On synthetic data (true probabilities stored next to the labels) every
 slice also reports ``ne_bayes`` and ``captured = (1 − ne) / (1 − ne_bayes)``, and, where the dataset's
-manifest holds the world's oracle for the split (``opengem.data.oracle``), ``oracle_captured`` and
+manifest holds the world's oracle for the split (``opengem.evaluation.oracle``), ``oracle_captured`` and
 ``captured_over_oracle = captured / oracle_captured``: the figure that compares across worlds.
 """
 

@@ -40,6 +40,7 @@ from opengem.data.base_rates import RateCounter
 from opengem.data.parquet import DatasetManifest
 from opengem.data.synthetic_world import FORMATS, NUM_DEVICES, NUM_POSITIONS, SURFACES, World, field_size
 from opengem.data.synthetic_world import field_values, history_stats, numeric_transform, rng_for, sigmoid
+from opengem.discipline import require_tuning_split
 from opengem.evaluation.accumulator import ALL_DOMAIN, MetricAccumulator
 from opengem.evaluation.metrics import captured, entropy
 
@@ -193,9 +194,9 @@ def choose_l2(train: Design, valid: Design, num_weights: int, grid=L2_GRID) -> t
     The path runs from the largest λ down, each fit warm-started from the last, and stops once the
     valid loss has risen (it is unimodal in λ). Only a train split fits and only a valid split
     chooses: test rows never shape the oracle."""
-    if train.split != "train" or valid.split != "valid":
-        raise ValueError(f"the oracle fits on 'train' and picks its L2 on 'valid', got {train.split!r} and "
-                         f"{valid.split!r}: test rows must never shape it")
+    require_tuning_split(valid.split, "the oracle's L2")
+    if train.split != "train":
+        raise ValueError(f"the oracle fits on 'train', got {train.split!r}")
     mean = train.x.mean(0) if len(train.y) else np.zeros(train.x.shape[1])
     std = train.x.std(0) if len(train.y) else np.ones(train.x.shape[1])
     std = np.where(std > 0, std, 1.0)
@@ -217,6 +218,8 @@ class OracleCollector:
     Worlds with more than ``max_train_rows`` expected train rows (the ``large`` preset) fit on a
     uniform subsample of their users' train rows, reported as ``train_user_share``; valid and test
     are always scored in full."""
+
+    stats_key = "oracle"  # where ``generate`` stores ``result()`` (a ``synthetic.ShardObserver``)
 
     def __init__(self, world: World, split_of: dict[int, str], max_train_rows: int = MAX_TRAIN_ROWS):
         self.world, self.split_of = world, split_of
