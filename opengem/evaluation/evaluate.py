@@ -84,10 +84,11 @@ def held_out_evaluator(data_dir: str | Path, split: str = "valid", every_kth_fil
 
 
 def evaluate_run(run_dir: str | Path, data_dir: str | Path, split: str = "test", batch_size: int = EVAL_BATCH,
-                 progress: bool = True, signal: bool = False) -> dict:
+                 progress: bool = True, signal: bool = False, best: bool = False) -> dict:
     """Metrics of a run's model on ``split``; with ``signal`` (synthetic data) also the per-term
-    slopes of ``opengem.evaluation.signal``."""
-    model, cfg, schema = load_run_model(run_dir)
+    slopes of ``opengem.evaluation.signal``; with ``best``, of the best held-out evaluation's model
+    (``train.keep_best``) instead of the last."""
+    model, cfg, schema = load_run_model(run_dir, best=best)
     data_schema = FeatureSchema.load(data_dir)
     if data_schema.fingerprint() != schema.fingerprint():
         raise SchemaError(f"{data_dir}: its schema differs from the one run {run_dir} was trained on")
