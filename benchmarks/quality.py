@@ -1,33 +1,33 @@
-"""Quality benchmark: GEM against TorchRec's DLRM and DLRM-DCN and against its own ablations.
+"""Quality benchmark: GEM against tuned peers, on worlds it was not designed on and on real data.
 
-    python benchmarks/quality.py --quick      # 1 seed, a 1,500-user synthetic world: ~2 min on 2 idle cores
-    python benchmarks/quality.py              # 3 seeds, a 6,000-user world: ~5-10 min on 2 idle cores
+    python benchmarks/quality.py --quick     # 3 held-out worlds x 2 training seeds, ML-100K, Open Bandit;
+                                             # grid 2 x 2, up to 2 epochs (< 30 min on 2 cores)
+    python benchmarks/quality.py             # 5 held-out worlds x 3 training seeds, 6,000 users, grid 3 x 3,
+                                             # up to 3 epochs (hours)
 
-Every model trains through ``opengem.train.trainer.train`` and is scored by
-``opengem.evaluation.evaluate.evaluate_run`` on the test split, with the SAME budget per dataset:
-one recipe (sizes, batch, dense AdamW + row-wise Adagrad tables, lr schedule), one pass over the
-training rows (the recipes' rule), the same seeds (``train.seed`` = ``data.seed`` = seed). Only the
-model overrides of ``MODELS`` differ. Nothing is tuned on the test split (the valid split is unused).
+Models: ``gem`` (GEM as its recipe builds it), TorchRec ``dlrm`` and ``dlrm_dcn``, ``din`` (DIN's
+target attention over each history, ``opengem.model.peers``) and ``lightgbm`` (``opengem.bench.gbdt``:
+generic history summaries, the strongest tabular baseline). ``--models`` adds GEM's ablations.
 
-Models (``MODELS``; each is a named set of config overrides):
-  gem                GEM as the recipe builds it
-  dlrm, dlrm_dcn     the peers (``opengem.model.peers``): TorchRec's DLRM / DLRM-DCN on our tables
-  gem_no_seq         (a) no sequence towers: Wukong stack only (``model.use_sequences=false``)
-  gem_no_wukong      (b) sequence towers, no Wukong stack (``model.interformer.wukong=false``)
-  gem_no_interleave  (c) both stacks, no cross-arch exchange (``model.interformer.interleave=false``)
+The discipline (``opengem.discipline``), which this file follows step by step:
 
-Datasets (``DATASETS``), each skipped with a message when its source is missing:
-  ml100k     MovieLens-100K (``opengem.data.sources.movielens``): click = rating >= 4, ratings stream
-  obd        Open Bandit small (``opengem.data.sources.open_bandit``): 3 campaigns, no sequences
-  synthetic  the synthetic world (true probabilities known): NE_bayes and captured as well
-Real data is read from ``shared/data`` next to the repository (``--shared`` to point elsewhere).
+1. **Same search for everyone.** Each neural model gets the same grid of (dense lr, table lr)
+   (``opengem.bench.tune``), the same batch, recipe sizes and epochs with early stopping on valid;
+   LightGBM gets a grid of the same size (learning rate x leaves) with early stopping on valid.
+2. **Synthetic: chosen on development worlds, reported on held-out ones.** Each model's point is the
+   one with the best mean valid NE (all/click) over the development world seeds (quick 0, 1; full
+   0, 1, 2: a world's structure seed is its data seed); that point is then trained on each held-out world (1000, …) and
+   scored on test, once, with the best-on-valid checkpoint. No held-out world's valid or test split
+   chooses a learning rate; its valid split only stops training, as it would for a user.
+3. **Real data: chosen on its valid split, reported on its test split** (there is one world).
+4. **The figure that travels across worlds**: ``captured / oracle_captured``, where the oracle is a
+   logistic model of the world's exact structure fitted on the same train rows
+   (``opengem.evaluation.oracle``); ``gem_over_oracle`` is GEM's, mean ± std over held-out worlds
+   (each world's value the mean over training seeds), with the minimum.
 
-ML-100K recipe (``DATASETS["ml100k"]``): ``tiny`` sizes (D = 16, batch 128) with ``max_seq_len=64``;
-the ``demo`` sizes (≈ 430k dense parameters) are large for 80k training rows. The history cap is
-the same for every model (DLRM's mean-pooled history included).
-
-Printed: per dataset and task, mean ± std over seeds of AUC, gAUC, NE, log loss, calibration
-(and on synthetic data NE_bayes and captured), with train time. The last line is ONE JSON object.
+Spreads: per world, mean ± std over training seeds; across worlds, mean ± std of the per-world means.
+The last line is ONE JSON object (``headline``). Real data is read from ``shared/data`` next to the
+repository (``--shared``); a missing source is skipped with a message.
 """
 
 from __future__ import annotations
@@ -47,191 +47,283 @@ from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 
-from opengem.features.schema import FeatureSchema
+from opengem.discipline import held_out_world_seeds, require_dev_world
 
-MODELS: dict[str, list[str]] = {
+NEURAL: dict[str, list[str]] = {
     "gem": [],
     "dlrm": ["model.arch=dlrm"],
     "dlrm_dcn": ["model.arch=dlrm_dcn"],
+    "din": ["model.arch=din"],
     "gem_no_seq": ["model.use_sequences=false"],
     "gem_no_wukong": ["model.interformer.wukong=false"],
     "gem_no_interleave": ["model.interformer.interleave=false"],
 }
-PEERS = ("dlrm", "dlrm_dcn")
-METRICS = ("auc", "gauc", "ne", "logloss", "calibration")
-SYNTHETIC_METRICS = ("ne_bayes", "captured")
+GBDT = "lightgbm"
+DEFAULT_MODELS = ("gem", "dlrm", "dlrm_dcn", "din", GBDT)
+PEERS = ("dlrm", "dlrm_dcn", "din", GBDT)
+SEQUENCE_ABLATIONS = ("gem_no_seq", "gem_no_interleave")  # without streams these are GEM itself
+REPORTED = ("auc", "ne", "captured", "oracle_captured", "captured_over_oracle", "calibration")
+TASKS = ("click", "conversion")
 
 
 @dataclass
-class Dataset:
-    source: str  # movielens | open_bandit | synthetic
-    path: str  # under --shared (real data) or a synthetic preset
-    recipe: str
-    overrides: list[str] = field(default_factory=list)  # every model, both modes
-    world: list[str] = field(default_factory=list)  # synthetic only: WorldConfig overrides (full mode)
-    quick_world: list[str] = field(default_factory=list)
+class Mode:
+    """What one mode runs: worlds, seeds, grid, epochs."""
 
-    def describe(self, quick: bool) -> str:
-        world = self.quick_world if quick else self.world
-        return " ".join([f"recipe {self.recipe}", *self.overrides] + ([f"world {self.path} {world}"] if world else []))
+    dev_worlds: list[int]
+    held_out: list[int]
+    train_seeds: list[int]
+    world: list[str]  # WorldConfig overrides of the ``tiny`` preset
+    dense_lrs: tuple[float, ...]
+    table_lrs: tuple[float, ...]
+    max_epochs: int
+    recipe: str = "tiny"
+    real: dict[str, list[str]] = field(default_factory=lambda: {"ml100k": ["model.max_seq_len=64"], "obd": []})
 
 
-# One pass over the training rows (the recipes' rule), in both modes.
-DATASETS: dict[str, Dataset] = {
-    "ml100k": Dataset("movielens", "movielens-100k", "tiny", ["model.max_seq_len=64"]),
-    "obd": Dataset("open_bandit", "open-bandit-small", "tiny"),
-    "synthetic": Dataset("synthetic", "tiny", "tiny", world=["sizes.num_users=6000"],
-                         quick_world=["sizes.num_users=1500"]),
-}
-# Without behaviour streams these build exactly GEM (no towers to drop or to cut off), so they are skipped.
-SEQUENCE_ABLATIONS = ("gem_no_seq", "gem_no_interleave")
+QUICK = Mode(dev_worlds=[0, 1], held_out=held_out_world_seeds(3), train_seeds=[0, 1],
+             world=["sizes.num_users=1500"], dense_lrs=(2e-3, 6e-3), table_lrs=(0.1, 0.3), max_epochs=2)
+FULL = Mode(dev_worlds=[0, 1, 2], held_out=held_out_world_seeds(5), train_seeds=[0, 1, 2],
+            world=["sizes.num_users=6000"], dense_lrs=(1e-3, 3e-3, 1e-2), table_lrs=(0.03, 0.1, 0.3), max_epochs=3)
+REAL_SOURCES = {"ml100k": ("movielens", "movielens-100k"), "obd": ("open_bandit", "open-bandit-small")}
 
 
 # ------------------------------------------------------------------------------- data
-def prepare(name: str, ds: Dataset, shared: Path, work: Path, quick: bool) -> Path | None:
-    """The dataset directory (converted or generated once under ``work``); None if the source is missing."""
-    out = work / "data" / (f"{name}-quick" if quick and ds.source == "synthetic" else name)
-    if (out / "manifest.json").exists():
-        return out
-    if ds.source == "synthetic":
-        from opengem.data.synthetic import generate
-        from opengem.recipes import world_config
+def synthetic_world(work: Path, world_seed: int, mode: Mode) -> Path:
+    """World ``world_seed`` (structure seed = data seed), with its oracle, generated once under ``work``."""
+    from opengem.data.synthetic import generate
+    from opengem.evaluation.oracle import OracleCollector
+    from opengem.recipes import world_config
 
-        generate(world_config(ds.path, seed=0, overrides=ds.quick_world if quick else ds.world), out, progress=False)
-        return out
-    src = shared / ds.path
-    if not src.exists():
-        print(f"[quality] skipping {name}: {src} not found", flush=True)
-        return None
-    from opengem.data.sources import convert
-
-    convert(ds.source, src, out)
+    out = work / "data" / f"world-{world_seed}"
+    if not (out / "manifest.json").exists():
+        cfg = world_config("tiny", seed=world_seed, overrides=[*mode.world, f"structure_seed={world_seed}"])
+        generate(cfg, out, progress=False, observer=OracleCollector)
     return out
 
 
-# ------------------------------------------------------------------------------- one run
-def run_one(data: str, run: str, recipe_name: str, overrides: list[str]) -> dict:
-    """Train one model and evaluate it on the test split (runs in a worker process)."""
-    import torch
+def real_dataset(work: Path, name: str, shared: Path) -> Path | None:
+    source, path = REAL_SOURCES[name]
+    out = work / "data" / name
+    if (out / "manifest.json").exists():
+        return out
+    if not (shared / path).exists():
+        print(f"[quality] skipping {name}: {shared / path} not found", flush=True)
+        return None
+    from opengem.data.sources import convert
 
-    from opengem.config import apply_overrides
-    from opengem.evaluation.evaluate import evaluate_run
-    from opengem.recipes import recipe
-    from opengem.train.trainer import train
+    convert(source, shared / path, out)
+    return out
+
+
+# ------------------------------------------------------------------------------- one run (worker)
+def _quiet() -> None:
+    import torch
 
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")  # DCP's "single process" notice on every save and load
     torch.set_num_threads(1)
+
+
+def neural_trial(data: str, run: str, recipe_name: str, overrides: list[str], point: tuple[float, float],
+                 max_epochs: int, score_test: bool) -> dict:
+    """Train one model at one grid point with early stopping on valid; with ``score_test`` (only the
+    chosen point's runs), the best-on-valid checkpoint's test metrics too."""
+    _quiet()
+    from opengem.bench.tune import train_point
+    from opengem.config import apply_overrides
+    from opengem.evaluation.evaluate import evaluate_run
+    from opengem.recipes import recipe
+
     cfg = apply_overrides(recipe(recipe_name), ["train.threads=1", *overrides])
     cfg.train.progress = False
-    final = train(cfg, data, run)
-    ev = evaluate_run(run, data, "test", progress=False)
-    return {"metrics": ev["metrics"], "wall_s": final["wall_s"], "steps": final["steps"],
-            "examples": final["examples"], "parameters": final["parameters"]["total"]}
-
-
-# ------------------------------------------------------------------------------- report
-def mean_std(xs: list[float]) -> tuple[float, float]:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    if not xs:
-        return float("nan"), float("nan")
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
-
-
-def summarize(results: dict, synthetic: bool) -> dict:
-    """model → task → metric → (mean, std) over seeds, on the ``all/<task>`` slices."""
-    out: dict = {}
-    for model, runs in results.items():
-        tasks = sorted({k.split("/", 1)[1] for r in runs for k in r["metrics"] if k.startswith("all/")})
-        names = METRICS + (SYNTHETIC_METRICS if synthetic else ())
-        out[model] = {t: {m: mean_std([r["metrics"][f"all/{t}"].get(m) for r in runs]) for m in names}
-                      for t in tasks}
-        out[model]["_train_s"] = mean_std([r["wall_s"] for r in runs])
-        out[model]["_params"] = runs[0]["parameters"]
+    t = train_point(cfg, data, run, point, max_epochs=max_epochs)
+    out = {"valid_value": t.value, "best_step": t.step, "valid": t.valid, "wall_s": t.wall_s}
+    if score_test:
+        out["metrics"] = evaluate_run(run, data, "test", progress=False, best=True)["metrics"]
     return out
 
 
-def print_table(name: str, summary: dict, synthetic: bool) -> None:
-    names = METRICS + (SYNTHETIC_METRICS if synthetic else ())
-    tasks = [t for t in next(iter(summary.values())) if not t.startswith("_")]
-    for task in tasks:
-        print(f"\n{name} / {task}  (test split; mean ± std over seeds)")
-        print(f"{'model':<18}" + "".join(f"{m:>18}" for m in names) + f"{'train s':>10}{'params':>10}")
-        for model, s in summary.items():
-            cells = "".join(f"{s[task][m][0]:>10.4f} ± {s[task][m][1]:.4f}" for m in names)
-            print(f"{model:<18}{cells}{s['_train_s'][0]:>10.1f}{s['_params']:>10,}")
+def score_run(data: str, run: str) -> dict:
+    """Test metrics of a search run that was chosen (a real dataset's seed 0): read once, after the choice."""
+    _quiet()
+    from opengem.evaluation.evaluate import evaluate_run
+
+    return {"metrics": evaluate_run(run, data, "test", progress=False, best=True)["metrics"]}
 
 
-def headline(summaries: dict) -> dict:
-    """The JSON keys: GEM vs the best peer (by AUC on real data, by captured on synthetic)."""
-    out: dict = {}
-    for name, s in summaries.items():
-        synthetic = name == "synthetic"
-        key = "captured" if synthetic else "auc"
-        best = max(PEERS, key=lambda p: s[p]["click"][key][0])
-        out[f"{name}_best_peer"] = best
-        for metric in ("auc", "ne") + (("captured",) if synthetic else ()):
-            out[f"{name}_{metric}_gem"] = round(s["gem"]["click"][metric][0], 5)
-            out[f"{name}_{metric}_best_peer"] = round(s[best]["click"][metric][0], 5)
-        gem = s["gem"]["click"]
-        out[f"{name}_gem_beats_every_peer_auc_ne"] = all(
-            gem["auc"][0] > s[p]["click"]["auc"][0] and gem["ne"][0] < s[p]["click"]["ne"][0] for p in PEERS)
-        out[f"{name}_click_auc"] = {m: round(v["click"]["auc"][0], 5) for m, v in s.items()}
-        out[f"{name}_click_ne"] = {m: round(v["click"]["ne"][0], 5) for m, v in s.items()}
-        if synthetic:
-            out[f"{name}_click_captured"] = {m: round(v["click"]["captured"][0], 5) for m, v in s.items()}
+def gbdt_trial(data: str, grid: list | None, seed: int, score_test: bool) -> dict:
+    _quiet()
+    from opengem.bench.gbdt import run_gbdt
+
+    r = run_gbdt(data, grid=grid, seed=seed, threads=1)
+    if not score_test:
+        r.pop("metrics", None)
+    return r
+
+
+# ------------------------------------------------------------------------------- report
+def mean_std(xs) -> list[float]:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return [math.nan, math.nan]
+    return [round(statistics.fmean(xs), 5), round(statistics.stdev(xs), 5) if len(xs) > 1 else 0.0]
+
+
+def summarize(runs: list[dict]) -> dict:
+    """task → metric → [mean, std] over training seeds, on the ``all/<task>`` slices."""
+    return {t: {m: mean_std([r["metrics"].get(f"all/{t}", {}).get(m) for r in runs]) for m in REPORTED}
+            for t in TASKS if any(f"all/{t}" in r["metrics"] for r in runs)}
+
+
+def beats(gem: dict, peer: dict) -> bool:
+    g, p = gem["click"], peer["click"]
+    return g["auc"][0] > p["auc"][0] and g["ne"][0] < p["ne"][0]
+
+
+def print_table(title: str, summary: dict) -> None:
+    print(f"\n{title}  (test, all/click; mean ± std over training seeds)")
+    cols = ("auc", "ne", "captured", "captured_over_oracle")
+    print(f"{'model':<18}" + "".join(f"{c:>24}" for c in cols))
+    for model, s in summary.items():
+        print(f"{model:<18}" + "".join(f"{s['click'][c][0]:>14.4f} ± {s['click'][c][1]:<7.4f}" for c in cols))
+
+
+def headline(mode_name: str, mode: Mode, models: list[str], chosen: dict, worlds: dict, real: dict,
+             wall_s: float) -> dict:
+    out: dict = {"mode": mode_name, "models": models, "dev_world_seeds": mode.dev_worlds,
+                 "held_out_world_seeds": mode.held_out, "train_seeds": mode.train_seeds,
+                 "grid": {"dense_lr": mode.dense_lrs, "table_lr": mode.table_lrs, "max_epochs": mode.max_epochs},
+                 "chosen": chosen, "spread": "per world: std over training seeds; across worlds: std of world means"}
+    per_world = {}
+    for w, summary in worlds.items():
+        row = {m: {k: summary[m]["click"][k] for k in ("captured", "oracle_captured", "auc", "ne")} for m in summary}
+        if "gem" in summary:
+            row["gem_over_oracle"] = summary["gem"]["click"]["captured_over_oracle"]
+            row["gem_beats_every_peer"] = all(beats(summary["gem"], summary[p]) for p in PEERS if p in summary)
+            if "conversion" in summary["gem"]:
+                row["gem_over_oracle_conversion"] = summary["gem"]["conversion"]["captured_over_oracle"]
+        per_world[str(w)] = row
+    out["worlds"] = per_world
+    for m in models:
+        ratios = [worlds[w][m]["click"]["captured_over_oracle"][0] for w in worlds if m in worlds[w]]
+        if ratios:
+            out[f"{m}_over_oracle"] = {"mean": mean_std(ratios)[0], "std": mean_std(ratios)[1],
+                                       "min": round(min(ratios), 5)}
+    if "gem_over_oracle" in out:
+        out["gem_over_oracle_mean"], out["gem_over_oracle_min"] = out["gem_over_oracle"]["mean"], \
+            out["gem_over_oracle"]["min"]
+    for name, summary in real.items():
+        out[name] = {m: {k: summary[m]["click"][k] for k in ("auc", "ne")} for m in summary}
+        if "gem" in summary:
+            out[name]["gem_beats_every_peer"] = all(beats(summary["gem"], summary[p]) for p in PEERS if p in summary)
+    out["wall_s"] = round(wall_s, 1)
     return out
 
 
 # ------------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1 seed and a smaller synthetic world (~2 min on 2 cores)")
-    ap.add_argument("--seeds", type=int, default=0, help="0 = 3 (full) or 1 (--quick)")
+    ap.add_argument("--quick", action="store_true", help="3 held-out worlds x 2 seeds, 1,500 users, grid 2x2")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel, one thread each")
-    ap.add_argument("--datasets", default=",".join(DATASETS))
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    ap.add_argument("--real", default="ml100k,obd", help="real datasets ('' for none)")
     ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
     ap.add_argument("--work", default=None, help="where data and runs go (default: a temporary directory)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    seeds = list(range(args.seeds or (1 if args.quick else 3)))
+    mode_name, mode = ("quick", QUICK) if args.quick else ("full", FULL)
+    for w in mode.dev_worlds:
+        require_dev_world(w, "the benchmark's learning-rate choice")
     models = args.models.split(",")
     work = Path(args.work or tempfile.mkdtemp(prefix="opengem-quality-"))
     t0 = time.perf_counter()
+    from opengem.bench.tune import choose, lr_grid
+    from opengem.features.schema import FeatureSchema
 
-    jobs: dict = {}
-    settings: dict = {}
+    grid = lr_grid(mode.dense_lrs, mode.table_lrs)
+    worlds = {w: synthetic_world(work, w, mode) for w in [*mode.dev_worlds, *mode.held_out]}
+    real = {n: d for n in filter(None, args.real.split(",")) if (d := real_dataset(work, n, Path(args.shared)))}
+    print(f"[quality] data ready in {time.perf_counter() - t0:.0f} s under {work}", flush=True)
+
+    def applies(model: str, data: Path) -> bool:
+        return model not in SEQUENCE_ABLATIONS or bool(FeatureSchema.load(data).sequences)
+
+    def run_dir(kind: str, model: str, point, seed: int) -> str:
+        tag = "gbdt" if point is None else f"lr{point[0]:g}-t{point[1]:g}"
+        return str(work / "runs" / kind / model / f"{tag}-s{seed}")
+
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
-        for name in args.datasets.split(","):
-            ds = DATASETS[name]
-            data = prepare(name, ds, Path(args.shared), work, args.quick)
-            if data is None:
-                continue
-            settings[name] = ds.describe(args.quick)
-            for model in models:
-                if model in SEQUENCE_ABLATIONS and not FeatureSchema.load(data).sequences:
-                    print(f"[quality] {name}: no sequences, {model} is gem itself; skipped", flush=True)
+        # 1. the search: dev worlds (synthetic) and each real dataset's own valid split; seed 0
+        search: dict = {}
+        for model in models:
+            for kind, data in [*((f"world-{w}", worlds[w]) for w in mode.dev_worlds), *real.items()]:
+                if not applies(model, data):
                     continue
-                for seed in seeds:
-                    run = work / "runs" / name / f"{model}-s{seed}"
-                    ov = [*ds.overrides, *MODELS[model], f"train.seed={seed}", f"data.seed={seed}"]
-                    jobs[(name, model, seed)] = pool.submit(run_one, str(data), str(run), ds.recipe, ov)
-        results: dict = {}
-        for (name, model, _), fut in jobs.items():
-            results.setdefault(name, {}).setdefault(model, []).append(fut.result())
+                if model == GBDT:
+                    search[(model, kind)] = pool.submit(gbdt_trial, str(data), None, 0, False)
+                    continue
+                for p in grid:
+                    search[(model, kind, p)] = pool.submit(
+                        neural_trial, str(data), run_dir(kind, model, p, 0), mode.recipe,
+                        [*mode.real.get(kind, []), *NEURAL[model], "train.seed=0", "data.seed=0"], p,
+                        mode.max_epochs, False)
+        results = {k: f.result() for k, f in search.items()}
+        print(f"[quality] search done at {time.perf_counter() - t0:.0f} s", flush=True)
 
-    summaries = {}
-    for name, res in results.items():
-        summaries[name] = summarize(res, name == "synthetic")
-        print_table(name, summaries[name], name == "synthetic")
-    mode = (f"quick: {len(seeds)} seed(s) (full: 3), synthetic world of 1,500 users (full: 6,000)" if args.quick
-            else f"full: {len(seeds)} seed(s)")
-    print(f"\n[quality] {mode}; runs in {work}")
-    out = {"mode": mode, "seeds": len(seeds), "settings": settings, "datasets": sorted(summaries), "models": models,
-           "wall_s": round(time.perf_counter() - t0, 1), **(headline(summaries) if set(PEERS) <= set(models)
-                                                             and "gem" in models else {})}
-    print(json.dumps(out))
+        chosen: dict = {}
+        for model in models:
+            for scope in ["synthetic", *real]:
+                kinds = [f"world-{w}" for w in mode.dev_worlds] if scope == "synthetic" else [scope]
+                if model == GBDT:
+                    trials = [results[(model, k)]["trials"] for k in kinds if (model, k) in results]
+                    if not trials:
+                        continue
+                    values: dict = {}
+                    for ts in trials:
+                        for t in ts:
+                            values.setdefault(json.dumps(t["params"], sort_keys=True), []).append(t["valid_logloss"])
+                    chosen[f"{model}/{scope}"] = json.loads(choose(values))
+                else:
+                    values = {p: [results[(model, k, p)]["valid_value"] for k in kinds if (model, k, p) in results]
+                              for p in grid}
+                    values = {p: v for p, v in values.items() if v}
+                    if values:
+                        chosen[f"{model}/{scope}"] = list(choose(values))
+
+        # 2. the report: held-out worlds and real datasets, every seed (a real dataset's seed 0 is its
+        #    search run at the chosen point, scored on test now)
+        report: dict = {}
+        for model in models:
+            for kind, data in [*((f"world-{w}", worlds[w]) for w in mode.held_out), *real.items()]:
+                scope = kind if kind in real else "synthetic"
+                if f"{model}/{scope}" not in chosen or not applies(model, data):
+                    continue
+                point = chosen[f"{model}/{scope}"]
+                for seed in mode.train_seeds:
+                    if model == GBDT:
+                        fut = pool.submit(gbdt_trial, str(data), [point], seed, True)
+                    elif kind in real and seed == 0:
+                        fut = pool.submit(score_run, str(data), run_dir(kind, model, tuple(point), 0))
+                    else:
+                        fut = pool.submit(neural_trial, str(data), run_dir(kind, model, tuple(point), seed),
+                                          mode.recipe, [*mode.real.get(kind, []), *NEURAL[model],
+                                                        f"train.seed={seed}", f"data.seed={seed}"],
+                                          tuple(point), mode.max_epochs, True)
+                    report[(model, kind, seed)] = fut
+        reported = {k: f.result() for k, f in report.items()}
+
+    summaries: dict = {}
+    for (model, kind, _), r in reported.items():
+        summaries.setdefault(kind, {}).setdefault(model, []).append(r)
+    summaries = {k: {m: summarize(rs) for m, rs in v.items()} for k, v in summaries.items()}
+    for kind, s in summaries.items():
+        print_table(kind, s)
+    world_summaries = {w: summaries[f"world-{w}"] for w in mode.held_out if f"world-{w}" in summaries}
+    real_summaries = {n: summaries[n] for n in real if n in summaries}
+    print(f"\n[quality] {mode_name}; runs in {work}")
+    print(json.dumps(headline(mode_name, mode, models, chosen, world_summaries, real_summaries,
+                              time.perf_counter() - t0)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """``opengem`` command line: one sub-command per stage, no logic of its own.
 
     opengem [--log-level debug|info|warning] [--quiet] [--log-format text|json] COMMAND …
-    opengem generate --preset P --out DIR [--seed N] [key=value …]
+    opengem generate --preset P --out DIR [--seed N] [--world-seed N] [key=value …]
     opengem train    --recipe R --data DIR --out RUN [--resume] [key=value …]
     opengem evaluate --run RUN --data DIR [--split test] [--json FILE] [--signal]
     opengem distill  --teacher RUN --student-recipe R --data DIR --out RUN [--via FM_RUN] [key=value …]
@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--preset", default="demo")
     g.add_argument("--out", required=True)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--world-seed", type=int, default=None,
+                   help="structure seed: the world's functional form (0: the demo world's; dev 0-99, report >= 1000)")
+    g.add_argument("--no-oracle", action="store_true",
+                   help="skip fitting the world's oracle (its captured is what evaluate divides by; ~20-80 s on demo)")
     g.add_argument("overrides", nargs="*", help="world config overrides key=value (e.g. sizes.num_users=3000)")
 
     t = sub.add_parser("train", help="train a GEM foundation model")
@@ -124,11 +128,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def cmd_generate(args) -> dict:
     from opengem.data.synthetic import generate
+    from opengem.evaluation.oracle import OracleCollector
     from opengem.recipes import world_config
 
-    cfg = world_config(args.preset, seed=args.seed, overrides=args.overrides)
+    structure = [] if args.world_seed is None else [f"structure_seed={args.world_seed}"]
+    cfg = world_config(args.preset, seed=args.seed, overrides=[*args.overrides, *structure])
     t0 = time.perf_counter()
-    manifest = generate(cfg, args.out, progress=not args.quiet)
+    manifest = generate(cfg, args.out, progress=not args.quiet, observer=None if args.no_oracle else OracleCollector)
     rows = sum(f.rows for f in manifest.files)
     log.info("wrote %d rows in %d shards to %s in %.1f s", rows, len(manifest.files), args.out, time.perf_counter() - t0)
     return {"rows": rows, "shards": len(manifest.files), "out": args.out}

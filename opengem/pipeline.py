@@ -30,6 +30,7 @@ from opengem.config import apply_overrides
 from opengem.data.parquet import DatasetManifest
 from opengem.data.synthetic import generate
 from opengem.evaluation.evaluate import evaluate_run, held_out_evaluator
+from opengem.evaluation.oracle import OracleCollector
 from opengem.evaluation.recalibrate import recalibrate_run
 from opengem.export.artifact import export_run
 from opengem.export.client import free_port, http, wait_ready
@@ -57,7 +58,7 @@ def demo(out: str | Path, preset: str = "demo", seed: int = 0, overrides: Sequen
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     with _timed(times, "generate_s"):
-        generate(world_config(preset, seed=seed), data, progress=progress)
+        generate(world_config(preset, seed=seed), data, progress=progress, observer=OracleCollector)
     cfg = apply_overrides(recipe(preset), list(overrides))
     cfg.train.progress = progress
     with _timed(times, "train_s"):

@@ -47,16 +47,23 @@ seconds, day 0 starts at ``cfg.sizes.start_ts``):
    β·m + surface; c0 solved so Σp_conversion/Σp_click ≈ ``target_cvr`` on block 0.
    p_conversion = p_click·p_cvr; click ~ Bernoulli(p_click), conversion = click·Bernoulli(p_cvr),
    so P(conversion = 1) = p_conversion exactly.
+7. Steps 5 and 6 are the form of ``structure_seed`` 0. Another structure seed draws the form
+   (``opengem.data.world_structure``: which pairs interact at what rank, how each history acts,
+   numeric shapes, position form, surface tables, conversion terms, drift scales); the draws of
+   steps 1–4 stay as they were, but for the drifts' scales and, through the interest drift, the rows.
+   ``opengem generate`` then fits an oracle with the world's exact structure on the train rows
+   (``opengem.evaluation.oracle``); its NE and ``captured`` per split land in ``source.stats.oracle``.
 
 Everything the true models read is in the row: ``synthetic_world.probabilities(world, cols)``
 recomputes the probability columns from a shard (``columns_from_table``) and the calibrated world
-(``world_from_manifest``). Shards: one per (user block, day), ``d{day:03d}-b{block:05d}``, rows in
-time order; output is bit-reproducible for a seed. The manifest's ``source.stats`` holds rows,
-CTR/CVR (observed and true means), Bayes NE per split (``bayes_ne``: the true probabilities'
-log loss on the drawn labels over the entropy of the split's own label rate;
-``bayes_ne_expected``: the same in expectation), the share of rows showing ads launched after the
-last train day, stored sequence-length quantiles, the share of the logit variance of each term
-(Var(term) / Var(logit); covariances make them not sum to 1) and the calibrated intercepts.
+(``world_from_manifest``; the structure is stored in ``source.structure``). Shards: one per (user
+block, day), ``d{day:03d}-b{block:05d}``, rows in time order; output is bit-reproducible for a
+seed. The manifest's ``source.stats`` holds rows, CTR/CVR (observed and true means), Bayes NE per
+split (``bayes_ne``: the true probabilities' log loss on the drawn labels over the entropy of the
+split's own label rate; ``bayes_ne_expected``: the same in expectation), the share of rows showing
+ads launched after the last train day, stored sequence-length quantiles, the share of the logit
+variance of each term (Var(term) / Var(logit); covariances make them not sum to 1), the calibrated
+intercepts and the oracle's figures (``oracle``).
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Callable, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -90,6 +98,7 @@ from opengem.data.synthetic_world import (
     sigmoid,
     solve_intercept,
 )
+from opengem.data.world_structure import WorldStructure
 from opengem.features.schema import DenseFeature, Domains, FeatureSchema, SequenceStream, SparseFeature, Task
 
 
@@ -199,12 +208,14 @@ class WorldConfig:
     ``opengem.recipes.worlds``). Overrides and error messages use dotted keys: ``sizes.num_users``.
 
     Args:
-        seed: the structure and sampling seed; every draw is a pure function of it.
+        seed: the sampling seed: every draw of entities, users and rows is a pure function of it.
         sizes: entity counts and the day window (``WorldSizes``).
         behaviour: activity, interests and event streams (``Behaviour``).
         impressions: impression rate, surfaces, positions and ad choice (``Impressions``).
         click: the true click model (``ClickModel``).
         conversion: the true conversion-given-click model (``ConversionModel``).
+        structure_seed: the functional form of the true models (``opengem.data.world_structure``):
+            0 is today's demo world; another seed draws which terms exist and how each acts.
     """
 
     seed: int = 0
@@ -213,6 +224,7 @@ class WorldConfig:
     impressions: Impressions = field(default_factory=Impressions)
     click: ClickModel = field(default_factory=ClickModel)
     conversion: ConversionModel = field(default_factory=ConversionModel)
+    structure_seed: int = 0
 
     def leaves(self) -> dict[str, tuple[str, object]]:
         """Dotted key → (declared type, value), for every knob."""
@@ -229,11 +241,12 @@ class WorldConfig:
     def from_dict(cls, d: dict) -> WorldConfig:
         """From ``asdict`` (a manifest's ``source.config``); unknown keys are ignored. A flat dict (manifests
         written before the config was nested) maps by field name: names are unique across the parts."""
-        parts = {f.name: f.default_factory for f in fields(cls) if f.name != "seed"}
+        top = ("seed", "structure_seed")
+        parts = {f.name: f.default_factory for f in fields(cls) if f.name not in top}
         flat = not any(isinstance(d.get(p), dict) for p in parts)
         given = {p: d if flat else d.get(p, {}) for p in parts}
-        return cls(seed=d.get("seed", 0), **{p: kind(**{f.name: given[p][f.name] for f in fields(kind)
-                                                        if f.name in given[p]}) for p, kind in parts.items()})
+        return cls(**{k: d.get(k, 0) for k in top}, **{p: kind(**{f.name: given[p][f.name] for f in fields(kind)
+                                                               if f.name in given[p]}) for p, kind in parts.items()})
 
     def validate(self) -> WorldConfig:
         leaves = self.leaves()
@@ -488,8 +501,24 @@ def _plain(x):
 
 
 # ------------------------------------------------------------------------------ generate
-def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True) -> DatasetManifest:
-    """Write the world's shards, schema and manifest into ``out_dir``; one block of users at a time."""
+class ShardObserver(Protocol):
+    """Sees each shard as ``generate`` writes it (``add``); ``result()`` goes into the manifest's
+    ``source.stats[stats_key]``. The oracle is one: it collects its inputs without reading shards back."""
+
+    stats_key: str
+
+    def add(self, day: int, columns: dict) -> None: ...
+
+    def result(self) -> dict: ...
+
+
+def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
+             observer: Callable[[World, dict[int, str]], ShardObserver] | None = None) -> DatasetManifest:
+    """Write the world's shards, schema and manifest into ``out_dir``; one block of users at a time.
+
+    ``observer(world, split_of_day)`` builds a ``ShardObserver`` that sees every shard's columns as it
+    is written; its ``result()`` is stored in ``source.stats[observer.stats_key]``. The CLI passes the
+    world's oracle (``opengem.evaluation.oracle.OracleCollector``): the data layer names no model."""
     cfg.validate()
     schema = build_schema(cfg)
     world = World(cfg)
@@ -512,6 +541,7 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True) -> Da
 
     writer = ShardWriter(out_dir, schema)
     stats = _Stats(cfg, world)
+    watcher = observer(world, stats.split_of) if observer is not None else None
     blocks = range(n_blocks)
     if progress:
         from tqdm import tqdm
@@ -526,17 +556,24 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True) -> Da
             table = _table(schema, c, p_click, p_cvr)
             stats.add(d, c, table, ct, vt)
             writer.write(table, f"d{d:03d}-b{b:05d}", d)
+            if watcher is not None:
+                watcher.add(d, columns_from_table(table))  # what the shard holds, nothing more
         del ub
+    result = stats.result(world)
+    if watcher is not None:
+        result[watcher.stats_key] = _plain(watcher.result())
     return writer.close(splits_for(cfg), source={"kind": "synthetic", "config": asdict(cfg),
-                                                 "stats": stats.result(world)})
+                                                 "structure": world.structure.to_dict(), "stats": result})
 
 
 def world_from_manifest(manifest: DatasetManifest) -> World:
-    """The calibrated ``World`` a synthetic dataset was generated from (for exact decompositions)."""
+    """The calibrated ``World`` a synthetic dataset was generated from (for exact decompositions), with
+    the structure its manifest stores (a manifest without one predates the family: structure seed 0)."""
     src = manifest.source
     if src.get("kind") != "synthetic":
         raise ValueError("not a synthetic dataset (manifest source kind is not 'synthetic')")
-    world = World(WorldConfig.from_dict(src["config"]))
+    structure = WorldStructure.from_dict(src["structure"]) if "structure" in src else None
+    world = World(WorldConfig.from_dict(src["config"]), structure)
     world.b0, world.c0 = src["stats"]["calibration"]["b0"], src["stats"]["calibration"]["c0"]
     return world
 

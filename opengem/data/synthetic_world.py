@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from opengem.data.world_structure import (
+    SIGMOID_STEEPNESS, HistoryEffect, Interaction, NumericEffect, WorldStructure, draw_structure, today_structure,
+)
+
 DAY = 86400
-TAG_GLOBAL, TAG_BLOCK, TAG_DAY = 0, 1, 2
+TAG_GLOBAL, TAG_BLOCK, TAG_DAY, TAG_STRUCTURE = 0, 1, 2, 3
 
 SURFACES = ("feed", "video", "messaging")
 FORMATS = ("image", "video", "carousel", "text")
@@ -41,20 +45,20 @@ GENDER_PROBS = np.array([0.49, 0.49, 0.02])
 DEVICE_PROBS = np.array([0.55, 0.35, 0.07, 0.03])
 FORMAT_PROBS = np.array([0.40, 0.25, 0.20, 0.15])
 SURFACE_SHARES = np.array([0.5, 0.3, 0.2])  # mean of the per-user surface preference
-# Fixed, interpretable context effects (multiplied by their cfg.click.beta_* knob).
-SURFACE_BIAS = np.array([0.3, 0.0, -0.5])
-SURFACE_FORMAT = np.array([  # rows: feed, video, messaging; cols: image, video, carousel, text
-    [0.3, -0.2, 0.4, -0.3],
-    [-0.5, 1.0, -0.3, -0.8],
-    [0.0, -0.7, -0.2, 0.7],
-])
-DEVICE_BIAS = np.array([0.0, 0.1, -0.15, -0.3])
-CVR_SURFACE = np.array([0.0, -0.4, 0.4])
+DEVICE_BIAS = np.array([0.0, 0.1, -0.15, -0.3])  # times cfg.click.beta_device
 HOUR_PEAK = 20.0  # hour of day with the highest CTR
+HOUR_BUCKET = 4  # hours per value of the hour_bucket interaction field
 
 
 def rng_for(seed: int, *tags: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([int(seed), *[int(t) for t in tags]]))
+
+
+def structure_for(cfg) -> WorldStructure:
+    """The world's functional form: today's for ``structure_seed`` 0, else drawn (``draw_structure``)."""
+    if cfg.structure_seed == 0:
+        return today_structure(cfg)
+    return draw_structure(cfg, rng_for(cfg.structure_seed, TAG_STRUCTURE))
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -115,14 +119,19 @@ def _unit_factors(rng: np.random.Generator, n: int, rank: int) -> np.ndarray:
 
 
 class World:
-    """Global entities of one seed. ``b0`` / ``c0`` (the click / conversion intercepts) are set by
-    the generator's calibration (or from a manifest, see ``synthetic.world_from_manifest``)."""
+    """Global entities of one seed, with the functional form ``structure`` (default:
+    ``structure_for(cfg)``). ``b0`` / ``c0`` (the click / conversion intercepts) are set by the
+    generator's calibration (or from a manifest, see ``synthetic.world_from_manifest``).
 
-    def __init__(self, cfg):
+    The structure changes no draw before the interaction factors (scales multiply the same normal
+    draws), so two structures of one seed share their entities and users."""
+
+    def __init__(self, cfg, structure: WorldStructure | None = None):
         self.cfg = cfg
+        self.structure = st = (structure if structure is not None else structure_for(cfg)).validate()
         rng = rng_for(cfg.seed, TAG_GLOBAL)
         sizes, beh, click = cfg.sizes, cfg.behaviour, cfg.click
-        C, r = sizes.num_categories, sizes.latent_rank
+        C = sizes.num_categories
         self.window_start = -sizes.history_days * DAY
         self.window_end = sizes.num_days * DAY
         self.window_days = sizes.history_days + sizes.num_days
@@ -151,7 +160,7 @@ class World:
         self.advertiser_category = rng.choice(C, A, p=cat_p)
         self.advertiser_cluster = rng.integers(0, sizes.num_advertiser_clusters, A)
         self.advertiser_effect = rng.normal(0, click.advertiser_sigma, A)
-        self.advertiser_cvr = rng.normal(0, cfg.conversion.cvr_advertiser_sigma, A)
+        self.advertiser_cvr = rng.normal(0, st.conversion.advertiser_sigma, A)
         camp_adv = np.concatenate([np.arange(A), rng.integers(0, A, M - A)])[rng.permutation(M)]
         main = rng.random(M) < cfg.impressions.campaign_main_category_prob
         self.campaign_advertiser = camp_adv
@@ -178,10 +187,10 @@ class World:
         self.ad_launch_day = np.floor_divide(launch, DAY)
         # Daily random-walk drift of ad and advertiser quality (0 on day 0).
         D = sizes.num_days
-        steps = rng.normal(0, click.ad_drift, (n_ads, D))
+        steps = rng.normal(0, st.drift.ad, (n_ads, D))
         steps[:, 0] = 0
         self.ad_drift = np.cumsum(steps, axis=1)
-        steps = rng.normal(0, click.advertiser_drift, (A, D))
+        steps = rng.normal(0, st.drift.advertiser, (A, D))
         steps[:, 0] = 0
         self.advertiser_drift = np.cumsum(steps, axis=1)
 
@@ -195,12 +204,13 @@ class World:
             prof[np.arange(S), peak] += beh.segment_peak_height * max(1.0 - 0.2 * j, 0.2)
         self.segment_interest = prof
 
-        # Low-rank interaction factors (inner products have unit variance before the beta scale).
-        self.seg_f, self.cat_f = _unit_factors(rng, S, r), _unit_factors(rng, C, r)
-        self.age_f, self.fmt_f = _unit_factors(rng, NUM_AGES, r), _unit_factors(rng, len(FORMATS), r)
-        self.country_f = _unit_factors(rng, NUM_COUNTRIES, r)
-        self.cluster_f = _unit_factors(rng, sizes.num_advertiser_clusters, r)
-        self.seg_g, self.cat_g = _unit_factors(rng, S, r), _unit_factors(rng, C, r)
+        # Low-rank interaction factors (inner products have unit variance before the beta scale), click
+        # pairs then conversion pairs, user side then ad side: the last draws, so the rest is shared.
+        self.factors = {}
+        for model, pairs in (("click", st.click.interactions), ("conversion", st.conversion.interactions)):
+            for it in pairs:
+                self.factors[model, it.name] = (_unit_factors(rng, field_size(cfg, it.user), it.rank),
+                                                _unit_factors(rng, field_size(cfg, it.ad), it.rank))
 
         self.live_by_category = LiveAds(self.ad_category, launch, C, self.window_end)
         self.live_by_advertiser = LiveAds(self.ad_advertiser, launch, A, self.window_end)
@@ -254,7 +264,7 @@ class UserBlock:
         # Interest over categories, one distribution per (user, window day): segment profile + user
         # noise + a per-day random walk. Row index = local user * W + window day.
         base = world.segment_interest[self.segment] + rng.normal(0, beh.interest_noise, (U, C))
-        walk = np.cumsum(rng.normal(0, beh.interest_drift, (U, W, C)).astype(np.float32), axis=1)
+        walk = np.cumsum(rng.normal(0, world.structure.drift.interest, (U, W, C)).astype(np.float32), axis=1)
         theta = base[:, None, :].astype(np.float32) + walk
         del walk
         theta -= theta.max(axis=2, keepdims=True)
@@ -293,79 +303,167 @@ class UserBlock:
 
 
 # ------------------------------------------------------------------------------ the true models
+def field_size(cfg, name: str) -> int:
+    """How many values an interaction field has (fields: ``world_structure``'s module docstring)."""
+    s = cfg.sizes
+    return {"segment": s.num_segments, "age": NUM_AGES, "gender": NUM_GENDERS, "country": NUM_COUNTRIES,
+            "device": NUM_DEVICES, "domain": len(SURFACES), "hour_bucket": NUM_HOURS // HOUR_BUCKET,
+            "category": s.num_categories, "format": len(FORMATS), "advertiser_cluster": s.num_advertiser_clusters,
+            "advertiser_id": s.num_advertisers}[name]
+
+
+def field_values(world: World, c: dict, name: str) -> np.ndarray:
+    """An interaction field's value per row: a column, or derived from one (hour, advertiser_id)."""
+    if name == "hour_bucket":
+        return c["hour"] // HOUR_BUCKET
+    if name == "advertiser_cluster":
+        return world.advertiser_cluster[c["advertiser_id"]]
+    return c[name]
+
+
+def numeric_transform(e: NumericEffect, x: np.ndarray) -> np.ndarray:
+    """g((x − center) / scale) of a ``NumericEffect`` (without its beta)."""
+    u = (x.astype(np.float64) - e.center) / e.scale
+    if e.shape == "linear":
+        return u
+    if e.shape == "log1p":
+        return np.sign(u) * np.log1p(np.abs(u))
+    if e.shape == "tanh":
+        return np.tanh(u)
+    if e.shape == "sigmoid":
+        return sigmoid(SIGMOID_STEEPNESS * (u - e.threshold))
+    if e.shape == "exp_neg":
+        return np.exp(-u)
+    raise ValueError(f"unknown numeric shape {e.shape!r}")
+
+
 def _row_of(lengths: np.ndarray) -> np.ndarray:
     return np.repeat(np.arange(len(lengths)), lengths)
 
 
-def sequence_match(world: World, items, events, ts, lengths, request_ts, ad_category) -> np.ndarray:
-    """m = Σ w·decay·[cat(item) = cat(ad)] / (1 + Σ w·decay) over the row's stored organic events,
-    with w = ORGANIC_EVENT_WEIGHTS[event] and decay = exp(−(request_ts − ts) / tau)."""
-    row = _row_of(lengths)
-    w = ORGANIC_EVENT_WEIGHTS[events] * np.exp(-(request_ts[row] - ts) / (world.cfg.click.seq_tau_hours * 3600.0))
-    match = world.item_category[items] == ad_category[row]
-    n = len(lengths)
+def _decay(type_weights, events, ts, request_ts, row, tau_hours) -> np.ndarray:
+    return type_weights[events] * np.exp(-(request_ts[row] - ts) / (tau_hours * 3600.0))
+
+
+def _share(w, match, row, n) -> np.ndarray:
     return np.bincount(row, w * match, minlength=n) / (1.0 + np.bincount(row, w, minlength=n))
 
 
-def ads_affinity(world: World, items, events, ts, lengths, request_ts, advertiser) -> np.ndarray:
-    """Σ w·decay over the row's stored ads events with the same advertiser as the row's ad."""
+def sequence_match(world: World, items, events, ts, lengths, request_ts, ad_category, tau_hours=None) -> np.ndarray:
+    """m = Σ w·decay·[cat(item) = cat(ad)] / (1 + Σ w·decay) over the row's stored organic events,
+    with w = ORGANIC_EVENT_WEIGHTS[event] and decay = exp(−(request_ts − ts) / τ); τ defaults to
+    ``click.seq_tau_hours`` (structure seed 0's organic history)."""
     row = _row_of(lengths)
-    w = ADS_EVENT_WEIGHTS[events] * np.exp(-(request_ts[row] - ts) / (world.cfg.click.ads_tau_hours * 3600.0))
-    same = world.ad_advertiser[items] == advertiser[row]
-    return np.bincount(row, w * same, minlength=len(lengths))
+    tau = world.cfg.click.seq_tau_hours if tau_hours is None else tau_hours
+    w = _decay(ORGANIC_EVENT_WEIGHTS, events, ts, request_ts, row, tau)
+    return _share(w, world.item_category[items] == ad_category[row], row, len(lengths))
 
 
-def history_signals(world: World, c: dict) -> tuple[np.ndarray, np.ndarray]:
-    """(m, A): the sequence match and the ads-history affinity of rows ``c`` (see above)."""
-    t = c["request_ts"]
-    (oi, ol), (oe, _), (ot, _) = c["organic.item"], c["organic.event"], c["organic.ts"]
-    (ai, al), (ae, _), (at, _) = c["ads.item"], c["ads.event"], c["ads.ts"]
-    return (sequence_match(world, oi, oe, ot, ol, t, c["category"]),
-            ads_affinity(world, ai, ae, at, al, t, c["advertiser_id"]))
+def history_statistic(world: World, c: dict, h: HistoryEffect) -> np.ndarray:
+    """The statistic s of ``h`` (see ``HistoryEffect``) over the rows' stored ``h.stream`` events."""
+    items, lengths = c[f"{h.stream}.item"]
+    events, ts, t = c[f"{h.stream}.event"][0], c[f"{h.stream}.ts"][0], c["request_ts"]
+    row, n = _row_of(lengths), len(lengths)
+    if h.stream == "organic":
+        match, type_weights = world.item_category[items] == c["category"][row], ORGANIC_EVENT_WEIGHTS
+    elif h.key == "advertiser":
+        match, type_weights = world.ad_advertiser[items] == c["advertiser_id"][row], ADS_EVENT_WEIGHTS
+    else:
+        match, type_weights = world.ad_category[items] == c["category"][row], ADS_EVENT_WEIGHTS
+    if h.form == "recency":  # stored events are in time order: a row's last match is its newest
+        idx = np.flatnonzero(match)
+        r = row[idx]
+        last = np.r_[r[1:] != r[:-1], True] if len(r) else np.zeros(0, dtype=bool)
+        out = np.zeros(n)
+        out[r[last]] = np.exp(-(t[r[last]] - ts[idx[last]]) / (h.tau_hours * 3600.0))
+        return out
+    w = _decay(type_weights, events, ts, t, row, h.tau_hours)
+    if h.form == "share":
+        return _share(w, match, row, n)
+    if h.form == "log_count":
+        return np.log1p(np.bincount(row, w * match, minlength=n))
+    raise ValueError(f"history form {h.form!r} has no statistic")
 
 
-def click_terms(world: World, c: dict, m: np.ndarray, a: np.ndarray) -> dict[str, np.ndarray]:
+def history_stats(world: World, c: dict) -> dict[tuple, np.ndarray]:
+    """Every history statistic both true models use, by ``HistoryEffect.spec()`` (each computed once)."""
+    st = world.structure
+    out = {}
+    for h in [*st.click.history, *st.conversion.history]:
+        if h.form != "none" and h.spec() not in out:
+            out[h.spec()] = history_statistic(world, c, h)
+    return out
+
+
+def history_signals(world: World, c: dict) -> tuple[np.ndarray, ...]:
+    """The click model's history statistics, one per stream (organic, ads; zeros where the form is
+    ``none``): m and log1p(A) on structure seed 0."""
+    stats = history_stats(world, c)
+    n = len(c["request_ts"])
+    return tuple(stats[h.spec()] if h.form != "none" else np.zeros(n) for h in world.structure.click.history)
+
+
+def history_term_name(h: HistoryEffect) -> str:
+    return "sequence" if h.stream == "organic" else "ads_history"
+
+
+def interaction_dot(world: World, model: str, it: Interaction, c: dict) -> np.ndarray:
+    """⟨u[user value], a[ad value]⟩ of one interaction of ``model`` (click | conversion)."""
+    uf, af = world.factors[model, it.name]
+    return np.einsum("ij,ij->i", uf[field_values(world, c, it.user)], af[field_values(world, c, it.ad)])
+
+
+def position_term(p, position: np.ndarray) -> np.ndarray:
+    if p.form == "log1p":
+        return -p.beta * np.log1p(position)
+    if p.form == "linear":
+        return -p.beta * position.astype(np.float64)
+    return -p.beta * (position >= p.step_at)
+
+
+def click_terms(world: World, c: dict, stats: dict) -> dict[str, np.ndarray]:
     """The additive terms of the click logit (without b0). ``c`` maps column names to numpy arrays
-    (list columns to (flat values, lengths)); ``m, a = history_signals(world, c)``. Only the row's
-    own columns are read, plus per-entity effects keyed by the row's ids."""
-    model = world.cfg.click
-    ad, adv, cat, fmt = c["ad_id"], c["advertiser_id"], c["category"], c["format"]
-    surface, day = c["domain"], c["day"]
+    (list columns to (flat values, lengths)); ``stats = history_stats(world, c)``. Only the row's
+    own columns are read, plus per-entity effects keyed by the row's ids. The term order is fixed
+    (the logit is their sum in this order)."""
+    st, model = world.structure.click, world.cfg.click
+    ad, adv, surface, day = c["ad_id"], c["advertiser_id"], c["domain"], c["day"]
     hs, hc = c["hour_sin"].astype(np.float64), c["hour_cos"].astype(np.float64)
     ph = 2 * np.pi * HOUR_PEAK / 24
-
-    def dot(x, y):
-        return np.einsum("ij,ij->i", x, y)
-
-    return {
-        "surface": model.beta_surface * SURFACE_BIAS[surface],
-        "position": -model.beta_position * np.log1p(c["position"]),
+    terms = {
+        "surface": np.asarray(st.surface_bias)[surface],
+        "position": position_term(st.position, c["position"]),
         "hour": model.beta_hour * (hc * np.cos(ph) + hs * np.sin(ph)),
         "ad_quality": world.ad_quality[ad],
         "ad_drift": world.ad_drift[ad, day] + world.advertiser_drift[adv, day],
-        "ad_novelty": model.beta_novelty * np.exp(-c["ad_age"].astype(np.float64)),
-        "surface_format": model.beta_surface_format * SURFACE_FORMAT[surface, fmt],
-        "segment_category": model.beta_segment_category * dot(world.seg_f[c["segment"]], world.cat_f[cat]),
-        "age_format": model.beta_age_format * dot(world.age_f[c["age"]], world.fmt_f[fmt]),
-        "country_cluster": model.beta_country_cluster * dot(
-            world.country_f[c["country"]], world.cluster_f[world.advertiser_cluster[adv]]),
-        "sequence": model.beta_seq * m,
-        "ads_history": model.beta_ads * np.log1p(a),
-        "user": (model.beta_activity * c["user_activity"].astype(np.float64)
-                 + model.beta_device * DEVICE_BIAS[c["device"]]),
     }
+    activity, *numeric = st.numeric
+    for e in numeric:
+        if e.shape != "none":
+            terms[e.name] = e.beta * numeric_transform(e, c[e.feature])
+    terms["surface_format"] = np.asarray(st.surface_format)[surface, c["format"]]
+    for it in st.interactions:
+        terms[it.name] = it.beta * interaction_dot(world, "click", it, c)
+    for h in st.history:
+        if h.form != "none":
+            terms[history_term_name(h)] = h.beta * stats[h.spec()]
+    device = model.beta_device * DEVICE_BIAS[c["device"]]
+    terms["user"] = (device if activity.shape == "none"
+                     else activity.beta * numeric_transform(activity, c[activity.feature]) + device)
+    return terms
 
 
-def conversion_terms(world: World, c: dict, m: np.ndarray) -> dict[str, np.ndarray]:
+def conversion_terms(world: World, c: dict, stats: dict) -> dict[str, np.ndarray]:
     """Terms of the conversion-given-click logit (without c0)."""
-    model = world.cfg.conversion
-    return {
-        "advertiser": world.advertiser_cvr[c["advertiser_id"]],
-        "segment_category": model.cvr_beta_segment_category * np.einsum(
-            "ij,ij->i", world.seg_g[c["segment"]], world.cat_g[c["category"]]),
-        "sequence": model.cvr_beta_seq * m,
-        "surface": model.cvr_beta_surface * CVR_SURFACE[c["domain"]],
-    }
+    st = world.structure.conversion
+    terms = {"advertiser": world.advertiser_cvr[c["advertiser_id"]]}
+    for it in st.interactions:
+        terms[it.name] = it.beta * interaction_dot(world, "conversion", it, c)
+    for h in st.history:
+        if h.form != "none":
+            terms[history_term_name(h)] = h.beta * stats[h.spec()]
+    terms["surface"] = np.asarray(st.surface)[c["domain"]]
+    return terms
 
 
 def probabilities(world: World, c: dict, b0: float | None = None, c0: float | None = None):
@@ -376,8 +474,8 @@ def probabilities(world: World, c: dict, b0: float | None = None, c0: float | No
     c0 = world.c0 if c0 is None else c0
     if b0 is None or c0 is None:
         raise ValueError("world intercepts are not calibrated (b0/c0 unset)")
-    m, a = history_signals(world, c)
-    ct, vt = click_terms(world, c, m, a), conversion_terms(world, c, m)
+    stats = history_stats(world, c)
+    ct, vt = click_terms(world, c, stats), conversion_terms(world, c, stats)
     return sigmoid(b0 + sum(ct.values())), sigmoid(c0 + sum(vt.values())), ct, vt
 
 

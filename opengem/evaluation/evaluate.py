@@ -2,17 +2,22 @@
 
 NE is normalised by the *training* base rate of the same slice (He et al. 2014), read from
 ``RUN/base_rates.json``. On synthetic data (true probabilities stored next to the labels) every
-slice also reports ``ne_bayes`` and ``captured = (1 − ne) / (1 − ne_bayes)``.
+slice also reports ``ne_bayes`` and ``captured = (1 − ne) / (1 − ne_bayes)``, and, where the dataset's
+manifest holds the world's oracle for the split (``opengem.evaluation.oracle``), ``oracle_captured`` and
+``captured_over_oracle = captured / oracle_captured``: the figure that compares across worlds.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import math
+
 import torch
 from tqdm.auto import tqdm
 
 from opengem.data.loader import ShardLoader
+from opengem.data.parquet import DatasetManifest
 from opengem.evaluation import EVAL_BATCH
 from opengem.evaluation.accumulator import MetricAccumulator
 from opengem.evaluation.signal import signal_decomposition
@@ -79,14 +84,16 @@ def held_out_evaluator(data_dir: str | Path, split: str = "valid", every_kth_fil
 
 
 def evaluate_run(run_dir: str | Path, data_dir: str | Path, split: str = "test", batch_size: int = EVAL_BATCH,
-                 progress: bool = True, signal: bool = False) -> dict:
+                 progress: bool = True, signal: bool = False, best: bool = False) -> dict:
     """Metrics of a run's model on ``split``; with ``signal`` (synthetic data) also the per-term
-    slopes of ``opengem.evaluation.signal``."""
-    model, cfg, schema = load_run_model(run_dir)
+    slopes of ``opengem.evaluation.signal``; with ``best``, of the best held-out evaluation's model
+    (``train.keep_best``) instead of the last."""
+    model, cfg, schema = load_run_model(run_dir, best=best)
     data_schema = FeatureSchema.load(data_dir)
     if data_schema.fingerprint() != schema.fingerprint():
         raise SchemaError(f"{data_dir}: its schema differs from the one run {run_dir} was trained on")
     out = evaluate_model(model, schema, data_dir, split, load_base_rates(run_dir), batch_size, progress)
+    add_oracle(out["metrics"], data_dir, split)
     out["run"] = str(run_dir)
     out["recipe"] = cfg.recipe
     recal = load_recalibration(run_dir)
@@ -95,3 +102,18 @@ def evaluate_run(run_dir: str | Path, data_dir: str | Path, split: str = "test",
     if signal:
         out["signal"] = signal_decomposition(model, schema, data_dir, split, batch_size)
     return out
+
+
+def add_oracle(metrics: dict, data_dir: str | Path, split: str) -> dict:
+    """Add ``oracle_captured`` and ``captured_over_oracle`` to each slice of ``metrics`` (``compute()``'s
+    output) that has ``captured`` and an oracle entry in the manifest's ``source.stats.oracle[split]``.
+    The oracle's NE uses the dataset's train base rates, a run's those of its training split: the
+    same rates when the run trained on the dataset's train split."""
+    oracle = DatasetManifest.load(data_dir).source.get("stats", {}).get("oracle", {}).get(split) or {}
+    for key, m in metrics.items():
+        oc = (oracle.get(key) or {}).get("captured")
+        if oc is None or "captured" not in m:
+            continue
+        m["oracle_captured"] = oc
+        m["captured_over_oracle"] = m["captured"] / oc if oc != 0 else math.nan
+    return metrics

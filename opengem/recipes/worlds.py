@@ -1,6 +1,8 @@
 """Synthetic-world presets: one function per world, each a ``WorldConfig`` that differs from the
 defaults (the ``demo`` world) in its sizes (``tiny`` also in its event caps and impression rate):
-the click and conversion models are the same in every world.
+the click and conversion models are the same in every world. Their functional form is the
+``structure_seed`` knob (``opengem generate --world-seed N``, ``opengem.data.world_structure``),
+0 by default: any preset can be any member of the family.
 
 ``world_config("demo", seed=3, overrides=["sizes.num_users=3000"])`` is what ``opengem generate
 --preset demo --seed 3 sizes.num_users=3000`` generates; overrides go through the one override path

@@ -40,6 +40,8 @@ def test_generate_train_evaluate(tiny_data, tmp_path):
             assert field in m
         assert m["n"] > 0
     assert ev["metrics"]["all/click"]["base_rate_source"] == "train"
+    m = ev["metrics"]["all/click"]  # the world's oracle, from the dataset's manifest
+    assert m["captured_over_oracle"] == pytest.approx(m["captured"] / m["oracle_captured"])
     # NE is normalised by the training base rate recorded by the run
     rates = json.loads((run / BASE_RATES_FILE).read_text())
     assert abs(ev["metrics"]["feed/click"]["base_rate"] - rates["feed/click"]) < 1e-12
