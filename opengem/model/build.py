@@ -1,8 +1,8 @@
 """Build a model the way training, evaluation and teachers all do: meta → materialise → init.
 
 ``opengem.parallel`` (sharding, FSDP2) slots in between ``build_gem`` and ``materialize``.
-``model.arch`` picks the model: ``gem`` (GEM), or a peer baseline, ``dlrm`` | ``dlrm_dcn``
-(``opengem.model.peers``: TorchRec's DLRM on the same tables and batches, one process only).
+``model.arch`` picks the model: ``gem`` (GEM), or a peer baseline, ``dlrm`` | ``dlrm_dcn`` | ``din``
+(``opengem.model.peers``: TorchRec's DLRM and DIN on the same tables and batches, one process only).
 """
 
 from __future__ import annotations

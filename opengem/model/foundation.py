@@ -34,7 +34,7 @@ from opengem.model.sparse_arch import SparseArch, SparseArchConfig
 
 @dataclass
 class GEMConfig:
-    arch: str = "gem"  # gem | dlrm | dlrm_dcn: GEM, or a peer baseline built from TorchRec's DLRM (model.peers)
+    arch: str = "gem"  # gem | dlrm | dlrm_dcn | din: GEM, or a peer baseline (model.peers)
     embedding_dim: int = 32
     dense_tokens: int = 1
     max_seq_len: int = 0  # cap on every stream's history (most recent kept); 0 = the schema's max_len
@@ -49,8 +49,8 @@ class GEMConfig:
     heads: HeadsConfig = field(default_factory=HeadsConfig)
 
     def validate(self) -> None:
-        if self.arch not in ("gem", "dlrm", "dlrm_dcn"):
-            raise ValueError(f"model.arch must be gem|dlrm|dlrm_dcn, got {self.arch!r}")
+        if self.arch not in ("gem", "dlrm", "dlrm_dcn", "din"):
+            raise ValueError(f"model.arch must be gem|dlrm|dlrm_dcn|din, got {self.arch!r}")
         if self.embedding_dim < 1 or self.dense_tokens < 1 or self.max_seq_len < 0:
             raise ValueError("model.embedding_dim and model.dense_tokens must be >= 1, max_seq_len >= 0")
         if any(not h > 0 for h in self.count_decay_hours):

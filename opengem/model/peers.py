@@ -1,18 +1,20 @@
-"""Peer baselines: TorchRec's DLRM and DLRM-DCN on our batches, trained by our trainer unchanged.
+"""Peer baselines: TorchRec's DLRM and DLRM-DCN, and DIN, on our batches, trained by our trainer unchanged.
 
 Legend: B rows, n sparse tokens (n_f sparse features + S streams + 1 domain), F dense features,
 D dim, T tasks, N events of one stream (jagged).
 
     batch.sparse    ─► SparseArch (EBC, ours)          ─► [B, n_f, D] ┐
-    batch.sequences ─► SparseArch (EC, ours) ─► mean/row ─► [B, S, D]  ├─ sparse [B, n, D] ┐
+    batch.sequences ─► SparseArch (EC, ours) ─► pool/row ─► [B, S, D]  ├─ sparse [B, n, D] ┐
     batch.domain    ─► domain embedding                 ─► [B, 1, D]  ┘                   ├─►
     batch.dense ─► signed_log ─► DenseArch (torchrec)   ─► [B, D] ───────────────────────┘
         ─► InteractionArch (dlrm: dot products)  | InteractionDCNArch (dlrm_dcn: low-rank DCN-v2)
+           | ConcatInteraction (din: the concatenation)
         ─► OverArch (torchrec) ─► [B, T] raw logits ─► task chaining ─► logits [B, T]
 
-``model.arch`` = ``dlrm`` | ``dlrm_dcn`` selects one (``build_gem`` dispatches; ``gem`` is GEM).
-The parts are torchrec.models.dlrm's own ``DenseArch``, ``InteractionArch``,
-``InteractionDCNArch`` and ``OverArch``; only the inputs and outputs are adapted:
+pool/row is the mean of a row's events (dlrm, dlrm_dcn) or DIN's candidate-weighted sum (din,
+``opengem.model.din``). ``model.arch`` = ``dlrm`` | ``dlrm_dcn`` | ``din`` selects one (``build_gem``
+dispatches; ``gem`` is GEM). The parts are torchrec.models.dlrm's own ``DenseArch``,
+``InteractionArch``, ``InteractionDCNArch`` and ``OverArch``; only the inputs and outputs are adapted:
 
 - Tables: our ``SparseArch``, so sharding plans, the row-wise Adagrad table optimizer, table
   init and id hashing are the same as GEM's.
@@ -20,6 +22,9 @@ The parts are torchrec.models.dlrm's own ``DenseArch``, ``InteractionArch``,
   the row's events of their embeddings (item + event type + attributes, the same event model GEM's
   towers start from; an empty history gives zeros) — how DLRM users feed a history (a mean-pooled
   embedding bag). The history cap is GEM's (``max_seq_len``). ``model.use_sequences=false`` drops them.
+- DIN: the same event tokens, pooled per stream by a local activation unit against the candidate
+  (``opengem.model.din``: the query is GEM's target-match rule), then every token and the dense
+  vector concatenated into the OverArch, as DIN feeds its MLP.
 - Domain: one more sparse token (GEM's ``heads.domain_mode=shared`` reading of the surface).
 - Dense: torchrec's ``DenseArch`` [F → 4D → D] on GEM's ``signed_log`` of the values; with no
   dense features it reads a constant 1 (a learned vector), since DLRM's interaction needs one.
@@ -46,12 +51,13 @@ from torchrec.modules.crossnet import LowRankCrossNet
 
 from opengem.data.batch import Batch
 from opengem.features.schema import FeatureSchema
+from opengem.model.din import ConcatInteraction, DINPooling
 from opengem.model.foundation import GEMConfig, TableModel, signed_log
 from opengem.model.heads import base_rate_logits, chained_logit
 from opengem.model.sparse_arch import SparseArch
 from opengem.ops.jagged import row_ids
 
-PEER_ARCHS = ("dlrm", "dlrm_dcn")
+PEER_ARCHS = ("dlrm", "dlrm_dcn", "din")
 DCN_LAYERS = 3  # torchrec's DLRM-DCN reference setting (torchrec/examples dlrm_main: 3 layers)
 DCN_RANK_PER_DIM = 2  # low rank = 2·D
 
@@ -67,7 +73,7 @@ def mean_pool(values_ND: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
 
 
 class PeerModel(TableModel):
-    """DLRM or DLRM-DCN (``cfg.arch``) with GEM's interface: ``forward(batch)`` → logits [B, T].
+    """DLRM, DLRM-DCN or DIN (``cfg.arch``) with GEM's interface: ``forward(batch)`` → logits [B, T].
 
     Args:
         schema: the data's features and tasks.  cfg: the same ``GEMConfig`` a GEM run uses
@@ -89,17 +95,22 @@ class PeerModel(TableModel):
             self.sparse_arch = SparseArch(schema, cfg.sparse, D, device)
             self.domain_emb = nn.Embedding(schema.num_domains, D)
             self.dense_arch = DenseArch(max(len(schema.dense), 1), [4 * D, D])
-            if cfg.arch == "dlrm":
-                self.inter_arch = InteractionArch(num_sparse_features=n)
-                self.feature_dim = D + choose(n + 1, 2)
-            else:
-                cross = LowRankCrossNet((n + 1) * D, DCN_LAYERS, DCN_RANK_PER_DIM * D)
-                self.inter_arch = InteractionDCNArch(num_sparse_features=n, crossnet=cross)
-                self.feature_dim = (n + 1) * D
+            self.pool = DINPooling(schema, self.streams, D) if cfg.arch == "din" and self.streams else None
+            self.inter_arch, self.feature_dim = self._interaction(cfg.arch, n, D)
             hidden = [*cfg.heads.trunk_dims, *cfg.heads.task_dims] or [4 * D]
             self.over_arch = OverArch(self.feature_dim, [*hidden, len(schema.tasks)])
         self.parent = [schema.task_names.index(t.requires) if (t.requires and cfg.heads.chain_required) else -1
                        for t in schema.tasks]
+
+    @staticmethod
+    def _interaction(arch: str, n: int, D: int) -> tuple[nn.Module, int]:
+        """The interaction over the dense vector and n tokens, and its output width."""
+        if arch == "dlrm":
+            return InteractionArch(num_sparse_features=n), D + choose(n + 1, 2)
+        if arch == "dlrm_dcn":
+            cross = LowRankCrossNet((n + 1) * D, DCN_LAYERS, DCN_RANK_PER_DIM * D)
+            return InteractionDCNArch(num_sparse_features=n, crossnet=cross), (n + 1) * D
+        return ConcatInteraction(), (n + 1) * D
 
     @property
     def interformer(self) -> nn.Module:
@@ -145,7 +156,10 @@ class PeerModel(TableModel):
         tokens = [self.sparse_arch.forward_sparse(batch.sparse, B)]
         if self.streams:
             emb = self.sparse_arch.forward_sequences(batch.sequences)
-            tokens += [mean_pool(*emb[name]).unsqueeze(1) for name in self.streams]
+            if self.pool is not None:
+                tokens.append(self.pool(batch, emb, tokens[0], self.sparse_arch))
+            else:
+                tokens += [mean_pool(*emb[name]).unsqueeze(1) for name in self.streams]
         tokens.append(self.domain_emb(batch.domain).unsqueeze(1))
         dense = signed_log(batch.dense) if self.schema.dense else batch.dense.new_ones(B, 1)
         return self.inter_arch(self.dense_arch(dense), torch.cat(tokens, dim=1))

@@ -1,4 +1,4 @@
-"""Peer baselines (TorchRec DLRM, DLRM-DCN) and the InterFormer ablation switches."""
+"""Peer baselines (TorchRec DLRM, DLRM-DCN, DIN) and the InterFormer ablation switches."""
 
 import dataclasses
 import json
@@ -19,7 +19,7 @@ from opengem.recipes import recipe
 from opengem.run import FINAL_FILE
 from opengem.testing import random_table, tiny_schema
 
-ARCHS = ["dlrm", "dlrm_dcn"]
+ARCHS = ["dlrm", "dlrm_dcn", "din"]
 
 
 def _peer(arch, seed=0, **kw):
