@@ -152,21 +152,27 @@ def score_run(data: str, run: str) -> dict:
     return {"metrics": evaluate_run(run, data, "test", progress=False, best=True)["metrics"]}
 
 
-def gbdt_trial(data: str, grid: list | None, seed: int, score_test: bool) -> dict:
+def gbdt_trial(data: str, grid: list | None, seed: int, score_test: bool, max_seq_len: int) -> dict:
+    """LightGBM over ``grid`` (None: its full grid) with early stopping on valid; the history capped
+    where GEM's recipe caps it, so it sees the events GEM sees."""
     _quiet()
     from opengem.bench.gbdt import run_gbdt
+    from opengem.evaluation.evaluate import add_oracle
+    from opengem.features.schema import FeatureSchema
 
-    r = run_gbdt(data, grid=grid, seed=seed, threads=1)
-    if not score_test:
-        r.pop("metrics", None)
+    caps = {s.name: max_seq_len for s in FeatureSchema.load(data).sequences}
+    r = run_gbdt(data, grid=grid, seed=seed, threads=1, max_seq_len=caps, score_test=score_test)
+    if score_test:
+        add_oracle(r["metrics"], data, "test")
     return r
 
 
 # ------------------------------------------------------------------------------- report
-def mean_std(xs) -> list[float]:
+def mean_std(xs) -> list[float | None]:
+    """[mean, std] of the finite values (None, None when there are none: JSON has no NaN)."""
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     if not xs:
-        return [math.nan, math.nan]
+        return [None, None]
     return [round(statistics.fmean(xs), 5), round(statistics.stdev(xs), 5) if len(xs) > 1 else 0.0]
 
 
@@ -178,6 +184,8 @@ def summarize(runs: list[dict]) -> dict:
 
 def beats(gem: dict, peer: dict) -> bool:
     g, p = gem["click"], peer["click"]
+    if None in (g["auc"][0], g["ne"][0], p["auc"][0], p["ne"][0]):
+        return False
     return g["auc"][0] > p["auc"][0] and g["ne"][0] < p["ne"][0]
 
 
@@ -186,7 +194,11 @@ def print_table(title: str, summary: dict) -> None:
     cols = ("auc", "ne", "captured", "captured_over_oracle")
     print(f"{'model':<18}" + "".join(f"{c:>24}" for c in cols))
     for model, s in summary.items():
-        print(f"{model:<18}" + "".join(f"{s['click'][c][0]:>14.4f} ± {s['click'][c][1]:<7.4f}" for c in cols))
+        print(f"{model:<18}" + "".join(f"{_num(s['click'][c][0]):>14} ± {_num(s['click'][c][1]):<7}" for c in cols))
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.4f}"
 
 
 def headline(mode_name: str, mode: Mode, models: list[str], chosen: dict, worlds: dict, real: dict,
@@ -207,6 +219,7 @@ def headline(mode_name: str, mode: Mode, models: list[str], chosen: dict, worlds
     out["worlds"] = per_world
     for m in models:
         ratios = [worlds[w][m]["click"]["captured_over_oracle"][0] for w in worlds if m in worlds[w]]
+        ratios = [r for r in ratios if r is not None]
         if ratios:
             out[f"{m}_over_oracle"] = {"mean": mean_std(ratios)[0], "std": mean_std(ratios)[1],
                                        "min": round(min(ratios), 5)}
@@ -249,6 +262,12 @@ def main() -> None:
     def applies(model: str, data: Path) -> bool:
         return model not in SEQUENCE_ABLATIONS or bool(FeatureSchema.load(data).sequences)
 
+    def cap(kind: str) -> int:  # the history cap of GEM's recipe on this dataset
+        from opengem.config import apply_overrides
+        from opengem.recipes import recipe
+
+        return apply_overrides(recipe(mode.recipe), mode.real.get(kind, [])).model.max_seq_len
+
     def run_dir(kind: str, model: str, point, seed: int) -> str:
         tag = "gbdt" if point is None else f"lr{point[0]:g}-t{point[1]:g}"
         return str(work / "runs" / kind / model / f"{tag}-s{seed}")
@@ -261,7 +280,7 @@ def main() -> None:
                 if not applies(model, data):
                     continue
                 if model == GBDT:
-                    search[(model, kind)] = pool.submit(gbdt_trial, str(data), None, 0, False)
+                    search[(model, kind)] = pool.submit(gbdt_trial, str(data), None, 0, False, cap(kind))
                     continue
                 for p in grid:
                     search[(model, kind, p)] = pool.submit(
@@ -282,7 +301,8 @@ def main() -> None:
                     values: dict = {}
                     for ts in trials:
                         for t in ts:
-                            values.setdefault(json.dumps(t["params"], sort_keys=True), []).append(t["valid_logloss"])
+                            values.setdefault(json.dumps(t["params"], sort_keys=True), []).append(
+                                t["valid_logloss"]["click"])
                     chosen[f"{model}/{scope}"] = json.loads(choose(values))
                 else:
                     values = {p: [results[(model, k, p)]["valid_value"] for k in kinds if (model, k, p) in results]
@@ -302,7 +322,7 @@ def main() -> None:
                 point = chosen[f"{model}/{scope}"]
                 for seed in mode.train_seeds:
                     if model == GBDT:
-                        fut = pool.submit(gbdt_trial, str(data), [point], seed, True)
+                        fut = pool.submit(gbdt_trial, str(data), [point], seed, True, cap(kind))
                     elif kind in real and seed == 0:
                         fut = pool.submit(score_run, str(data), run_dir(kind, model, tuple(point), 0))
                     else:

@@ -247,8 +247,9 @@ def _check_grid(grid: list[dict]) -> list[dict]:
 
 
 def run_gbdt(data_dir: str | Path, grid: list[dict] | None = None, seed: int = 0, threads: int = 1,
-             tune_split: str = "valid", max_seq_len: dict[str, int] | None = None) -> dict:
-    """Tune LightGBM on ``tune_split`` over ``grid`` (default ``GRID``), then read test once.
+             tune_split: str = "valid", max_seq_len: dict[str, int] | None = None, score_test: bool = True) -> dict:
+    """Tune LightGBM on ``tune_split`` over ``grid`` (default ``GRID``), then read test once (not at
+    all without ``score_test``: a search over development worlds never needs it).
 
     Returns {"metrics": test metrics (``evaluate_run(...)["metrics"]``'s shape), "valid": the chosen
     point's metrics on ``tune_split``, "chosen": its params and rounds, "trials": every point's
@@ -275,8 +276,10 @@ def run_gbdt(data_dir: str | Path, grid: list[dict] | None = None, seed: int = 0
         if best is None or losses[schema.task_names[c]] < best[0]:
             best = (losses[schema.task_names[c]], point, models, p_valid, trials[-1]["rounds"])
     _, point, models, p_valid, rounds = best
-    test = features(data_dir, REPORT_SPLIT, schema, max_seq_len)
-    return {"metrics": metrics(predict(models, test, schema), test, schema, rates),
-            "valid": metrics(p_valid, valid, schema, rates),
+    out = {}
+    if score_test:
+        test = features(data_dir, REPORT_SPLIT, schema, max_seq_len)
+        out["metrics"] = metrics(predict(models, test, schema), test, schema, rates)
+    return {**out, "valid": metrics(p_valid, valid, schema, rates),
             "chosen": {**point, "rounds": dict(zip(schema.task_names, rounds))},
             "trials": trials, "wall_s": round(time.perf_counter() - t0, 3)}
