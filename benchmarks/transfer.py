@@ -1,24 +1,37 @@
-"""The knowledge-transfer table: transfer ratio R per technique, alone and combined, over seeds.
+"""The knowledge-transfer table: transfer ratio R per technique, alone and combined, over seeds;
+the technique set chosen on a valid day, graded once on the test day.
 
-    python benchmarks/transfer.py --quick      # a few minutes on 2 CPU cores
-    python benchmarks/transfer.py              # the fuller table (README "Knowledge transfer")
+    python benchmarks/transfer.py --quick      # a few minutes on 2 CPU cores (no hierarchical rows)
+    python benchmarks/transfer.py              # the fuller table (docs/transfer.md)
 
 Per seed: generate a synthetic world (its drift knobs set the staleness), train a GEM teacher on
-the ``train`` days, then in ONE pass over the ``valid`` days of one surface (the teacher called once
-per batch) train every student variant, a domain FM, and the VMs that FM teaches online (it scores
-each batch before it learns from it) side by side; a second pass trains a VM from the trained,
-frozen domain FM on the same days (its soft labels are then in-sample). All are evaluated on the
-``test`` day's rows of that surface with the same NE normaliser, next to the teacher:
+the ``train`` days, then in ONE pass over the students' ``distill`` days of one surface (the teacher
+called once per batch) train every student variant, a domain FM, and the VMs that FM teaches online
+(it scores each batch before it learns from it) side by side; a second pass trains a VM from the
+trained, frozen domain FM on the same days (its soft labels are then in-sample). Every student is
+scored on the ``valid`` day that follows the students' days, with the same NE normaliser (the
+students' training base rate), next to the teacher:
 
     R = (NE_alone − NE_with) / (NE_alone − NE_GEM)          (dossier §8.6)
 
-Prints a table of mean ± std over seeds and, as its last line, one JSON object with ``r_kd``,
-``r_best``, ``best`` (the technique set), ``ratio_best_vs_kd`` and every row.
+The servable technique set (and the KD weight among 1, 3, 10) is chosen on that valid day, per
+seed (highest R, i.e. lowest NE) and by majority over seeds (``require_tuning_split``; development
+world seeds only). The ``test`` day after it then grades KD and the chosen set, once: the test pass
+scores only the candidate sets (one pass is cheaper than one per seed's choice), and only KD's and
+the chosen sets' test R are read.
+
+The world is generated with ``sizes.valid_days`` = students' days + 1 and its manifest's ``valid``
+split is cut in two: ``distill`` (the students' days) and ``valid`` (the day the choice is made on).
+
+Prints the valid table (mean ± std over seeds), the test figures, and as its last line one JSON
+object with ``r_kd``, ``r_best``, ``best`` (the majority choice), ``best_per_seed``,
+``ratio_best_vs_kd`` and ``valid`` (every row's valid figures).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import math
@@ -31,7 +44,9 @@ from types import SimpleNamespace
 import torch
 
 from opengem.config import apply_overrides, apply_prefixed_overrides
+from opengem.data.parquet import MANIFEST, DatasetManifest
 from opengem.data.synthetic import generate
+from opengem.discipline import require_dev_world, require_tuning_split
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import count_parameters
 from opengem.recipes import recipe, student_recipe, world_config
@@ -43,10 +58,12 @@ from opengem.transfer.stream import SliceStream, domain_ids, slice_rates
 from opengem.transfer.teacher import TeacherService
 from opengem.transfer.trainer import evaluate_students, train_students, transfer_ratio
 
-# (row name, techniques, overrides for that student). "kd" is standard KD at its tuned weight (3, the
-# default); "kd (w=1)" the untuned one. rep(row) feeds each row's own teacher features: an offline
-# upper bound, not free at serving (the teacher would run per candidate), so it never counts as "best".
+# (row name, techniques, overrides for that student). "kd" is standard KD at the default weight (3);
+# "kd (w=1)" and "kd (w=10)" bracket it, so the weight is chosen on valid too. rep(row) feeds each
+# row's own teacher features: an offline upper bound, not free at serving (the teacher would run per
+# candidate), so it is never a candidate.
 DIRECT = [("alone", "", ()), ("kd (w=1)", "kd", ("transfer.kd.weight=1",)), ("kd", "kd", ()),
+          ("kd (w=10)", "kd", ("transfer.kd.weight=10",)),
           ("kd+aux", "kd+aux", ()), ("kd+adapter", "kd+adapter", ()), ("kd+rep", "kd+rep", ()),
           ("kd+share", "kd+share", ()), ("kd+share+rep", "kd+share+rep", ()),
           ("default (kd+adapter+share)", "kd+adapter+share", ()), ("all", "kd+aux+adapter+rep+share", ()),
@@ -59,23 +76,47 @@ ONLINE = [("hier online: kd", "kd", ()), ("hier online: kd+share", "kd+share", (
 HIER = [("hier frozen FM: kd", "kd", ())]
 FM = ("domain FM (fm_domain)", "kd+adapter+share", ())  # a GEM student itself, then the VMs' teacher
 OFFLINE = {"kd+rep(row) offline"}
+KD_WEIGHTS = {"kd (w=1)": 1.0, "kd": 3.0, "kd (w=10)": 10.0}
+STUDENT_SPLIT, CHOICE_SPLIT = "distill", "valid"
+
+
+def candidates(direct=DIRECT) -> list[str]:
+    """The servable sets the choice is made among (every direct row but the baseline and offline bounds)."""
+    return [r[0] for r in direct if r[0] != "alone" and r[0] not in OFFLINE]
 
 
 def world(args, seed: int):
     d = args.drift
     base = world_config(args.preset, seed=seed)
     return world_config(args.preset, seed=seed, overrides=[
-        f"sizes.num_users={args.users}", f"sizes.num_days={args.days + args.student_days + 1}",
-        f"sizes.valid_days={args.student_days}", "sizes.test_days=1",
+        f"sizes.num_users={args.users}", f"sizes.num_days={args.days + args.student_days + 2}",
+        f"sizes.valid_days={args.student_days + 1}", "sizes.test_days=1",
         f"behaviour.interest_drift={base.behaviour.interest_drift * d}", f"click.ad_drift={base.click.ad_drift * d}",
         f"click.advertiser_drift={base.click.advertiser_drift * d}"])
 
 
+def split_student_days(data: Path, student_days: int) -> None:
+    """Cut the world's ``valid`` days into the students' ``distill`` days and the last one, kept as
+    ``valid`` to choose on: a choice must not be graded on the days the students learnt from."""
+    m = DatasetManifest.load(data)
+    if STUDENT_SPLIT in m.splits:  # a kept --out world, already cut
+        return
+    days = sorted(m.splits["valid"])
+    if len(days) != student_days + 1:
+        raise ValueError(f"{data}: expected {student_days + 1} valid days, got {days}")
+    m.splits = {"train": m.splits["train"], STUDENT_SPLIT: days[:-1], CHOICE_SPLIT: days[-1:], "test": m.splits["test"]}
+    (data / MANIFEST).write_text(json.dumps(m.to_dict(), indent=2))
+
+
 def run_seed(args, seed: int, root: Path, direct=DIRECT, hier=HIER, fm_row=FM, online=ONLINE) -> dict:
+    require_dev_world(seed, "the transfer benchmark's technique set")
+    if not args.hier:
+        hier, online = [], []
     data, run = root / f"data{seed}", root / f"gem{seed}"
     t0 = time.perf_counter()
     if not (run / FINAL_FILE).exists():  # a kept --out directory is reused
         generate(world(args, seed), data, progress=False)
+        split_student_days(data, args.student_days)
         cfg = apply_overrides(recipe(args.teacher), [f"train.seed={seed}", "train.progress=false", "train.threads=1",
                                                      *args.teacher_overrides])
         train(cfg, data, run)
@@ -83,7 +124,7 @@ def run_seed(args, seed: int, root: Path, direct=DIRECT, hier=HIER, fm_row=FM, o
     schema = FeatureSchema.load(data)
     gem = TeacherService.from_run(run)
     doms = domain_ids(schema, [args.domain])
-    rates, n_slice, n_all = slice_rates(data, schema, "valid", doms)
+    rates, n_slice, n_all = slice_rates(data, schema, STUDENT_SPLIT, doms)
 
     def student(row, teacher, recipe_name, steps):
         name, techniques, extra = row
@@ -92,20 +133,29 @@ def run_seed(args, seed: int, root: Path, direct=DIRECT, hier=HIER, fm_row=FM, o
             [f"train.seed={seed}", f"data.seed={seed}", *args.overrides, *extra])
         return make_trainer(name, trees[""], trees["transfer"], schema, teacher, rates, steps)
 
-    def stream(teacher, split="valid", **kw):
-        bs = student_recipe(args.student).data.batch_size if split == "valid" else 4096
-        return SliceStream(data, split, schema, doms, teacher, bs, seed=seed, slice_rows=n_slice if split == "valid"
-                           else None, all_rows=n_all if split == "valid" else None, **kw)
+    def stream(teacher, split=STUDENT_SPLIT, **kw):
+        if split != STUDENT_SPLIT:  # scoring: big batches, in file order
+            return SliceStream(data, split, schema, doms, teacher, 4096, seed=seed, shuffle=False, **kw)
+        return SliceStream(data, split, schema, doms, teacher, student_recipe(args.student).data.batch_size,
+                           seed=seed, slice_rows=n_slice, all_rows=n_all, **kw)
 
     s1 = stream(gem, warmup_days=1)  # fills the per-user cache with the teacher's last day
     students = [student(row, gem, args.student, s1.steps) for row in direct]
     fm = student(fm_row, gem, args.fm, s1.steps) if hier or online else None
     live_fm = SimpleNamespace(model=fm.student.backbone, feature_dim=fm.student.backbone.feature_dim) if fm else None
     follow = [student(row, live_fm, args.student, s1.steps) for row in online]
+    phase = {"teacher": t_teacher}
+    t = time.perf_counter()
     train_students(students + ([fm] if fm else []), s1, {fm.name: follow} if follow else None)
     calls_per_row = (gem.rows - s1.warm_rows) / max(s1.rows, 1)
-    ev = evaluate_students(students + ([fm] if fm else []) + follow,
-                           stream(gem, "test", shuffle=False, update_cache=False), schema, rates)
+    phase["students"], t = time.perf_counter() - t, time.perf_counter()
+    # the valid day feeds the teacher's user cache as the days before it did (no labels enter it), so
+    # the test day reads the snapshot of the day before it, as the valid day did
+    ev_valid = evaluate_students(students + ([fm] if fm else []) + follow, stream(gem, CHOICE_SPLIT), schema, rates)
+    phase["valid"], t = time.perf_counter() - t, time.perf_counter()
+    graded = [tr for tr in students if tr.name not in OFFLINE]
+    ev_test = evaluate_students(graded, stream(gem, "test", update_cache=False), schema, rates)
+    phase["test"], t = time.perf_counter() - t, time.perf_counter()
     names = [r[0] for r in direct] + [r[0] for r in online] + ([fm_row[0]] if fm else [])
     if hier:
         gem2 = TeacherService(gem.model)  # a fresh user cache: the FM's inputs replay as in its training pass
@@ -114,19 +164,23 @@ def run_seed(args, seed: int, root: Path, direct=DIRECT, hier=HIER, fm_row=FM, o
         s2 = stream(fm_teacher, warmup_days=1)
         vms = [student(row, fm_teacher, args.student, s2.steps) for row in hier]
         train_students(vms, s2)
-        ev.update(evaluate_students(vms, stream(fm_teacher, "test", shuffle=False, update_cache=False), schema, rates,
-                                    {"gem": gem2}))
+        ev_valid.update(evaluate_students(vms, stream(fm_teacher, CHOICE_SPLIT), schema, rates, {"gem": gem2}))
         names += [r[0] for r in hier]
-    out = summarize(ev, names, seed, time.perf_counter() - t0, t_teacher, calls_per_row)
-    stats = json.loads((data / "dataset.json").read_text())["source"]["stats"]
+        phase["hier_frozen_fm"] = time.perf_counter() - t
+    out = {"seed": seed, "phase_s": phase, "valid": summarize(ev_valid, names),
+           "test": summarize(ev_test, [tr.name for tr in graded]),
+           "wall_s": time.perf_counter() - t0, "teacher_train_s": t_teacher, "teacher_calls_per_row": calls_per_row}
+    stats = json.loads((data / MANIFEST).read_text())["source"]["stats"]
     out["world"] = {"ctr": stats["ctr"], "new_ad_row_share_test": stats["new_ad_row_share"]["test"],
                     "bayes_ne_test_click": stats["bayes_ne"]["test"]["click"]}
-    out["parameters"] = {"teacher": count_parameters(gem.model), "student": count_parameters(students[0].student.backbone),
+    out["parameters"] = {"teacher": count_parameters(gem.model),
+                         "student": count_parameters(students[0].student.backbone),
                          **({"fm": count_parameters(fm.student.backbone)} if fm else {})}
     return out
 
 
-def summarize(ev: dict, names: list[str], seed: int, wall: float, t_teacher: float, calls_per_row: float) -> dict:
+def summarize(ev: dict, names: list[str]) -> dict:
+    """Each row's click NE, AUC, calibration and R (click and conversion) on one day, and the teacher's."""
     key = "all/click"
     ne_alone, ne_gem = ev["alone"][key]["ne"], ev["teacher@alone"][key]["ne"]
     rows = {}
@@ -137,10 +191,8 @@ def summarize(ev: dict, names: list[str], seed: int, wall: float, t_teacher: flo
                    "r_conversion": transfer_ratio(ev["alone"]["all/conversion"]["ne"], ev[n]["all/conversion"]["ne"],
                                                   ev["teacher@alone"]["all/conversion"]["ne"])}
     teacher = ev["teacher@alone"][key]
-    return {"seed": seed, "rows": rows, "teacher": {"ne": ne_gem, "auc": teacher["auc"],
-                                                    "calibration": teacher["calibration"],
-                                                    "ne_bayes": teacher.get("ne_bayes")},
-            "n_test": teacher["n"], "wall_s": wall, "teacher_train_s": t_teacher, "teacher_calls_per_row": calls_per_row}
+    return {"rows": rows, "teacher": {"ne": ne_gem, "auc": teacher["auc"], "calibration": teacher["calibration"],
+                                      "ne_bayes": teacher.get("ne_bayes")}, "n": teacher["n"]}
 
 
 def _ms(xs: list[float]) -> tuple[float, float]:
@@ -150,21 +202,62 @@ def _ms(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def table(results: list[dict]) -> tuple[str, dict]:
-    names = list(results[0]["rows"])
+def _agg(results: list[dict], split: str, names: list[str]) -> dict:
     agg = {}
-    lines = [f"{'students (click, test day)':<28}{'NE':>16}{'AUC':>9}{'calib':>8}{'R':>16}{'R(conv)':>10}"]
-    t_ne = _ms([r["teacher"]["ne"] for r in results])
-    lines.append(f"{'GEM teacher (stale)':<28}{t_ne[0]:>10.4f} ±{t_ne[1]:.3f}"
-                 f"{_ms([r['teacher']['auc'] for r in results])[0]:>9.4f}"
-                 f"{_ms([r['teacher']['calibration'] for r in results])[0]:>8.3f}")
     for n in names:
-        get = {k: _ms([r["rows"][n][k] for r in results]) for k in ("ne", "auc", "calibration", "r", "r_conversion")}
+        get = {k: _ms([r[split]["rows"][n][k] for r in results])
+               for k in ("ne", "auc", "calibration", "r", "r_conversion")}
         agg[n] = {k: {"mean": v[0], "std": v[1]} for k, v in get.items()}
-        agg[n]["r_per_seed"] = [r["rows"][n]["r"] for r in results]
-        lines.append(f"{n:<28}{get['ne'][0]:>10.4f} ±{get['ne'][1]:.3f}{get['auc'][0]:>9.4f}"
-                     f"{get['calibration'][0]:>8.3f}{get['r'][0]:>10.3f} ±{get['r'][1]:.3f}{get['r_conversion'][0]:>10.3f}")
+        agg[n]["r_per_seed"] = [r[split]["rows"][n]["r"] for r in results]
+    return agg
+
+
+def choose(results: list[dict], cands: list[str]) -> tuple[list[str], str, dict]:
+    """(each seed's set with the highest valid R, the majority of those, each set's mean valid NE
+    gain over the student alone). Reads the valid rows only.
+
+    Within a seed, the highest R is the lowest NE (one teacher, one normaliser), so the choice ranks
+    NE: it stays defined on a seed whose stale teacher is not ahead of the student alone on the valid
+    day (R is NaN there). A majority tie goes to the larger mean gain."""
+    require_tuning_split(CHOICE_SPLIT, "the transfer benchmark's technique set")
+    rows = [r[CHOICE_SPLIT]["rows"] for r in results]
+    per_seed = [min(cands, key=lambda n, x=x: x[n]["ne"]) for x in rows]
+    gain = {n: statistics.fmean(x["alone"]["ne"] - x[n]["ne"] for x in rows) for n in cands}
+    votes = collections.Counter(per_seed)
+    best = max((n for n in cands if votes[n] == max(votes.values())), key=gain.get)
+    return per_seed, best, gain
+
+
+def valid_table(results: list[dict]) -> tuple[str, dict]:
+    names = list(results[0][CHOICE_SPLIT]["rows"])
+    agg = _agg(results, CHOICE_SPLIT, names)
+    lines = [f"{'students (click, valid day)':<28}{'NE':>16}{'AUC':>9}{'calib':>8}{'R':>16}{'R(conv)':>10}"]
+    t_ne = _ms([r[CHOICE_SPLIT]["teacher"]["ne"] for r in results])
+    lines.append(f"{'GEM teacher (stale)':<28}{t_ne[0]:>10.4f} ±{t_ne[1]:.3f}"
+                 f"{_ms([r[CHOICE_SPLIT]['teacher']['auc'] for r in results])[0]:>9.4f}"
+                 f"{_ms([r[CHOICE_SPLIT]['teacher']['calibration'] for r in results])[0]:>8.3f}")
+    for n in names:
+        a = agg[n]
+        lines.append(f"{n:<28}{a['ne']['mean']:>10.4f} ±{a['ne']['std']:.3f}{a['auc']['mean']:>9.4f}"
+                     f"{a['calibration']['mean']:>8.3f}{a['r']['mean']:>10.3f} ±{a['r']['std']:.3f}"
+                     f"{a['r_conversion']['mean']:>10.3f}")
     return "\n".join(lines), agg
+
+
+def grade_on_test(results: list[dict], best: str, per_seed: list[str]) -> dict:
+    """The test day, read once: the teacher, the student alone, KD and the chosen sets."""
+    def r(res, n):
+        return res["test"]["rows"][n]["r"]
+
+    r_kd, r_best = _ms([r(x, "kd") for x in results]), _ms([r(x, best) for x in results])
+    r_own = _ms([r(x, n) for x, n in zip(results, per_seed)])
+    ratio = _ms([r(x, best) / r(x, "kd") for x in results if r(x, "kd") > 0])
+    return {"r_kd": r_kd, "r_best": r_best, "r_per_seed_choice": r_own, "ratio_per_seed": ratio,
+            "ne_teacher": _ms([x["test"]["teacher"]["ne"] for x in results]),
+            "ne_alone": _ms([x["test"]["rows"]["alone"]["ne"] for x in results]),
+            "ne_kd": _ms([x["test"]["rows"]["kd"]["ne"] for x in results]),
+            "ne_best": _ms([x["test"]["rows"][best]["ne"] for x in results]),
+            "r_kd_per_seed": [r(x, "kd") for x in results], "r_best_per_seed": [r(x, best) for x in results]}
 
 
 def main() -> None:
@@ -174,20 +267,23 @@ def main() -> None:
     p.add_argument("--preset", default="demo", help="synthetic world preset the world is scaled from")
     p.add_argument("--users", type=int, default=None)
     p.add_argument("--days", type=int, default=None, help="teacher days T")
-    p.add_argument("--student-days", type=int, default=2, help="student days k (the teacher's staleness)")
+    p.add_argument("--student-days", type=int, default=2, help="student days k (then one valid day, one test day)")
     p.add_argument("--drift", type=float, default=None, help="multiplier of the preset's drift knobs")
     p.add_argument("--domain", default="feed")
     p.add_argument("--teacher", default="tiny", help="GEM recipe of the teacher")
     p.add_argument("--student", default="vm_s")
     p.add_argument("--fm", default="fm_domain", help="recipe of the domain FM (hierarchical transfer)")
+    p.add_argument("--hier", action=argparse.BooleanOptionalAction, default=None,
+                   help="the hierarchical rows (domain FM, its VMs); default: on, off with --quick")
     p.add_argument("--teacher-overrides", nargs="*", default=[])
     p.add_argument("--overrides", nargs="*", default=[], help="student / transfer.* overrides for every student")
     p.add_argument("--out", default=None, help="keep worlds and runs here (default: a temporary directory)")
     args = p.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
-    quick = {"seeds": 3, "users": 4000, "days": 3, "drift": 3.0}
-    full = {"seeds": 5, "users": 12000, "days": 4, "drift": 3.0}
+    # --quick leaves out the hierarchical rows (never candidates) to stay within 5 minutes on 2 cores
+    quick = {"seeds": 3, "users": 4000, "days": 3, "drift": 3.0, "hier": False}
+    full = {"seeds": 5, "users": 12000, "days": 4, "drift": 3.0, "hier": True}
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -197,32 +293,42 @@ def main() -> None:
         results = []
         for seed in range(args.seeds):
             results.append(run_seed(args, seed, root))
-            print(f"seed {seed}: " + ", ".join(f"{n} R {r['r']:.3f}" for n, r in results[-1]["rows"].items())
+            print(f"seed {seed}, valid: " + ", ".join(f"{n} R {r['r']:.3f}"
+                                                     for n, r in results[-1][CHOICE_SPLIT]["rows"].items())
                   + f"  ({results[-1]['wall_s']:.0f} s)", flush=True)
-    text, agg = table(results)
-    direct = [r[0] for r in DIRECT if r[0] != "alone" and r[0] not in OFFLINE]
-    best = max(direct, key=lambda n: agg[n]["r"]["mean"])
-    r_kd, r_best, r_kd1 = agg["kd"]["r"]["mean"], agg[best]["r"]["mean"], agg["kd (w=1)"]["r"]["mean"]
-    per_seed = [r["rows"][best]["r"] / r["rows"]["kd"]["r"] for r in results if r["rows"]["kd"]["r"] > 0]
-    ratio_spread = _ms(per_seed)
-    offline = next(iter(OFFLINE))
+    text, agg = valid_table(results)
+    cands = candidates()
+    per_seed, best, gain = choose(results, cands)
+    kd_weight = KD_WEIGHTS[max(KD_WEIGHTS, key=gain.get)]
+    t = grade_on_test(results, best, per_seed)
     settings = {k: getattr(args, k) for k in ("preset", "users", "days", "student_days", "drift", "domain", "teacher",
-                                              "student", "fm", "seeds", "overrides", "teacher_overrides")}
+                                              "student", "fm", "hier", "seeds", "overrides", "teacher_overrides")}
     w = results[0]["world"]
-    print(f"\nworld: {args.preset} × {args.users} users; teacher ({args.teacher}) on days 0-{args.days - 1}, students "
-          f"({args.student}, {args.domain}) on days {args.days}-{args.days + args.student_days - 1}, test day "
-          f"{args.days + args.student_days}; drift ×{args.drift}; test rows {results[0]['n_test']} (seed 0), "
-          f"{w['new_ad_row_share_test']:.0%} of them show ads launched after the teacher's days; "
-          f"{len(results)} seeds; {time.perf_counter() - t0:.0f} s")
+    T, k = args.days, args.student_days
+    print(f"\nworld: {args.preset} × {args.users} users; teacher ({args.teacher}) on days 0-{T - 1}, students "
+          f"({args.student}, {args.domain}) on days {T}-{T + k - 1}, valid day {T + k} (the choice), test day "
+          f"{T + k + 1}; drift ×{args.drift}; valid rows {results[0][CHOICE_SPLIT]['n']}, test rows "
+          f"{results[0]['test']['n']} (seed 0), {w['new_ad_row_share_test']:.0%} of the test rows show ads "
+          f"launched after the teacher's days; {len(results)} seeds; {time.perf_counter() - t0:.0f} s")
     print(text)
-    print(f"\nR(best)/R(KD) = {r_best:.3f} / {r_kd:.3f} = {r_best / r_kd:.2f} (per seed {ratio_spread[0]:.2f} "
-          f"± {ratio_spread[1]:.2f}; best servable set: {best}); vs untuned KD (w=1): {r_best / r_kd1:.2f}; "
-          f"offline upper bound {offline}: {agg[offline]['r']['mean'] / r_kd:.2f}")
-    print(json.dumps({"r_kd": r_kd, "r_best": r_best, "best": best, "ratio_best_vs_kd": r_best / r_kd,
-                      "ratio_best_vs_kd_per_seed": {"mean": ratio_spread[0], "std": ratio_spread[1]},
-                      "r_kd_w1": r_kd1, "ratio_best_vs_kd_w1": r_best / r_kd1,
-                      "r_offline_row_rep": agg[offline]["r"]["mean"], "rows": agg, "settings": settings,
-                      "teacher": {k: _ms([r["teacher"][k] for r in results])[0] for k in ("ne", "auc", "calibration")},
+    print(f"\nchosen on valid R: {best} (per seed: {', '.join(per_seed)}); KD weight on valid: {kd_weight:g}")
+    print(f"test day (read once): NE teacher {t['ne_teacher'][0]:.4f}, alone {t['ne_alone'][0]:.4f}, "
+          f"KD {t['ne_kd'][0]:.4f}, {best} {t['ne_best'][0]:.4f}")
+    print(f"test R: KD {t['r_kd'][0]:.3f} ± {t['r_kd'][1]:.3f}; {best} {t['r_best'][0]:.3f} ± {t['r_best'][1]:.3f}; "
+          f"each seed's own choice {t['r_per_seed_choice'][0]:.3f} ± {t['r_per_seed_choice'][1]:.3f}; "
+          f"R(best)/R(KD) = {t['r_best'][0] / t['r_kd'][0]:.2f} (per seed {t['ratio_per_seed'][0]:.2f} "
+          f"± {t['ratio_per_seed'][1]:.2f})")
+    ms = {key: {"mean": v[0], "std": v[1]} for key, v in t.items() if isinstance(v, tuple)}
+    print(json.dumps({"r_kd": t["r_kd"][0], "r_best": t["r_best"][0], "best": best, "best_per_seed": per_seed,
+                      "ratio_best_vs_kd": t["r_best"][0] / t["r_kd"][0], "test": ms,
+                      "test_r_per_seed": {"kd": t["r_kd_per_seed"], best: t["r_best_per_seed"]},
+                      "kd_weight_chosen_on_valid": kd_weight, "candidates": cands, "valid_ne_gain": gain,
+                      "valid_per_seed": [{"teacher_ne": r[CHOICE_SPLIT]["teacher"]["ne"],
+                                          "alone_ne": r[CHOICE_SPLIT]["rows"]["alone"]["ne"]} for r in results],
+                      "phase_s": [r["phase_s"] for r in results],
+                      "valid_r": {n: agg[n]["r"] for n in agg}, "valid": agg, "settings": settings,
+                      "teacher_valid": {key: _ms([r[CHOICE_SPLIT]["teacher"][key] for r in results])[0]
+                                        for key in ("ne", "auc", "calibration")},
                       "world_seed0": w, "parameters": results[0]["parameters"],
                       "teacher_calls_per_row": results[0]["teacher_calls_per_row"],
                       "wall_s": time.perf_counter() - t0}, default=str))

@@ -15,7 +15,8 @@ TOL = {"ac": 1e-5, "sac": 1e-5, "bf16": 3e-2, "fp8": 3e-2}
 
 @pytest.fixture(scope="module")
 def bench():
-    return run_bench(recipe("tiny"), levers=("eager", "ac", "sac", "bf16", "fp8"), warmup=1, steps=3, loader_seconds=1.0)
+    return run_bench(recipe("tiny"), levers=("eager", "ac", "sac", "bf16", "fp8"), warmup=1, steps=3,
+                     loader_seconds=1.0)
 
 
 def test_levers_match_eager_within_tolerance(bench):
@@ -35,6 +36,8 @@ def test_memory_levers_save_activation_memory(bench):
     held = {k: lv[k]["held_activation_mb"] for k in ("eager", "ac", "sac", "fp8")}
     assert held["ac"] < held["sac"] < 0.95 * held["eager"], held
     assert held["fp8"] < 0.6 * held["eager"], held
+    # the loader ran; loader-vs-step throughput (README: 17.5-21x) is a timing ratio, reported by
+    # ``opengem bench --quick`` and not asserted here
     assert lv["eager"]["speedup_vs_eager"] == 1.0 and bench["loader_examples_per_s"] > 0
     assert set(lv["eager"]["phase_ms"]) == {"data", "embed", "dense", "backward", "optim"}
     assert "loader alone" in format_bench(bench)

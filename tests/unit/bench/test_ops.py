@@ -1,6 +1,8 @@
 """The op measurements behind ``benchmarks/jagged.py`` and ``opengem bench --quick``, at toy sizes:
 each figure is computed from real runs and has the value its definition implies."""
 
+import pytest
+
 from opengem.bench import ops as bench_ops
 
 
@@ -8,10 +10,14 @@ def test_attention_case_figures_follow_their_definitions():
     out = bench_ops.attention_case(8, 20, 200, 16, heads=2, reps=1)
     lengths = bench_ops.lognormal_lengths(8, 20, 200)
     assert int(lengths.max()) == 200 and out["events"] == int(lengths.sum())
-    assert out["padded_over_jagged_time"] == out["padded_s"] / out["jagged_s"] > 0
+    # The time ratio is defined here, not asserted: at this size it measured 1.4x on the shared 2-core
+    # machine (README's 25x is at the benchmark's sizes); timings belong to ``opengem bench --quick``
+    # and ``benchmarks/jagged.py``, medians of several runs.
+    assert out["padded_over_jagged_time"] == out["padded_s"] / out["jagged_s"]
     assert out["ideal_flops_ratio"] == 8 * 200**2 / float((lengths.double() ** 2).sum())
     # padded attention saves [B, H, max_len, Dh] tensors; jagged ones scale with the real events
-    assert out["jagged_saved_bytes"] < out["padded_saved_bytes"]
+    # (4.06x fewer than padded slots here): measured 3.05x fewer bytes, deterministic given the lengths
+    assert out["padded_saved_bytes"] / out["jagged_saved_bytes"] == pytest.approx(3.05, abs=0.1)
 
 
 def test_trained_tiny_fp8_and_table_compression(tmp_path):
