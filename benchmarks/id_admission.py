@@ -60,11 +60,11 @@ def run_variant(name: str, data: Path, run: Path, w: int, overrides: list[str]) 
     base = recipe("tiny").optim
     t = train_point(cfg, data, run, (base.lr, base.sparse_lr), split="valid", max_epochs=2)
     m = evaluate_run(run, data, "valid", progress=False, best=True)["metrics"]
-    epoch_steps = max(r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-                      if "eval" in r) / 2
+    evals = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "eval" in r]
     return {"world": w, "variant": name, "ne_click": m["all/click"]["ne"], "ne_conversion": m["all/conversion"]["ne"],
             "captured_over_oracle_click": m["all/click"].get("captured_over_oracle"),
-            "best_epoch": round(t.step / epoch_steps, 2), "wall_s": round(t.wall_s, 1)}
+            "best_epoch": round(t.step / (evals[-1]["step"] / len(evals)), 2),
+            "ne_click_per_epoch": [r["eval"]["all/click"]["ne"] for r in evals], "wall_s": round(t.wall_s, 1)}
 
 
 def main() -> None:
