@@ -11,6 +11,18 @@ Legend: B rows, n sparse features, N events of one stream (jagged), D embedding 
 Every table has ``vocab + 1`` rows; the last is the OOV row that ``collate`` maps bad ids to.
 The tables are the only sparse parameters of the model; ``sparse_parameters()`` names them for
 the row-wise Adagrad optimizer (and for TorchRec sharding).
+
+Frequency admission (``min_count`` k > 0, for the features ``min_count_features`` names, ``user_id``
+by default): an id looks up its own row only once training has seen it k times; before that, and at
+serving for ids training saw fewer than k times, it reads the shared OOV row. Why: on a world with
+~5 training impressions per user a per-user table memorises the few labels of each row and the model
+peaks after one epoch (docs/experiments.md, "Id admission"); the rare ids' labels train the OOV row
+instead, which is also what a new user gets at serving. The counts are a buffer (``seen_<feature>``,
+in the state dict), counted in training mode only, before each batch's own rows are added, so a
+checkpoint, an evaluation and the exported predictor all map ids as the model was trained. It is the
+streaming form of "count on the train split" (GEM trains online, one pass): over several epochs the
+counts keep growing, so an id with n rows an epoch is admitted during epoch ⌈k/n⌉. One process counts
+its own rows: under data parallelism each rank would admit on its own sightings (not used there yet).
 """
 
 from __future__ import annotations
@@ -29,6 +41,8 @@ from opengem.features.schema import FeatureSchema
 class SparseArchConfig:
     init_std: float = 0.05
     max_rows_per_table: int = 0  # 0 = no cap; otherwise ids are hashed (mod) into this many rows
+    min_count: int = 0  # k: ids seen < k times in training read the OOV row (module docstring); 0 = off
+    min_count_features: tuple[str, ...] = ("user_id",)  # the features admission applies to (absent ones skipped)
 
 
 _INIT_BLOCK = 4096
@@ -99,6 +113,22 @@ class SparseArch(nn.Module):
                 seq_tables.append(EmbeddingConfig(name=f"t_{s.name}_{a.name}", embedding_dim=D,
                                                   num_embeddings=self.rows[col], feature_names=[col]))
         self.ec = EmbeddingCollection(tables=seq_tables, device=device) if seq_tables else None
+        self.admitted = self._admission_features(schema, cfg)
+        for f in self.admitted:  # on the CPU even on meta: the parallel init copies a reference's values
+            self.register_buffer(f"seen_{f}", torch.zeros(self.rows[f], dtype=torch.int32))
+
+    @staticmethod
+    def _admission_features(schema: FeatureSchema, cfg: SparseArchConfig) -> list[str]:
+        if cfg.min_count < 0:
+            raise ValueError(f"model.sparse.min_count must be >= 0, got {cfg.min_count}")
+        if not cfg.min_count:
+            return []
+        seq = {c for s in schema.sequences for c in (s.item_column, s.event_column)}
+        bad = [f for f in cfg.min_count_features if f in seq or "." in f]
+        if bad:
+            raise ValueError(f"model.sparse.min_count_features names non-sequence sparse features; {bad} are "
+                             "sequence columns")
+        return [f.name for f in schema.sparse if f.name in cfg.min_count_features]
 
     def _rows(self, vocab: int) -> int:
         cap = self.cfg.max_rows_per_table
@@ -118,6 +148,8 @@ class SparseArch(nn.Module):
         """Deterministic per-table init: the same values whatever the sharding (see ``table_init_slice``)."""
         for name, w in self.tables().items():
             w.copy_(table_init_slice(name, seed, self.cfg.init_std, 0, w.shape[0], 0, w.shape[1], w.shape[1]))
+        for f in self.admitted:
+            getattr(self, f"seen_{f}").zero_()
 
     def sparse_parameters(self) -> list[nn.Parameter]:
         return [p for m in (self.ebc, self.ec) if m is not None for p in m.parameters()]
@@ -130,11 +162,33 @@ class SparseArch(nn.Module):
         per_value = torch.repeat_interleave(mods, torch.tensor(kjt.length_per_key(), device=mods.device))
         return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values() % per_value, lengths=kjt.lengths())
 
+    def seen(self, feature: str) -> torch.Tensor:
+        """How often training has seen each row of ``feature`` (an admitted feature), [rows]."""
+        return getattr(self, f"seen_{feature}")
+
+    def _admit(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """Ids of admitted features that training saw < k times → the OOV (last) row; in training mode
+        the batch's ids are then counted (module docstring). With ``max_rows_per_table`` the counts
+        are per hashed row and the last row is also a hashed id's."""
+        if not self.admitted:
+            return kjt
+        values, keys = kjt.values().clone(), kjt.keys()
+        offsets = kjt.offset_per_key()
+        for f in self.admitted:
+            i = keys.index(f)
+            ids = values[offsets[i]:offsets[i + 1]]
+            seen = self.seen(f)
+            rare = seen[ids.to(seen.device)].to(ids.device) < self.cfg.min_count
+            if self.training:
+                seen.index_add_(0, ids.to(seen.device), torch.ones_like(ids, dtype=seen.dtype, device=seen.device))
+            values[offsets[i]:offsets[i + 1]] = torch.where(rare, torch.full_like(ids, self.rows[f] - 1), ids)
+        return KeyedJaggedTensor(keys=keys, values=values, lengths=kjt.lengths())
+
     def forward_sparse(self, sparse: KeyedJaggedTensor, batch_size: int) -> torch.Tensor:
         """[B, n, D] pooled embeddings of the non-sequence id features."""
         if self.ebc is None:
             return torch.zeros(batch_size, 0, self.dim)
-        per_feature = self.ebc(self._hash(sparse)).to_dict()  # by name: a sharded EBC may reorder features
+        per_feature = self.ebc(self._admit(self._hash(sparse))).to_dict()  # by name: a sharded EBC may reorder features
         return torch.stack([per_feature[f.name] for f in self.schema.sparse], dim=1)
 
     def forward_sequences(self, sequences: KeyedJaggedTensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -10,9 +10,10 @@ maps the teacher's logits to calibrated ones, fitted on the freshest ground trut
           + Σ_f e_f[id_f(b)]_t                             (``ids``: a learned scalar per id, zero at init;
                                                              features the schema lacks are skipped)
 
-ExFM Algorithm 1, per step: (1) update the adapter on (z_F, y) of the batch; (2) its output, under
-stop-gradient, is the student's soft label σ(z'); (3) update the student. ``update`` does (1),
-``target`` does (2); the student never sends a gradient into the adapter.
+ExFM Algorithm 1, per step: (1) update the adapter on (z_F, y) of the batch; (2) its output z',
+under stop-gradient, is the student's soft label σ(z'/τ) (tempered like a raw teacher's logit, by
+``opengem.transfer.losses.kd_loss``); (3) update the student. ``update`` does (1), ``target`` does
+(2); the student never sends a gradient into the adapter.
 """
 
 from __future__ import annotations
@@ -72,5 +73,5 @@ class StudentAdapter(nn.Module):
 
     @torch.no_grad()
     def target(self, teacher_BT: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """σ(adapter(z_F)) under stop-gradient: the student's soft label (step 2)."""
-        return torch.sigmoid(self(teacher_BT, batch))
+        """adapter(z_F) under stop-gradient: the logits of the student's soft label (step 2)."""
+        return self(teacher_BT, batch)

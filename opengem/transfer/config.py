@@ -25,7 +25,7 @@ from opengem.config import ConfigError
 class KDConfig:
     enabled: bool = True
     weight: float = 3.0  # loss weight of the soft-label term (3 beat 1 by a third of R, benchmarks/transfer.py)
-    temperature: float = 1.0  # τ: BCE(s/τ, σ(t/τ))
+    temperature: float = 1.0  # τ: τ² BCE(s/τ, σ(t/τ)), t the teacher's or adapter's logit
 
 
 @dataclass
@@ -82,6 +82,9 @@ class TransferConfig:
                               "transfer.kd.enabled=true")
         if self.kd.temperature <= 0 or self.kd.weight < 0 or self.aux.weight < 0 or self.aux.label_scale <= 0:
             raise ConfigError("transfer.kd.temperature and aux.label_scale must be > 0, weights >= 0")
+        if self.aux.enabled and self.kd.temperature != 1.0:
+            raise ConfigError("transfer.kd.temperature tempers the serving head's KD term; with transfer.aux the "
+                              "soft label goes to the auxiliary head untempered: set transfer.kd.temperature=1")
         if self.rep.source not in ("user", "row"):
             raise ConfigError(f"transfer.rep.source must be user|row, got {self.rep.source!r}")
         if self.adapter.hidden < 0 or self.adapter.steps < 1 or self.adapter.lr <= 0:

@@ -2,11 +2,19 @@
 
 Legend: B rows, T tasks; h(s, p) = BCE(σ(s), p) with a soft label p ∈ [0, 1].
 
-    soft label     p_F = σ(z_F / τ)                       (raw teacher)   or  σ(adapter(z_F))   (student adapter)
-    KD             L = L_true(ŷ_S) + w_kd · h(ŷ_S / τ, p)                 serving head fits the soft label
-    aux head       L = L_true(ŷ_S) + w · h(ŷ_D, min(α·p, 1))              a separate head fits it; the serving
+    teacher logit  z = z_F                                (raw teacher)   or  adapter(z_F)      (student adapter)
+    KD             L = L_true(ŷ_S) + w_kd · τ² h(ŷ_S / τ, σ(z / τ))       serving head fits the soft label
+    aux head       L = L_true(ŷ_S) + w · h(ŷ_D, min(α·σ(z), 1))           a separate head fits it; the serving
                                                                            head sees ground truth only
     L_true = the trainer's masked BCE (``opengem.train.losses.masked_bce``) on the labelled rows.
+
+Temperature (Hinton et al. 2015): the student's and the teacher's logits are divided by the same
+τ, so the KD term's minimum is still ŷ_S = z (a student fitted to the soft label alone is as
+calibrated as its teacher at any τ), and its gradient (σ(ŷ_S/τ) − σ(z/τ))/τ shrinks as 1/τ² near
+agreement, which the τ² factor undoes so that ``kd.weight`` means the same at every τ. The adapter's
+logits are tempered like the raw teacher's: it recalibrates the teacher, τ then softens the result.
+The auxiliary head's label is untempered (ExFM scales the probability itself), so τ ≠ 1 with ``aux``
+is refused by ``TransferConfig.validate``.
 
 Each soft-label term is a mean over every row of the batch (the teacher labels rows that have no
 label yet too), weighted by the row's sample weight, summed over tasks with the task weights.
@@ -33,9 +41,9 @@ def soft_bce(logits_BT: torch.Tensor, target_BT: torch.Tensor, weights_B: torch.
 
 def kd_loss(student_BT: torch.Tensor, teacher_BT: torch.Tensor, weights_B: torch.Tensor,
             task_weights_T: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Standard KD on soft labels: h(s/τ, σ(t/τ))."""
+    """Standard KD on teacher logits: τ² h(s/τ, σ(t/τ)) (module docstring); no gradient into t."""
     target = torch.sigmoid(teacher_BT.detach() / temperature)
-    return soft_bce(student_BT / temperature, target, weights_B, task_weights_T)
+    return temperature ** 2 * soft_bce(student_BT / temperature, target, weights_B, task_weights_T)
 
 
 def scaled_label(p_BT: torch.Tensor, scale: float) -> torch.Tensor:
@@ -50,26 +58,27 @@ class DistillLoss:
     distill: float
 
 
-def distill_loss(logits_BT: torch.Tensor, aux_BT: torch.Tensor | None, soft_BT: torch.Tensor | None,
+def distill_loss(logits_BT: torch.Tensor, aux_BT: torch.Tensor | None, teacher_BT: torch.Tensor | None,
                  labels_BT: torch.Tensor, mask_BT: torch.Tensor, weights_B: torch.Tensor,
                  task_weights_T: torch.Tensor, cfg: TransferConfig) -> DistillLoss:
     """The student's loss for one batch.
 
     Args:
         logits_BT: serving-head logits.  aux_BT: distillation-head logits (None without ``cfg.aux``).
-        soft_BT: the soft label p (already σ(z/τ) or the adapter's output; no gradient), None = no KD.
+        teacher_BT: the teacher's logits z (raw, or the adapter's; no gradient), None = no KD.
         labels_BT, mask_BT, weights_B: the batch's ground truth.  task_weights_T: schema task weights.
     """
     true, _ = masked_bce(logits_BT, labels_BT, mask_BT, weights_B, task_weights_T)
-    if soft_BT is None or not cfg.kd.enabled:
+    if teacher_BT is None or not cfg.kd.enabled:
         return DistillLoss(true, true.item(), 0.0)
-    soft_BT = soft_BT.detach()
+    teacher_BT = teacher_BT.detach()
     if cfg.aux.enabled:
         if aux_BT is None:
             raise ValueError("transfer.aux is on but the student has no auxiliary head")
-        d = soft_bce(aux_BT, scaled_label(soft_BT, cfg.aux.label_scale), weights_B, task_weights_T)
+        label = scaled_label(torch.sigmoid(teacher_BT), cfg.aux.label_scale)
+        d = soft_bce(aux_BT, label, weights_B, task_weights_T)
         total = true + cfg.aux.weight * d
     else:
-        d = soft_bce(logits_BT / cfg.kd.temperature, soft_BT, weights_B, task_weights_T)
+        d = kd_loss(logits_BT, teacher_BT, weights_B, task_weights_T, cfg.kd.temperature)
         total = true + cfg.kd.weight * d
     return DistillLoss(total, true.item(), d.item())

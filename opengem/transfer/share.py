@@ -8,14 +8,17 @@ model built from the same data has the same table names and row counts). Per tab
     D_s = D_t   copy
     D_s < D_t   W_s = W_t V_{:, :D_s}     V: right singular vectors of W_t (PCA without centring), so the
                                           student keeps the directions along which the teacher's ids differ most
-    D_s > D_t   W_s[:, :D_t] = W_t        the rest keeps its initialisation
+    D_s > D_t   W_s[:, :D_t] = W_t        columns D_t.. keep the student's initialisation: the extra
+                                          directions start as random as in a student of its own
 
-``rescale`` (default) then scales each shared table to the standard deviation the student's own
-initialisation gave it: what transfers is the geometry (which ids are alike), while the student's
-layers, learning rates and row-wise Adagrad see inputs of the scale they were tuned for (trained
-teacher tables are 3–8× wider than the N(0, 0.05²) init; copied as they are, they slowed the
-student down, measured in benchmarks/transfer.py). ``freeze`` turns the shared tables off for the
-optimiser (reuse as they are). The domain embedding (an ``nn.Embedding``, dense) is shared the same way.
+``rescale`` (default) then scales the shared columns to the standard deviation the student's own
+initialisation gave them (the kept columns stay as they are; a std taken over zero-padded columns
+would inflate the copied ones by up to sqrt(D_s/D_t)): what transfers is the geometry (which ids
+are alike), while the student's layers, learning rates and row-wise Adagrad see inputs of the scale
+they were tuned for (trained teacher tables are 3–8× wider than the N(0, 0.05²) init; copied as
+they are, they slowed the student down, measured in benchmarks/transfer.py). ``freeze`` turns the
+shared tables off for the optimiser (reuse as they are). The domain embedding (an ``nn.Embedding``,
+dense) is shared the same way.
 """
 
 from __future__ import annotations
@@ -31,13 +34,13 @@ log = logging.getLogger(__name__)
 
 
 def project_table(w_RD: torch.Tensor, dim: int) -> torch.Tensor:
-    """The table at width ``dim`` (see the module docstring)."""
-    if w_RD.shape[1] == dim:
+    """The columns a student of width ``dim`` takes from the table (module docstring): all D of them
+    when D <= ``dim``, else the leading ``dim`` principal directions (min(R, ``dim``) of them: a table
+    of R < dim rows has R). The student's own init fills any column beyond."""
+    if w_RD.shape[1] <= dim:
         return w_RD.clone()
-    if w_RD.shape[1] > dim:
-        _, _, vh = torch.linalg.svd(w_RD.double(), full_matrices=False)  # a table of R < dim rows has R directions
-        w_RD = (w_RD.double() @ vh[:dim].T).to(w_RD.dtype)
-    return torch.cat([w_RD, w_RD.new_zeros(w_RD.shape[0], dim - w_RD.shape[1])], 1)
+    _, _, vh = torch.linalg.svd(w_RD.double(), full_matrices=False)
+    return (w_RD.double() @ vh[:dim].T).to(w_RD.dtype)
 
 
 @torch.no_grad()
@@ -58,9 +61,10 @@ def share_parameters(student: GEM, teacher: GEM, cfg: ShareConfig) -> list[str]:
             log.warning("not sharing %s: %d rows in the student, %d in the teacher", name, w.shape[0], t.shape[0])
             continue
         new = project_table(t.detach().to(w.dtype), w.shape[1])
+        cols = w[:, :new.shape[1]]  # a wider student keeps its own init in the rest
         if cfg.rescale:
-            new = new * (w.std() / new.std().clamp(min=1e-12))
-        w.copy_(new)
+            new = new * (cols.std() / new.std().clamp(min=1e-12))
+        cols.copy_(new)
         if cfg.freeze:
             w.requires_grad_(False)
         shared.append(name)

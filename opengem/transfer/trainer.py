@@ -77,12 +77,13 @@ class StudentTrainer:
             batch = with_rep(batch, rep)
         return batch, tout
 
-    def soft_label(self, batch: Batch, tout: TeacherOutput) -> torch.Tensor | None:
-        """The distillation target; updates the adapter on this batch's labels first (stale → fresh)."""
+    def teacher_logits(self, batch: Batch, tout: TeacherOutput) -> torch.Tensor | None:
+        """The logits the soft label is made of (``distill_loss`` tempers them); updates the adapter on
+        this batch's labels first (stale → fresh)."""
         if not self.tcfg.kd.enabled:
             return None
         if self.adapter is None:
-            return torch.sigmoid(tout.logits / self.tcfg.kd.temperature)
+            return tout.logits
         self.sums["loss_adapter"] += self.adapter.update(tout.logits, batch)
         return self.adapter.target(tout.logits, batch)
 
@@ -93,11 +94,11 @@ class StudentTrainer:
         if v is None:
             return
         batch, tout = v
-        soft = self.soft_label(batch, tout)
+        teacher = self.teacher_logits(batch, tout)
         self.schedule.set(min(self.step_n, self.schedule.total - 1))
         self.student.train()
         logits, aux = self.student.forward_train(batch)
-        loss = distill_loss(logits, aux, soft, batch.labels, batch.label_mask, batch.weights, self.task_w, self.tcfg)
+        loss = distill_loss(logits, aux, teacher, batch.labels, batch.label_mask, batch.weights, self.task_w, self.tcfg)
         if not math.isfinite(loss.total.item()):
             raise FloatingPointError(f"student {self.name!r}: loss is {loss.total.item()} at step {self.step_n}")
         backward(loss.total, self.optimizers)

@@ -1,5 +1,6 @@
 """The student adapter: identity at start, fitted on fresh labels before the student, stop-gradient target."""
 
+import pytest
 import torch
 from _transfer import make_batch
 
@@ -16,13 +17,13 @@ def test_identity_at_init_and_learns_a_calibration(schema):
     a = StudentAdapter(schema, AdapterConfig(lr=0.1, hidden=4, ids=("ad_id",)))
     b = make_batch(schema, 64)
     z = torch.full((64, 2), 2.0)  # a stale teacher: p = 0.88 on rows whose labels are mostly 0
-    assert torch.allclose(a.target(z, b), torch.sigmoid(z))
+    assert torch.allclose(a.target(z, b), z)
     before = {n: p.clone() for n, p in a.named_parameters()}
     for _ in range(30):
         a.update(z, b)
     moved = {n for n, p in a.named_parameters() if not torch.equal(p, before[n])}
     assert {"scale", "bias", "mlp.2.weight", "ids.ad_id.weight"} <= moved
-    assert a.target(z, b)[:, 0].mean() < torch.sigmoid(z)[:, 0].mean() - 0.2  # pulled toward the fresh rate
+    assert torch.sigmoid(a.target(z, b))[:, 0].mean() < torch.sigmoid(z)[:, 0].mean() - 0.2  # toward the fresh rate
 
 
 def test_target_is_a_stop_gradient(schema):
@@ -56,3 +57,47 @@ def test_adapter_updates_before_the_student_and_gets_no_student_gradient(schema,
     assert torch.allclose(seen["soft"], tr.adapter.target(tout.logits, b))
     # (3) ... and the student's backward left the adapter untouched (its grads are its own update's)
     assert all(torch.equal(p, q) for p, q in zip(tr.adapter.parameters(), seen["params_at_loss"]))
+
+
+def _adapted_trainer(schema, tau):
+    """A kd+adapter student at temperature ``tau`` whose adapter is far from the identity."""
+    cfg = student_recipe("vm_xs")
+    tcfg = techniques_config("kd+adapter", domains=tuple(schema.domains.names))
+    tcfg.kd.temperature = tau
+    tr = StudentTrainer("s", build_student(schema, cfg, [0.1, 0.01]), cfg, tcfg, schema, total_steps=4)
+    with torch.no_grad():
+        tr.adapter.scale.fill_(0.7)
+        tr.adapter.bias.fill_(-0.8)
+    return tr
+
+
+def test_a_student_equal_to_the_adapted_teacher_gets_no_kd_gradient(schema):
+    """At τ = 2 the adapter's output is tempered like the student's logit: agreeing with it costs nothing."""
+    tr = _adapted_trainer(schema, 2.0)
+    b, tout = make_batch(schema, 32), TeacherOutput(torch.randn(32, 2))
+    z = tr.teacher_logits(b, tout)
+    s = z.clone().requires_grad_(True)
+    no_labels = torch.zeros_like(b.label_mask)
+    trainer_mod.distill_loss(s, None, z, b.labels, no_labels, b.weights, tr.task_w, tr.tcfg).total.backward()
+    assert s.grad.abs().max() < 1e-7
+
+
+def test_a_kd_only_student_is_calibrated_to_the_adapted_teacher_at_tau_2(schema):
+    """Fitted to the soft label alone (no labelled rows), the student's probabilities are the
+    adapter's at τ = 2, not sharpened (the untempered σ(z') target made it converge to τ·z')."""
+    tr = _adapted_trainer(schema, 2.0)
+    b, tout = make_batch(schema, 64), TeacherOutput(2 * torch.randn(64, 2))
+    z = tr.teacher_logits(b, tout)
+    s = torch.zeros_like(z, requires_grad=True)
+    opt = torch.optim.LBFGS([s], lr=1.0, max_iter=200, tolerance_grad=1e-10, tolerance_change=1e-12)
+    no_labels = torch.zeros_like(b.label_mask)
+
+    def closure():
+        opt.zero_grad()
+        loss = trainer_mod.distill_loss(s, None, z, b.labels, no_labels, b.weights, tr.task_w, tr.tcfg).total
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    assert (torch.sigmoid(s) - torch.sigmoid(z)).abs().max() < 1e-3
+    assert torch.sigmoid(s).mean().item() == pytest.approx(torch.sigmoid(z).mean().item(), abs=1e-4)

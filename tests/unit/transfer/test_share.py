@@ -17,8 +17,8 @@ def test_projection_keeps_the_leading_directions():
     assert p.shape == (50, 2)
     assert torch.allclose(p @ p.T, w @ w.T, atol=1e-3)  # a rank-2 table keeps its inner products
     assert torch.equal(project_table(w, 6), w)
-    assert torch.equal(project_table(w[:, :3], 5)[:, :3], w[:, :3]) and project_table(w[:, :3], 5)[:, 3:].abs().sum() == 0
-    assert project_table(w[:3], 4).shape == (3, 4)  # fewer rows than dims
+    assert torch.equal(project_table(w[:, :3], 5), w[:, :3])  # a narrower teacher gives its columns only
+    assert project_table(w[:3], 4).shape == (3, 3)  # fewer rows than dims: as many directions as rows
 
 
 def test_share_copies_tables_by_name_and_can_freeze(schema):
@@ -49,3 +49,20 @@ def test_rescaled_share_keeps_geometry_at_the_students_scale(schema):
     ref = project_table(teacher.sparse_arch.tables()["t_ad_id"].detach(), 8)
     cos = torch.nn.functional.cosine_similarity(w.flatten(), ref.flatten(), dim=0)
     assert cos > 0.9999
+
+
+def test_a_wider_student_keeps_its_init_beyond_the_teachers_columns(schema):
+    """D_s = 16 > D_t = 8: columns 8.. are the student's initialisation, untouched by the copy and
+    the rescaling; columns ..8 are the teacher's, at the init's std."""
+    teacher = make_gem(schema, dim=8, seed=1)
+    with torch.no_grad():
+        for w in teacher.sparse_arch.tables().values():
+            w.mul_(6.0)
+    st = build_student(schema, student_recipe("vm_m"), [0.1, 0.01])  # D = 16
+    init = {n: w.clone() for n, w in st.backbone.sparse_arch.tables().items()}
+    share_parameters(st.backbone, teacher, ShareConfig())
+    w = st.backbone.sparse_arch.tables()["t_ad_id"]
+    assert torch.equal(w[:, 8:], init["t_ad_id"][:, 8:])
+    assert torch.allclose(w[:, :8].std(), init["t_ad_id"][:, :8].std(), rtol=1e-4)
+    t = teacher.sparse_arch.tables()["t_ad_id"].detach()
+    assert torch.allclose(w[:, :8] / w[:, :8].std(), t / t.std(), atol=1e-5)
