@@ -74,7 +74,10 @@ def main() -> None:
     p.add_argument("--users", type=int, default=1500)
     p.add_argument("--out", required=True, help="worlds and runs go here (reused when present)")
     p.add_argument("--variants", nargs="*", default=None, help="run only these variant names")
+    p.add_argument("--quick", action="store_true", help="world seed 0 and k = 10 only")
     args = p.parse_args()
+    if args.quick:
+        args.worlds, args.ks = [0], [10]
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
@@ -92,6 +95,7 @@ def main() -> None:
             shutil.rmtree(run, ignore_errors=True)
             rows.append(run_variant(name, d, run, w, ov))
             print(json.dumps(rows[-1]), flush=True)
+    summary = {}
     print(f"\n{'variant':<16}{'NE click':>10}{'NE conv':>10}{'cap/oracle':>12}{'best epoch':>12}  (valid, mean)")
     for name in dict.fromkeys(r["variant"] for r in rows):
         rs = [r for r in rows if r["variant"] == name]
@@ -99,6 +103,8 @@ def main() -> None:
                                                                 "captured_over_oracle_click", "best_epoch")}
         print(f"{name:<16}{mean['ne_click']:>10.4f}{mean['ne_conversion']:>10.4f}"
               f"{mean['captured_over_oracle_click']:>12.3f}{mean['best_epoch']:>12.2f}")
+        summary[name] = {k: round(v, 5) for k, v in mean.items()}
+    print(json.dumps({"worlds": args.worlds, "split": "valid", "mean": summary}))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 students distilled at τ ∈ {1, 2}, with and without the student adapter.
 
     python benchmarks/kd_temperature.py --out /tmp/kdt          # world seeds 0-2, ~6 min on 1 core
+    python benchmarks/kd_temperature.py --quick --out /tmp/kdt  # world seed 0 only, ~2 min
 
 Per world seed w: the ``tiny`` world (1,500 users, ``structure_seed=w``, drift ×3 as in
 benchmarks/transfer.py) with days 0-2 for the GEM teacher (``train``), days 3-4 for the students
@@ -12,7 +13,7 @@ All students train in one pass (one teacher call per batch) and are scored on th
 
     R = (NE_alone − NE_with) / (NE_alone − NE_teacher)           (all/click)
 
-Prints one JSON line per world and a mean table.
+Prints one JSON line per world, a mean table, and last ONE JSON line of the means per variant.
 """
 
 from __future__ import annotations
@@ -101,7 +102,10 @@ def main() -> None:
     p.add_argument("--drift", type=float, default=3.0)
     p.add_argument("--student", default="vm_s")
     p.add_argument("--out", required=True, help="worlds and teacher runs go here (reused when present)")
+    p.add_argument("--quick", action="store_true", help="world seed 0 only")
     args = p.parse_args()
+    if args.quick:
+        args.worlds = [0]
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
@@ -111,9 +115,12 @@ def main() -> None:
         print(json.dumps(results[-1]), flush=True)
     print(f"\n{'student (valid day, all/click)':<24}{'NE':>9}{'calib':>8}{'R':>8}   mean over worlds {args.worlds}")
     print(f"{'teacher':<24}{statistics.fmean(r['teacher_ne'] for r in results):>9.4f}")
+    summary = {}
     for name, _, _ in VARIANTS:
         m = {k: statistics.fmean(r["rows"][name][k] for r in results) for k in ("ne", "calibration", "r")}
         print(f"{name:<24}{m['ne']:>9.4f}{m['calibration']:>8.3f}{m['r']:>8.3f}")
+        summary[name] = {k: round(v, 5) for k, v in m.items()}
+    print(json.dumps({"worlds": args.worlds, "split": "valid", "mean": summary}))
 
 
 if __name__ == "__main__":
