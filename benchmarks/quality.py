@@ -48,6 +48,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from opengem.discipline import held_out_world_seeds, require_dev_world
+from opengem.run import FINAL_FILE
 
 NEURAL: dict[str, list[str]] = {
     "gem": [],
@@ -83,7 +84,7 @@ class Mode:
 
 # --quick's MovieLens batch: 512 rows (the full mode's 128 takes 1,263 steps for 2 epochs, ~6 min a GEM
 # trial on a shared 2-core machine); every model gets the same batch, so the comparison stays alike.
-QUICK_REAL = {"ml100k": ["model.max_seq_len=64", "train.batch_size=512"], "obd": []}
+QUICK_REAL = {"ml100k": ["model.max_seq_len=64", "data.batch_size=512"], "obd": []}
 
 
 QUICK = Mode(dev_worlds=[0, 1], held_out=held_out_world_seeds(3), train_seeds=[0, 1],
@@ -143,8 +144,14 @@ def neural_trial(data: str, run: str, recipe_name: str, overrides: list[str], po
 
     cfg = apply_overrides(recipe(recipe_name), ["train.threads=1", *overrides])
     cfg.train.progress = False
-    t = train_point(cfg, data, run, point, max_epochs=max_epochs)
-    out = {"valid_value": t.value, "best_step": t.step, "valid": t.valid, "wall_s": t.wall_s}
+    if (Path(run) / FINAL_FILE).exists():  # finished in an earlier invocation with the same --work
+        from opengem.bench.tune import best_evaluation
+
+        value, step, valid = best_evaluation(run)
+        out = {"valid_value": value, "best_step": step, "valid": valid, "wall_s": None, "reused": True}
+    else:
+        t = train_point(cfg, data, run, point, max_epochs=max_epochs)
+        out = {"valid_value": t.value, "best_step": t.step, "valid": t.valid, "wall_s": t.wall_s}
     if score_test:
         out["metrics"] = evaluate_run(run, data, "test", progress=False, best=True)["metrics"]
     return out
@@ -258,8 +265,14 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="opengem-quality-"))
     t0 = time.perf_counter()
     from opengem.bench.tune import choose, lr_grid
+    from opengem.config import apply_overrides
     from opengem.features.schema import FeatureSchema
+    from opengem.recipes import recipe
 
+    for model in models:  # a bad key fails here, before any run starts, not after an hour of them
+        if model != GBDT:
+            for ov in [*mode.real.values(), []]:
+                apply_overrides(recipe(mode.recipe), [*ov, *NEURAL[model]])
     grid = lr_grid(mode.dense_lrs, mode.table_lrs)
     worlds = {w: synthetic_world(work, w, mode) for w in [*mode.dev_worlds, *mode.held_out]}
     real = {n: d for n in filter(None, args.real.split(",")) if (d := real_dataset(work, n, Path(args.shared)))}
