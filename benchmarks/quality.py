@@ -37,6 +37,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -150,6 +151,7 @@ def neural_trial(data: str, run: str, recipe_name: str, overrides: list[str], po
         value, step, valid = best_evaluation(run)
         out = {"valid_value": value, "best_step": step, "valid": valid, "wall_s": None, "reused": True}
     else:
+        shutil.rmtree(run, ignore_errors=True)  # a run killed half-way: its checkpoints and log start over
         t = train_point(cfg, data, run, point, max_epochs=max_epochs)
         out = {"valid_value": t.value, "best_step": t.step, "valid": t.valid, "wall_s": t.wall_s}
     if score_test:
