@@ -34,7 +34,7 @@ import math
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -55,9 +55,10 @@ ARCHS = ("gem", "dlrm_dcn")
 # ×~3 apart around where each side did best before (GEM's recipe 3e-3; DLRM-DCN 1e-3, it diverged at
 # 1e-2), table rates the recipe's 0.3 and the 0.8 DLRM-DCN preferred.
 GRIDS = {"gem": ((1e-3, 3e-3, 1e-2), (0.3, 0.8)), "dlrm_dcn": ((3e-4, 1e-3, 3e-3), (0.3, 0.8))}
-# Each side's rates: until ``tune_rates`` has run, the old picks, made on the demo world's valid day
-# (the files the race scored), GEM's at the budget that crossed.
-RATES = {"gem": ("optim.lr=6e-3",), "dlrm_dcn": ("optim.lr=1e-3", "optim.sparse_lr=0.8")}
+# Each side's rates as ``tune_rates`` chose them on the valid day of development world seed 0 at
+# 6,000 users (``benchmarks/time_to_quality.py --tune``; the grid's NE values in docs/experiments.md).
+# GEM's dense rate is the grid's top: a higher one was not tried, so if anything GEM is under-tuned.
+RATES = {"gem": ("optim.lr=0.01", "optim.sparse_lr=0.8"), "dlrm_dcn": ("optim.lr=0.001", "optim.sparse_lr=0.8")}
 
 
 def train_with_evals(cfg: Config, data: Path, eval_every: int, split: str = "valid",
@@ -243,7 +244,8 @@ def rate_overrides(lr: float, sparse_lr: float) -> tuple[str, str]:
     return f"optim.lr={lr:g}", f"optim.sparse_lr={sparse_lr:g}"
 
 
-def tune_rates(data: Path, split: str = "valid", grids: dict = GRIDS, eval_every_kth_file: int = 1) -> dict:
+def tune_rates(data: Path, split: str = "valid", grids: dict = GRIDS, eval_every_kth_file: int = 1,
+               on_point: Callable[[dict], None] | None = None) -> dict:
     """Each side's learning rates for the race: every (dense lr, table lr) point of its grid in
     ``grids`` ({arch: (dense lrs, table lrs)}) trains one pass of the demo recipe over ``data`` (warm-up
     10 %, as in the race) and is scored by its end-of-pass ``all/click`` NE on ``split``; each side
@@ -251,7 +253,8 @@ def tune_rates(data: Path, split: str = "valid", grids: dict = GRIDS, eval_every
     that crosses: picking it there would tune GEM to the race's target.
 
     Refuses the test split and held-out worlds (``opengem.discipline``): ``data``'s world seeds come
-    from its schema's provenance (synthetic data; other data has none to check).
+    from its schema's provenance (synthetic data; other data has none to check). ``on_point`` sees
+    each grid point's row as it is scored.
     Returns {"grid": [{arch, lr, sparse_lr, ne, train_s}], "best": {arch: overrides}, "split", "steps"}."""
     what = "the race's learning rates"
     require_tuning_split(split, what)
@@ -267,6 +270,8 @@ def tune_rates(data: Path, split: str = "valid", grids: dict = GRIDS, eval_every
             r = train_with_evals(cfg, data, eval_every=steps + 1, split=split, eval_every_kth_file=eval_every_kth_file,
                                  max_steps=steps)
             rows.append({"arch": arch, "lr": lr, "sparse_lr": sparse_lr, "ne": r["final_ne"], "train_s": r["train_s"]})
+            if on_point:
+                on_point(rows[-1])
     best = {arch: min((r for r in rows if r["arch"] == arch), key=lambda r: r["ne"]) for arch in grids}
     return {"grid": rows, "best": {a: rate_overrides(r["lr"], r["sparse_lr"]) for a, r in best.items()},
             "split": split, "world_seeds": seeds, "steps": steps}
