@@ -75,14 +75,15 @@ def tune(data: Path) -> dict:
 def race_line(data: Path, runs: int, gem_overrides: list[str]) -> tuple[dict, dict]:
     from opengem.bench.race import RATES, race, race_steps
 
-    kth = _kth(race_steps(data))
-    full = race(data, runs, eval_every_kth_file=kth, gem_overrides=[*RATES["gem"], *gem_overrides])
-    for t in full["runs"]:
+    def show(t: dict) -> None:
         order = " > ".join(f"{a} {n}" for a, n in t["sequence"])
         budgets = ", ".join(f"{b['pass_fraction']:.4f}: {b['train_s']:.1f} s NE {b['final_ne']:.4f}"
                             for b in t["budgets"])
         print(f"seed {t['seed']}  dlrm_dcn {t['peer_s']:6.1f} s NE {t['target_ne']:.4f}  gem {t['gem_s_to_target']} s "
-              f"({t['bound']})  speed-up {t['speedup']}  [{budgets}]  order: {order}")
+              f"({t['bound']})  speed-up {t['speedup']}  [{budgets}]  order: {order}", flush=True)
+
+    kth = _kth(race_steps(data))
+    full = race(data, runs, eval_every_kth_file=kth, gem_overrides=[*RATES["gem"], *gem_overrides], on_run=show)
     s = full["speedup"]
     out = {"time_to_dcn_quality_speedup": s["median"], "speedup_min": s["min"], "speedup_max": s["max"],
            "runs": s["runs"], "split": full["split"], "steps": full["runs"][0]["steps"], "eval_every_kth_file": kth,

@@ -350,16 +350,19 @@ def budget_race(data: Path, split: str = "test", seed: int = 0, gem_first: bool 
     return {"ttq": ttq, "runs": {"dlrm_dcn": peer, "gem": gem}}
 
 
-def race(data: Path, runs: int = 3, split: str = "test", **kw) -> dict:
+def race(data: Path, runs: int = 3, split: str = "test", on_run: Callable[[dict], None] | None = None, **kw) -> dict:
     """The time-to-quality race: ``runs`` ``budget_race`` runs on ``data`` with training seeds 0, 1, …,
     GEM first in odd runs and DLRM-DCN first in even ones (``race_order``); a GEM-first run's first
     climb stops at the previous run's target (the first run's through ``first_until``). ``kw`` goes to
-    ``budget_race``. The figure is the median speed-up with its min-max (``spread``), read on ``split``.
+    ``budget_race``; ``on_run`` sees each run's ttq as it ends. The figure is the median speed-up with
+    its min-max (``spread``), read on ``split``.
     Returns {"speedup": spread, "runs": [each run's ttq], "results": [budget_race outputs]}."""
     results, guess = [], None
     for i in range(1, runs + 1):
         r = budget_race(data, split=split, seed=i - 1, gem_first=race_order(i)[0] == "gem", first_stop=guess, **kw)
         results.append(r)
         guess = r["ttq"]["target_ne"]
+        if on_run:
+            on_run(r["ttq"])
     return {"speedup": spread([r["ttq"]["speedup"] for r in results]), "split": split,
             "runs": [r["ttq"] for r in results], "results": results}

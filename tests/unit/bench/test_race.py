@@ -228,8 +228,10 @@ def test_the_race_interleaves_its_runs_and_reads_them_on_test(monkeypatch):
     from opengem.bench.race import race
 
     calls = fake_training(monkeypatch)
-    out = race("world-1000", runs=4, smallest=1 / 32, min_steps=2)
+    seen = []
+    out = race("world-1000", runs=4, smallest=1 / 32, min_steps=2, on_run=seen.append)
     runs = out["runs"]
+    assert seen == runs  # each run reported as it ends
     assert [r["seed"] for r in runs] == [0, 1, 2, 3] and {c[2] for c in calls} == {"test"} and out["split"] == "test"
     assert [r["sequence"][0][0] for r in runs] == ["gem", "dlrm_dcn", "gem", "dlrm_dcn"]
     # Budgets 2, 4, 8, 16, 32, 64 steps end at NE 0.98, 0.96, 0.94, 0.92, 0.90, 0.88.
