@@ -331,7 +331,7 @@ def budget_race(data: Path, split: str = "test", seed: int = 0, gem_first: bool 
 
     def climb(stop: float | None, until: float = 1.0) -> None:
         while len(gem) < len(ladder) and not (stop is not None and any(r["final_ne"] <= stop for r in gem)):
-            if stop is None and gem and gem[-1]["steps"] >= until * steps:
+            if stop is None and gem and gem[-1]["steps"] >= round(until * steps):  # the ladder's budgets are rounded
                 return
             gem.append(run("gem", ladder[len(gem)], gem_overrides))
 

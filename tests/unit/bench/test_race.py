@@ -157,7 +157,8 @@ def test_budget_race_doubles_gems_budget_until_it_reaches_dcns_ne_read_on_test(t
 PASS = 64  # steps of the fake pass below
 
 
-def fake_training(monkeypatch, dcn_ne=(0.90, 0.91, 0.89, 0.90), gem_ne=lambda lr, sparse_lr, steps, seed: 0.0):
+def fake_training(monkeypatch, dcn_ne=(0.90, 0.91, 0.89, 0.90), gem_ne=lambda lr, sparse_lr, steps, seed: 0.0,
+                  steps=PASS):
     """``train_with_evals`` replaced by a table: DLRM-DCN ends at ``dcn_ne[seed]``; GEM's NE falls by
     0.02 per doubling of its budget from 0.98 at 2 steps (plus ``gem_ne``). Each step costs 0.1 s for
     DLRM-DCN, 0.5 s for GEM. Returns the calls: (arch, steps, split, seed, lr, sparse_lr)."""
@@ -172,7 +173,7 @@ def fake_training(monkeypatch, dcn_ne=(0.90, 0.91, 0.89, 0.90), gem_ne=lambda lr
                 "parameters": {}, "curve": [], "examples_per_s": 1.0}
 
     monkeypatch.setattr(race_mod, "train_with_evals", fake)
-    monkeypatch.setattr(race_mod, "race_steps", lambda data: PASS)
+    monkeypatch.setattr(race_mod, "race_steps", lambda data: steps)
     monkeypatch.setattr(race_mod, "FeatureSchema", type("S", (), {"load": staticmethod(lambda d: _Meta(d))}))
     return calls
 
@@ -250,6 +251,15 @@ def test_the_race_interleaves_its_runs_and_reads_them_on_test(monkeypatch):
     speedups = sorted(r["speedup"] for r in runs)
     assert s["runs"] == 4 and s["min"] == speedups[0] and s["max"] == speedups[-1]
     assert s["median"] == pytest.approx((speedups[1] + speedups[2]) / 2)
+
+
+def test_a_gem_first_run_without_a_guess_stops_at_the_rounded_eighth(monkeypatch):
+    from opengem.bench.race import budget_ladder, budget_race
+
+    fake_training(monkeypatch, dcn_ne=(0.0,), steps=1939)  # a target no budget reaches: GEM climbs the whole ladder
+    assert budget_ladder(1939)[:4] == [61, 121, 242, 485]  # 1/8 of 1,939 steps rounds to 242, not 242.4
+    seq = budget_race("world-1000", gem_first=True)["ttq"]["sequence"]
+    assert seq[:4] == [["gem", 61], ["gem", 121], ["gem", 242], ["dlrm_dcn", 1939]]
 
 
 def test_spread_is_the_median_and_min_max_with_missing_runs_ranked_slowest():
