@@ -1,12 +1,15 @@
 """Time to DLRM-DCN's quality: GEM against TorchRec's DLRM-DCN on the same batches.
 
     python benchmarks/time_to_quality.py --tune        each side's learning rates, on the valid day of a
-                                                       development world (seed 0, 6,000 users)
+                                                       development world (seed 0, 6,000 users; ~20 min)
     python benchmarks/time_to_quality.py               the race: 3 runs on the held-out world seed 1000
-                                                       at the demo's size (36,000 users; ~7 min)
-    python benchmarks/time_to_quality.py --quick       the same race on a 12,000-user world (< 5 min)
-    python benchmarks/time_to_quality.py --midrun      the race plus the mid-run reading (~+6 min)
+                                                       at the demo's size (36,000 users; ~16 min)
+    python benchmarks/time_to_quality.py --quick       the same race on a 12,000-user world (sized for 5 min)
+    python benchmarks/time_to_quality.py --midrun      the race plus the mid-run reading
     python benchmarks/time_to_quality.py --data DIR    a prepared data set with ``valid`` and ``test`` splits
+
+Times are one thread (``--threads 1``) on the shared 2-core machine under other jobs' load; at torch's
+default threads a loaded machine slows every run many-fold (docs/speed.md).
 
 The race (``opengem.bench.race.race``): the target is the NE on ``all/click`` of ``test`` that
 DLRM-DCN ends one pass of the demo recipe with; GEM trains 1/32, 1/16, … of its pass, each budget its
