@@ -18,7 +18,8 @@ own run with warm-up and cosine decay fitted to it, until one ends at or below t
 the median of ``--runs`` runs (training seeds 0, 1, …; GEM trains first in odd runs, DLRM-DCN in even
 ones) with its min-max, and each run's figures. Each side's rates are ``race.RATES``, chosen by
 ``--tune`` on another world's valid day; ``--quick`` uses a smaller world so that its three runs fit in
-5 minutes on 2 cores (the speed-up grows with the data, so its figure is that world's, not the demo's).
+5 minutes on 2 cores (in the earlier readings the speed-up grew with the data: its figure is that world's, not
+the demo's; not yet measured).
 
 Evaluations score every 4th file of the split on worlds of more than 400 steps (about 21k rows on
 the demo world), the same files for every run. Ends with ONE JSON line.
