@@ -1,22 +1,27 @@
-"""Time to DLRM-DCN's quality: GEM against TorchRec's DLRM-DCN on the same batches, in one run.
+"""Time to DLRM-DCN's quality: GEM against TorchRec's DLRM-DCN on the same batches.
 
-    python benchmarks/time_to_quality.py --quick       budgeted reading on the demo world (~3 min on 2 cores),
-                                                       the figure of ``opengem bench --quick``
-    python benchmarks/time_to_quality.py               both readings on the demo world (~15 min)
-    python benchmarks/time_to_quality.py --users 12000 a smaller world (the speed-up grows with the data)
-    python benchmarks/time_to_quality.py --data DIR    a prepared data set with a ``valid`` split
+    python benchmarks/time_to_quality.py --tune        each side's learning rates, on the valid day of a
+                                                       development world (seed 0, 6,000 users; ~20 min)
+    python benchmarks/time_to_quality.py               the race: 3 runs on the held-out world seed 1000
+                                                       at the demo's size (36,000 users; ~16 min)
+    python benchmarks/time_to_quality.py --quick       the same race on a 12,000-user world (sized for 5 min)
+    python benchmarks/time_to_quality.py --midrun      the race plus the mid-run reading
+    python benchmarks/time_to_quality.py --data DIR    a prepared data set with ``valid`` and ``test`` splits
 
-The target is the NE on ``all/click`` of ``valid`` that DLRM-DCN ends one pass of the demo recipe with;
-the headline is DLRM-DCN's one-pass time over the time GEM needs to reach it (see
-``opengem.bench.race``; each side's learning rate is its own, ``race.PEER`` and ``race.BUDGET_GEM``):
+Times are one thread (``--threads 1``) on the shared 2-core machine under other jobs' load; at torch's
+default threads a loaded machine slows every run many-fold (docs/speed.md).
 
-- budgeted (``speedup``): GEM trains 1/32, 1/16, … of the pass, each budget its own run with warm-up
-  and cosine decay fitted to it, until one ends at or below the target; interpolated in log-seconds.
-- mid-run (``midrun_speedup``, ``midrun_speedup_sustained``): one full GEM pass evaluated along the
-  way; the first crossing, and the crossing after which it stays below the target. Mid-run
-  evaluations fall at full learning rate, where calibration follows the last batches' click rate.
+The race (``opengem.bench.race.race``): the target is the NE on ``all/click`` of ``test`` that
+DLRM-DCN ends one pass of the demo recipe with; GEM trains 1/32, 1/16, … of its pass, each budget its
+own run with warm-up and cosine decay fitted to it, until one ends at or below the target on ``test``
+(interpolated in log-seconds). The headline is DLRM-DCN's pass time over GEM's time to the target:
+the median of ``--runs`` runs (training seeds 0, 1, …; GEM trains first in odd runs, DLRM-DCN in even
+ones) with its min-max, and each run's figures. Each side's rates are ``race.RATES``, chosen by
+``--tune`` on another world's valid day; ``--quick`` uses a smaller world so that its three runs fit in
+5 minutes on 2 cores (in the earlier readings the speed-up grew with the data: its figure is that world's, not
+the demo's; not yet measured).
 
-Evaluations score every 4th file of ``valid`` on worlds of more than 400 steps (about 21k rows on
+Evaluations score every 4th file of the split on worlds of more than 400 steps (about 21k rows on
 the demo world), the same files for every run. Ends with ONE JSON line.
 """
 
@@ -29,61 +34,113 @@ from pathlib import Path
 
 import torch
 
+from opengem.discipline import held_out_world_seeds
+
+# Tuning on a development seed at a sixth of the demo's users: six GEM passes of the demo world cost
+# ~25 min of the shared 2-core machine. The race on the first held-out seed, a world no rate saw.
+TUNE_WORLD = {"seed": 0, "users": 6000}
+RACE_WORLD = {"seed": held_out_world_seeds(1)[0], "users": 36000}
+QUICK_WORLD = {"seed": held_out_world_seeds(1)[0], "users": 12000}
+
 
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the budgeted reading only")
-    p.add_argument("--data", default=None, help="prepared data (default: generate the demo world)")
-    p.add_argument("--users", type=int, default=None, help="users of the generated demo world (default 36,000)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--tune", action="store_true", help="choose each side's learning rates on valid")
+    mode.add_argument("--quick", action="store_true", help="the race on a 12,000-user world")
+    p.add_argument("--midrun", action="store_true", help="also one full GEM pass evaluated along the way")
+    p.add_argument("--runs", type=int, default=3, help="race runs (default 3)")
+    p.add_argument("--data", default=None, help="prepared data (default: generate the mode's world)")
+    p.add_argument("--world-seed", type=int, default=None, help="seed of the generated world")
+    p.add_argument("--users", type=int, default=None, help="users of the generated world")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", default=None, help="also write the full result here")
-    p.add_argument("gem_overrides", nargs="*", help="overrides for GEM only, key=value (the peer keeps the recipe)")
+    p.add_argument("gem_overrides", nargs="*", help="overrides for GEM only, key=value (after race.RATES['gem'])")
     return p.parse_args()
+
+
+def _kth(steps: int) -> int:
+    return 1 if steps <= 400 else 4
+
+
+def tune(data: Path) -> dict:
+    from opengem.bench.race import race_steps, tune_rates
+
+    def show(r: dict) -> None:
+        print(f"{r['arch']:9s} lr {r['lr']:<7g} table lr {r['sparse_lr']:<5g} valid NE {r['ne']:.4f}  "
+              f"{r['train_s']:7.1f} s", flush=True)
+
+    out = tune_rates(data, eval_every_kth_file=_kth(race_steps(data)), on_point=show)
+    return {"best": {a: list(v) for a, v in out["best"].items()}, "split": out["split"],
+            "world_seeds": out["world_seeds"], "steps": out["steps"],
+            "grid": [[r["arch"], r["lr"], r["sparse_lr"], round(r["ne"], 4)] for r in out["grid"]]}
+
+
+def race_line(data: Path, runs: int, gem_overrides: list[str]) -> tuple[dict, dict]:
+    from opengem.bench.race import RATES, race, race_steps
+
+    def show(t: dict) -> None:
+        order = " > ".join(f"{a} {n}" for a, n in t["sequence"])
+        budgets = ", ".join(f"{b['pass_fraction']:.4f}: {b['train_s']:.1f} s NE {b['final_ne']:.4f}"
+                            for b in t["budgets"])
+        print(f"seed {t['seed']}  dlrm_dcn {t['peer_s']:6.1f} s NE {t['target_ne']:.4f}  gem {t['gem_s_to_target']} s "
+              f"({t['bound']})  speed-up {t['speedup']}  [{budgets}]  order: {order}", flush=True)
+
+    kth = _kth(race_steps(data))
+    full = race(data, runs, eval_every_kth_file=kth, gem_overrides=[*RATES["gem"], *gem_overrides], on_run=show)
+    s = full["speedup"]
+    out = {"time_to_dcn_quality_speedup": s["median"], "speedup_min": s["min"], "speedup_max": s["max"],
+           "runs": s["runs"], "split": full["split"], "steps": full["runs"][0]["steps"], "eval_every_kth_file": kth,
+           "per_run": [{"seed": t["seed"], "first": t["sequence"][0][0], "speedup": t["speedup"],
+                        "bound": t["bound"], "dcn_s": t["peer_s"], "dcn_ne": round(t["target_ne"], 4),
+                        "gem_s_to_target": t["gem_s_to_target"],
+                        "budgets": [[b["pass_fraction"], b["train_s"], round(b["final_ne"], 4)] for b in t["budgets"]]}
+                       for t in full["runs"]],
+           "rates": full["runs"][0]["overrides"], "gem_overrides": gem_overrides}
+    return out, full
+
+
+def midrun_line(data: Path, gem_overrides: list[str]) -> dict:
+    from opengem.bench.race import RATES, dcn_race, eval_schedule, ne_at, race_steps
+
+    steps = race_steps(data)
+    at = eval_schedule(steps, steps, 20, 20) if steps <= 400 else eval_schedule(steps, steps // 4, 25, 100)
+    midrun = dcn_race(data, eval_at=at, eval_every_kth_file=_kth(steps), gem_overrides=[*RATES["gem"], *gem_overrides])
+    m, gem = midrun["ttq"], midrun["runs"]["gem"]
+    at_dcn = ne_at(gem["curve"], midrun["runs"]["dlrm_dcn"]["train_s"])
+    return {"midrun_speedup": m["speedup"], "midrun_speedup_sustained": m["speedup_sustained"],
+            "midrun_dcn_final_ne": round(m["target_ne"], 4), "midrun_gem_s_to_target": m["gem_s_to_target"],
+            "midrun_gem_s_to_target_sustained": m["gem_s_to_target_sustained"],
+            "gem_pass_s": gem["train_s"], "gem_pass_final_ne": round(gem["final_ne"], 4),
+            "gem_ne_at_dcn_s": round(at_dcn, 4) if at_dcn is not None else None,
+            "midrun_curves": {k: r["curve"] for k, r in midrun["runs"].items()}}
 
 
 def main() -> None:
     a = _args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    from opengem.bench.race import BUDGET_GEM, budget_race, dcn_race, eval_schedule, ne_at, race_steps
     from opengem.data.synthetic import generate
     from opengem.recipes import world_config
 
+    world = dict(TUNE_WORLD if a.tune else QUICK_WORLD if a.quick else RACE_WORLD)
+    world.update({k: v for k, v in (("seed", a.world_seed), ("users", a.users)) if v is not None})
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(a.data) if a.data else Path(tmp) / "data"
         if not a.data:
-            generate(world_config("demo", seed=0, overrides=[f"sizes.num_users={a.users}"] if a.users else []), data,
-                     progress=True)
-        steps = race_steps(data)
-        kth = 1 if steps <= 400 else 4
-        budget = budget_race(data, eval_every_kth_file=kth, gem_overrides=[*BUDGET_GEM, *a.gem_overrides])
-        midrun = None
-        if not a.quick:
-            at = eval_schedule(steps, steps, 20, 20) if steps <= 400 else eval_schedule(steps, steps // 4, 25, 100)
-            midrun = dcn_race(data, eval_at=at, eval_every_kth_file=kth, gem_overrides=a.gem_overrides)
-    ttq, dcn = budget["ttq"], budget["runs"]["dlrm_dcn"]
-    out = {"time_to_dcn_quality_speedup": ttq["speedup"], "bound": ttq["bound"], "gem_s_to_target": ttq["gem_s_to_target"],
-           "dcn_s": dcn["train_s"], "dcn_final_ne": round(dcn["final_ne"], 4),
-           "budgets": [[b["pass_fraction"], b["train_s"], round(b["final_ne"], 4)] for b in ttq["budgets"]],
-           "dcn_examples_per_s": dcn["examples_per_s"], "gem_examples_per_s": budget["runs"]["gem"][-1]["examples_per_s"],
-           "steps": steps, "eval_every_kth_file": kth, "gem_overrides": a.gem_overrides}
-    if midrun:
-        m, gem = midrun["ttq"], midrun["runs"]["gem"]
-        at_dcn = ne_at(gem["curve"], midrun["runs"]["dlrm_dcn"]["train_s"])
-        out.update({"midrun_speedup": m["speedup"], "midrun_speedup_sustained": m["speedup_sustained"],
-                    "midrun_dcn_final_ne": round(m["target_ne"], 4), "midrun_gem_s_to_target": m["gem_s_to_target"],
-                    "midrun_gem_s_to_target_sustained": m["gem_s_to_target_sustained"],
-                    "gem_pass_s": gem["train_s"], "gem_pass_final_ne": round(gem["final_ne"], 4),
-                    "gem_ne_at_dcn_s": round(at_dcn, 4) if at_dcn is not None else None})
+            generate(world_config("demo", seed=world["seed"], overrides=[f"sizes.num_users={world['users']}"]), data,
+                     progress=False)
+        full = None
+        if a.tune:
+            out = tune(data)
+        else:
+            out, full = race_line(data, a.runs, a.gem_overrides)
+            if a.midrun:
+                out.update(midrun_line(data, a.gem_overrides))
+    out["world"] = {"data": a.data} if a.data else world
     if a.json:
-        full = {**out, "budget_runs": budget["runs"]}
-        if midrun:
-            full["midrun_curves"] = {k: r["curve"] for k, r in midrun["runs"].items()}
-        Path(a.json).write_text(json.dumps(full, indent=1))
-    print(f"dlrm_dcn  one pass {dcn['train_s']:8.1f} s  {dcn['examples_per_s']:9,.0f} examples/s  NE {dcn['final_ne']:.4f}")
-    for b in ttq["budgets"]:
-        print(f"gem       {b['pass_fraction']:8.4f} of the pass {b['train_s']:8.1f} s  NE {b['final_ne']:.4f}")
-    print(json.dumps(out))
+        Path(a.json).write_text(json.dumps({**out, "race": full["results"]} if full else out, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if k != "midrun_curves"}))
 
 
 if __name__ == "__main__":

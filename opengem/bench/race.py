@@ -1,42 +1,47 @@
 """Peers and time to quality: GEM against TorchRec's DLRM-DCN on the same batches (issue: time to quality).
 
 Examples/s alone is unfair across architectures, so the headline is time to quality: the wall clock GEM
-needs to reach the held-out NE DLRM-DCN ends one pass with, against DLRM-DCN's time for that pass.
-Two readings:
+needs to reach the NE DLRM-DCN ends one pass with, against DLRM-DCN's time for that pass.
 
-- ``budget_race`` (the headline, ``opengem bench --quick``): GEM trains budgets of 1/32, 1/16, … of
-  the pass, each a run of its own with the warm-up and cosine decay fitted to its budget (as anyone
-  with that much time would train), until one ends at or below the target; the time is interpolated
-  between the last two budgets in log-seconds. Each budget's NE is read at the end of its decay, so
-  it is not at the mercy of mid-run calibration swings.
+- ``tune_rates``: each side's learning rates (dense × table, the same grid size for both), one pass
+  each, chosen for the end-of-pass NE on ``valid`` of a development world. GEM is chosen like the
+  peer, for its own pass, not at the budget that crosses, so the race cannot tune GEM to the target.
+- ``race`` (the headline): repeated ``budget_race`` runs with different training seeds, the side
+  that trains first alternating (``race_order``); the median speed-up with its min-max (``spread``).
+- ``budget_race``: DLRM-DCN one pass; GEM trains budgets of 1/32, 1/16, … of the pass, each a run
+  of its own with the warm-up and cosine decay fitted to its budget (as anyone with that much time
+  would train), until one ends at or below DLRM-DCN's NE; the time is interpolated between the last
+  two budgets in log-seconds. Target and budgets are read on ``split`` (``test`` in the race), each
+  at the end of its decay, so not at the mercy of mid-run calibration swings.
 - ``dcn_race`` + ``time_to_quality``: one full GEM pass evaluated along the way (MLPerf's
   time-to-train reading); the first and the sustained crossing of the target. Mid-run evaluations
   fall at full learning rate, where both models' calibration follows the last few batches' click
   rate (±25 % at batch 256 with ~10 clicks per batch, for GEM and DLRM-DCN alike).
 
 Every run is the trainer's (``opengem.train.trainer.train`` in a temporary run directory, its
-held-out evaluation hooks scoring ``valid``), so each gets the same recipe, batches, warm-up (10 % of
-its own steps) and gradient clipping, and the clock is the trainer's ``train_s``: evaluations stopped
-it. Each side's learning rates are its own (``PEER``, ``BUDGET_GEM``): the demo recipe's is tuned for
-GEM's full pass, and DLRM-DCN does better with a lower one.
+held-out evaluation hooks scoring the split asked for), so each gets the same recipe, batches,
+warm-up (10 % of its own steps) and gradient clipping, and the clock is the trainer's ``train_s``:
+evaluations stopped it.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import math
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from opengem.config import Config
 from opengem.data.loader import ShardLoader
+from opengem.discipline import require_dev_world, require_tuning_split
 from opengem.evaluation.evaluate import held_out_evaluator
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, materialize
@@ -45,11 +50,15 @@ from opengem.train.optim import build_optimizers
 from opengem.train.step import train_step
 from opengem.train.trainer import train
 
-# Each side's learning rates, picked on a small grid on the demo world's valid day (the grid and its NE
-# values are in docs/experiments.md). The race then scores those same files: a known bias, to be
-# replaced by tuning on a split the race does not score.
-PEER = ("optim.lr=1e-3", "optim.sparse_lr=0.8")
-BUDGET_GEM = ("optim.lr=6e-3",)
+ARCHS = ("gem", "dlrm_dcn")
+# The tuning grids, dense AdamW lr × tables' row-wise Adagrad lr, 3 × 2 for each side: dense rates
+# ×~3 apart around where each side did best before (GEM's recipe 3e-3; DLRM-DCN 1e-3, it diverged at
+# 1e-2), table rates the recipe's 0.3 and the 0.8 DLRM-DCN preferred.
+GRIDS = {"gem": ((1e-3, 3e-3, 1e-2), (0.3, 0.8)), "dlrm_dcn": ((3e-4, 1e-3, 3e-3), (0.3, 0.8))}
+# Each side's rates as ``tune_rates`` chose them on the valid day of development world seed 0 at
+# 6,000 users (``benchmarks/time_to_quality.py --tune``; the grid's NE values in docs/experiments.md).
+# GEM's dense rate is the grid's top: a higher one was not tried, so if anything GEM is under-tuned.
+RATES = {"gem": ("optim.lr=0.01", "optim.sparse_lr=0.8"), "dlrm_dcn": ("optim.lr=0.001", "optim.sparse_lr=0.8")}
 
 
 def train_with_evals(cfg: Config, data: Path, eval_every: int, split: str = "valid",
@@ -70,7 +79,7 @@ def train_with_evals(cfg: Config, data: Path, eval_every: int, split: str = "val
         lines = [json.loads(x) for x in (Path(run) / METRICS_FILE).read_text().splitlines()]
     curve = [(round(x["train_s"], 3), x["examples"], x["eval"][f"all/{task}"]["ne"]) for x in lines if "eval" in x]
     clock = curve[-1][0]
-    return {"arch": cfg.model.arch, "parameters": final["parameters"], "curve": curve,
+    return {"arch": cfg.model.arch, "split": split, "parameters": final["parameters"], "curve": curve,
             "train_s": round(clock, 2), "examples_per_s": round(final["examples"] / max(clock, 1e-9), 1),
             "final_ne": curve[-1][2], "last_lr_factor": next(x["lr_factor"] for x in reversed(lines) if "loss" in x)}
 
@@ -143,9 +152,10 @@ def race_steps(data: Path) -> int:
 
 
 def dcn_race(data: Path, eval_every: int = 20, eval_at: Sequence[int] = (), eval_every_kth_file: int = 1,
-             gem_overrides: Sequence[str] = (), peer_overrides: Sequence[str] = PEER) -> dict:
+             split: str = "test", gem_overrides: Sequence[str] = RATES["gem"],
+             peer_overrides: Sequence[str] = RATES["dlrm_dcn"]) -> dict:
     """GEM and TorchRec's DLRM-DCN, each one pass of the demo recipe over ``data`` with evaluations on
-    ``valid`` (see ``train_with_evals``), and GEM's time to DLRM-DCN's final NE (``time_to_quality``).
+    ``split`` (see ``train_with_evals``), and GEM's time to DLRM-DCN's final NE (``time_to_quality``).
 
     The demo recipe's warm-up (200 steps) is longer than a small world's whole pass (~160 steps at
     3,000 users): every run here warms up over its first 10 % instead, the same for each arch.
@@ -158,9 +168,10 @@ def dcn_race(data: Path, eval_every: int = 20, eval_at: Sequence[int] = (), eval
     base = apply_overrides(recipe("demo"), [f"optim.warmup_steps={warmup}"])  # apply_overrides copies: one per run
     extra = {"gem": gem_overrides, "dlrm_dcn": peer_overrides}
     runs = {arch: train_with_evals(apply_overrides(base, [f"model.arch={arch}", *extra[arch]]), data, eval_every,
-                                   eval_at=eval_at, eval_every_kth_file=eval_every_kth_file, max_steps=steps)
-            for arch in ("gem", "dlrm_dcn")}
-    ttq = {**time_to_quality(runs["gem"], runs["dlrm_dcn"]), "steps": steps, "warmup_steps": warmup}
+                                   split=split, eval_at=eval_at, eval_every_kth_file=eval_every_kth_file,
+                                   max_steps=steps)
+            for arch in ARCHS}
+    ttq = {**time_to_quality(runs["gem"], runs["dlrm_dcn"]), "steps": steps, "warmup_steps": warmup, "split": split}
     return {"ttq": ttq, "runs": runs, "config": base}
 
 
@@ -229,32 +240,129 @@ def budget_config(arch: str, steps: int, overrides: Sequence[str] = ()) -> Confi
                                             *overrides])
 
 
-def budget_race(data: Path, eval_every_kth_file: int = 1, smallest: float = 1 / 32, min_steps: int = 20,
-                gem_overrides: Sequence[str] = BUDGET_GEM, peer_overrides: Sequence[str] = PEER) -> dict:
-    """DLRM-DCN one pass of the demo recipe (with ``peer_overrides``) over ``data``, then GEM (with
-    ``gem_overrides``) on budgets of ``smallest``, 2 × ``smallest``, … of that pass (at least
-    ``min_steps`` steps; each its own run with warm-up 10 % of the budget and the cosine decay ending at
-    the budget) until one ends at or below DLRM-DCN's final NE on ``valid``.
+def rate_overrides(lr: float, sparse_lr: float) -> tuple[str, str]:
+    return f"optim.lr={lr:g}", f"optim.sparse_lr={sparse_lr:g}"
+
+
+def tune_rates(data: Path, split: str = "valid", grids: dict = GRIDS, eval_every_kth_file: int = 1,
+               on_point: Callable[[dict], None] | None = None) -> dict:
+    """Each side's learning rates for the race: every (dense lr, table lr) point of its grid in
+    ``grids`` ({arch: (dense lrs, table lrs)}) trains one pass of the demo recipe over ``data`` (warm-up
+    10 %, as in the race) and is scored by its end-of-pass ``all/click`` NE on ``split``; each side
+    keeps its best point. GEM is scored at the end of its own pass like the peer, not at the budget
+    that crosses: picking it there would tune GEM to the race's target.
+
+    Refuses the test split and held-out worlds (``opengem.discipline``): ``data``'s world seeds come
+    from its schema's provenance (synthetic data; other data has none to check). ``on_point`` sees
+    each grid point's row as it is scored.
+    Returns {"grid": [{arch, lr, sparse_lr, ne, train_s}], "best": {arch: overrides}, "split", "steps"}."""
+    what = "the race's learning rates"
+    require_tuning_split(split, what)
+    meta = FeatureSchema.load(data).meta
+    seeds = {k: require_dev_world(int(meta[k]), what) for k in ("seed", "structure_seed") if k in meta}
+    points = {a: len(d) * len(t) for a, (d, t) in grids.items()}
+    if len(set(points.values())) > 1:
+        raise ValueError(f"{what}: each side's grid needs the same number of points, got {points}")
+    steps, rows = race_steps(data), []
+    for arch, (dense, tables) in grids.items():
+        for lr, sparse_lr in itertools.product(dense, tables):
+            cfg = budget_config(arch, steps, rate_overrides(lr, sparse_lr))
+            r = train_with_evals(cfg, data, eval_every=steps + 1, split=split, eval_every_kth_file=eval_every_kth_file,
+                                 max_steps=steps)
+            rows.append({"arch": arch, "lr": lr, "sparse_lr": sparse_lr, "ne": r["final_ne"], "train_s": r["train_s"]})
+            if on_point:
+                on_point(rows[-1])
+    best = {arch: min((r for r in rows if r["arch"] == arch), key=lambda r: r["ne"]) for arch in grids}
+    return {"grid": rows, "best": {a: rate_overrides(r["lr"], r["sparse_lr"]) for a, r in best.items()},
+            "split": split, "world_seeds": seeds, "steps": steps}
+
+
+def race_order(run: int) -> tuple[str, str]:
+    """Which side trains first in the ``run``-th run (1-based): GEM in odd runs, DLRM-DCN in even ones,
+    so a drift in the shared machine's load does not fall on one side only."""
+    if run < 1:
+        raise ValueError(f"runs are counted from 1, got {run}")
+    return ("gem", "dlrm_dcn") if run % 2 else ("dlrm_dcn", "gem")
+
+
+def spread(values: Sequence[float | None]) -> dict:
+    """Median and min-max of the runs' figures. A run without one (None: GEM did not reach the target
+    within its pass) ranks as the slowest, so it pulls the median down instead of vanishing; the
+    median is None when it falls on such a run, and so is the min."""
+    if not values:
+        raise ValueError("no runs to summarise")
+    ranked = sorted(values, key=lambda v: -math.inf if v is None else v)
+    mid = len(ranked) // 2
+    middle = ranked[mid - 1:mid + 1] if len(ranked) % 2 == 0 else ranked[mid:mid + 1]
+    median = None if None in middle else statistics.mean(middle)
+    return {"median": median, "min": ranked[0], "max": ranked[-1], "runs": len(values),
+            "missing": sum(v is None for v in values)}
+
+
+def budget_ladder(steps: int, smallest: float = 1 / 32, min_steps: int = 20) -> list[int]:
+    """GEM's budgets in steps: ``smallest``, 2 × ``smallest``, … of a pass of ``steps`` (each at least
+    ``min_steps``), the whole pass last."""
+    return sorted({n for k in range(40) if (n := min(steps, round(steps * smallest * 2**k))) >= min_steps})
+
+
+def budget_race(data: Path, split: str = "test", seed: int = 0, gem_first: bool = False,
+                first_stop: float | None = None, first_until: float = 1 / 8, eval_every_kth_file: int = 1,
+                smallest: float = 1 / 32, min_steps: int = 20, gem_overrides: Sequence[str] = RATES["gem"],
+                peer_overrides: Sequence[str] = RATES["dlrm_dcn"]) -> dict:
+    """One race run: DLRM-DCN one pass of the demo recipe (with ``peer_overrides``) over ``data``, GEM
+    (with ``gem_overrides``) on ``budget_ladder``'s budgets (each its own run with warm-up 10 % of the
+    budget and the cosine decay ending at it) until one ends at or below DLRM-DCN's final NE on
+    ``split``. Both sides train with ``train.seed`` and ``data.seed`` = ``seed`` (the same batches).
+
+    ``gem_first``: GEM climbs its ladder before the peer trains, not knowing the target yet: up to the
+    first budget at or below ``first_stop`` (a guess, e.g. the previous run's target), or without a
+    guess through ``first_until`` of the pass; once the peer has set the target GEM climbs on if it
+    has not reached it (``sequence`` records the order). Budgets past the crossing do not change it.
     Returns {"ttq": the crossing and speed-up, "runs": {"dlrm_dcn": run, "gem": [runs]}}."""
     steps = race_steps(data)
+    ladder, gem, sequence = budget_ladder(steps, smallest, min_steps), [], []
 
-    def run(arch: str, n: int, overrides: Sequence[str] = ()) -> dict:
-        out = train_with_evals(budget_config(arch, n, overrides), data, eval_every=n + 1,
-                               eval_every_kth_file=eval_every_kth_file, max_steps=n)
+    def run(arch: str, n: int, overrides: Sequence[str]) -> dict:
+        cfg = budget_config(arch, n, [*overrides, f"train.seed={seed}", f"data.seed={seed}"])
+        out = train_with_evals(cfg, data, eval_every=n + 1, split=split, eval_every_kth_file=eval_every_kth_file,
+                               max_steps=n)
+        sequence.append([arch, n])
         return {**out, "steps": n, "pass_fraction": round(n / steps, 4)}
 
+    def climb(stop: float | None, until: float = 1.0) -> None:
+        while len(gem) < len(ladder) and not (stop is not None and any(r["final_ne"] <= stop for r in gem)):
+            if stop is None and gem and gem[-1]["steps"] >= round(until * steps):  # the ladder's budgets are rounded
+                return
+            gem.append(run("gem", ladder[len(gem)], gem_overrides))
+
+    if gem_first:
+        climb(first_stop, first_until)
     peer = run("dlrm_dcn", steps, peer_overrides)
-    target, gem = peer["final_ne"], []
-    budgets = sorted({n for k in range(40) if (n := min(steps, round(steps * smallest * 2**k))) >= min_steps})
-    for n in budgets:
-        gem.append(run("gem", n, gem_overrides))
-        if gem[-1]["final_ne"] <= target:
-            break
+    target = peer["final_ne"]
+    climb(target)
     cross = budget_crossing([(r["train_s"], r["final_ne"]) for r in gem], target)
     t = cross["gem_s_to_target"]
-    ttq = {"target_ne": target, "peer_s": peer["train_s"], "steps": steps,
+    ttq = {"target_ne": target, "peer_s": peer["train_s"], "steps": steps, "split": split, "seed": seed,
            "gem_s_to_target": round(t, 3) if t else None, "bound": cross["bound"],
-           "speedup": round(peer["train_s"] / t, 3) if t else None,
+           "speedup": round(peer["train_s"] / t, 3) if t else None, "sequence": sequence,
            "budgets": [{k: r[k] for k in ("steps", "pass_fraction", "train_s", "final_ne")} for r in gem],
            "overrides": {"dlrm_dcn": list(peer_overrides), "gem": list(gem_overrides)}}
     return {"ttq": ttq, "runs": {"dlrm_dcn": peer, "gem": gem}}
+
+
+def race(data: Path, runs: int = 3, split: str = "test", on_run: Callable[[dict], None] | None = None, **kw) -> dict:
+    """The time-to-quality race: ``runs`` ``budget_race`` runs on ``data`` with training seeds 0, 1, …,
+    GEM first in odd runs and DLRM-DCN first in even ones (``race_order``); a GEM-first run's first
+    climb stops at the previous run's target (the first run's through ``first_until``). ``kw`` goes to
+    ``budget_race``; ``on_run`` sees each run's ttq as it ends. The figure is the median speed-up with
+    its min-max (``spread``), read on ``split``.
+    Returns {"speedup": spread, "runs": [each run's ttq], "results": [budget_race outputs]}."""
+    results, guess = [], None
+    for i in range(1, runs + 1):
+        r = budget_race(data, split=split, seed=i - 1, gem_first=race_order(i)[0] == "gem", first_stop=guess, **kw)
+        results.append(r)
+        guess = r["ttq"]["target_ne"]
+        if on_run:
+            on_run(r["ttq"])
+    return {"speedup": spread([r["ttq"]["speedup"] for r in results]), "split": split,
+            "runs": [r["ttq"] for r in results], "results": results}
