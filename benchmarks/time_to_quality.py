@@ -2,7 +2,7 @@
 
     python benchmarks/time_to_quality.py --tune        each side's learning rates, on the valid day of a
                                                        development world (seed 0, 6,000 users; ~20 min)
-    python benchmarks/time_to_quality.py               the race: 3 runs on the held-out world seed 1000
+    python benchmarks/time_to_quality.py               the race: 3 runs on data seed 1000 (the demo's form)
                                                        at the demo's size (36,000 users; ~16 min)
     python benchmarks/time_to_quality.py --quick       the same race on a 12,000-user world (sized for 5 min)
     python benchmarks/time_to_quality.py --midrun      the race plus the mid-run reading
