@@ -1,4 +1,4 @@
-"""``opengem bench --quick``: the project's headline figures in one call (under 5 minutes on 2 CPU cores).
+"""``opengem bench --quick``: the project's headline figures in one call (meant for 5 minutes on 2 CPU cores).
 
 Each figure comes from the module that measures it: the levers and the loader (``levers``), jagged
 attention (``ops``), GEM's time to DLRM-DCN's quality and examples/s at equal parameters (``race``).
@@ -39,11 +39,11 @@ def quick_bench(cfg_name: str = "tiny", users: int | None = QUICK_USERS, eval_ev
     """``opengem bench --quick``: the headline figures on 2 CPU cores in under 5 minutes.
 
     The levers and the loader on the ``cfg_name`` recipe's world; the rest on a demo world cut to
-    ``users`` (12,000; None: the demo's 36,000) drawn with data seed 1000 (a world no rate was tuned on;
-    its structure is the demo's, structure seed 0): one run of the race (``race.race``, the first of the reported three:
-    GEM trains first, training seed 0; target and budgets read on every ``eval_every_kth_file``-th file
-    of ``test``), FP8's NE cost on the budget that crossed, int8 tables' memory, examples/s at equal
-    dense parameters."""
+    ``users`` (12,000; None: the demo's 36,000) drawn with data seed 1000 (a world no rate was tuned
+    on; its structure is the demo's, structure seed 0): one run of the race (``race.race``, the first
+    of the reported three at another size: GEM trains first, training seed 0; target and budgets read
+    on every ``eval_every_kth_file``-th file of ``test``), FP8's NE cost on the budget that crossed,
+    int8 tables' memory, examples/s at equal dense parameters."""
     levers = run_bench(recipe(cfg_name), None, ("eager", "fp8"), warmup=2, steps=4, loader_seconds=2.0)
     att = attention_case(32, 70, 3000, 32, heads=2, reps=2)
     world_seed = held_out_world_seeds(1)[0]
