@@ -24,7 +24,13 @@ from __future__ import annotations
 import numpy as np
 
 from opengem.data.world_structure import (
-    SIGMOID_STEEPNESS, HistoryEffect, Interaction, NumericEffect, WorldStructure, draw_structure, today_structure,
+    SIGMOID_STEEPNESS,
+    HistoryEffect,
+    Interaction,
+    NumericEffect,
+    WorldStructure,
+    draw_structure,
+    today_structure,
 )
 
 DAY = 86400

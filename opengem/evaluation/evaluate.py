@@ -9,9 +9,8 @@ manifest holds the world's oracle for the split (``opengem.evaluation.oracle``),
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import math
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm

@@ -38,8 +38,19 @@ import torch
 
 from opengem.data.base_rates import RateCounter
 from opengem.data.parquet import DatasetManifest
-from opengem.data.synthetic_world import FORMATS, NUM_DEVICES, NUM_POSITIONS, SURFACES, World, field_size
-from opengem.data.synthetic_world import field_values, history_stats, numeric_transform, rng_for, sigmoid
+from opengem.data.synthetic_world import (
+    FORMATS,
+    NUM_DEVICES,
+    NUM_POSITIONS,
+    SURFACES,
+    World,
+    field_size,
+    field_values,
+    history_stats,
+    numeric_transform,
+    rng_for,
+    sigmoid,
+)
 from opengem.discipline import require_tuning_split
 from opengem.evaluation.accumulator import ALL_DOMAIN, MetricAccumulator
 from opengem.evaluation.metrics import captured, entropy

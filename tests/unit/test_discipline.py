@@ -1,7 +1,13 @@
 import pytest
 
-from opengem.discipline import (DEV_WORLD_SEEDS, HELD_OUT_WORLD_SEED_MIN, DisciplineError, held_out_world_seeds,
-                                require_dev_world, require_tuning_split)
+from opengem.discipline import (
+    DEV_WORLD_SEEDS,
+    HELD_OUT_WORLD_SEED_MIN,
+    DisciplineError,
+    held_out_world_seeds,
+    require_dev_world,
+    require_tuning_split,
+)
 
 
 def test_tuning_refuses_the_test_split_and_names_the_choice():

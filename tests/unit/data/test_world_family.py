@@ -12,15 +12,27 @@ import pyarrow.parquet as pq
 import pytest
 
 from opengem.cli import main
-from opengem.evaluation.oracle import Design, OracleCollector, choose_l2, refit
 from opengem.data.parquet import DatasetManifest
 from opengem.data.synthetic import _plain, columns_from_table, generate, world_from_manifest
 from opengem.data.synthetic_world import (
-    TAG_STRUCTURE, World, history_statistic, history_stats, probabilities, rng_for, structure_for,
+    TAG_STRUCTURE,
+    World,
+    history_statistic,
+    history_stats,
+    probabilities,
+    rng_for,
+    structure_for,
 )
 from opengem.data.world_structure import (
-    AD_FIELDS, HISTORY_FORMS, NUMERIC_SHAPES, POSITION_FORMS, USER_FIELDS, WorldStructure, draw_structure,
+    AD_FIELDS,
+    HISTORY_FORMS,
+    NUMERIC_SHAPES,
+    POSITION_FORMS,
+    USER_FIELDS,
+    WorldStructure,
+    draw_structure,
 )
+from opengem.evaluation.oracle import Design, OracleCollector, choose_l2, refit
 from opengem.recipes import world_config
 
 TODAY_TERMS = ["surface", "position", "hour", "ad_quality", "ad_drift", "ad_novelty", "surface_format",
