@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import json
 import math
 import statistics
@@ -39,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from opengem.bench.tune import choose, lr_grid
 from opengem.config import Config
 from opengem.data.loader import ShardLoader
 from opengem.discipline import require_dev_world, require_tuning_split
@@ -265,15 +265,15 @@ def tune_rates(data: Path, split: str = "valid", grids: dict = GRIDS, eval_every
         raise ValueError(f"{what}: each side's grid needs the same number of points, got {points}")
     steps, rows = race_steps(data), []
     for arch, (dense, tables) in grids.items():
-        for lr, sparse_lr in itertools.product(dense, tables):
+        for lr, sparse_lr in lr_grid(dense, tables):
             cfg = budget_config(arch, steps, rate_overrides(lr, sparse_lr))
             r = train_with_evals(cfg, data, eval_every=steps + 1, split=split, eval_every_kth_file=eval_every_kth_file,
                                  max_steps=steps)
             rows.append({"arch": arch, "lr": lr, "sparse_lr": sparse_lr, "ne": r["final_ne"], "train_s": r["train_s"]})
             if on_point:
                 on_point(rows[-1])
-    best = {arch: min((r for r in rows if r["arch"] == arch), key=lambda r: r["ne"]) for arch in grids}
-    return {"grid": rows, "best": {a: rate_overrides(r["lr"], r["sparse_lr"]) for a, r in best.items()},
+    best = {a: choose({(r["lr"], r["sparse_lr"]): [r["ne"]] for r in rows if r["arch"] == a}) for a in grids}
+    return {"grid": rows, "best": {a: rate_overrides(*p) for a, p in best.items()},
             "split": split, "world_seeds": seeds, "steps": steps}
 
 
