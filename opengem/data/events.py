@@ -63,6 +63,32 @@ class BucketEvents:
     user: np.ndarray
     ts: np.ndarray
     columns: dict[str, pa.Array]  # event-log column name → values (nulls kept: validate_rows sees them)
+    _index: tuple | None = None
+
+    def end_before(self, user: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """``events_before`` for queries [Q]; a bucket serves many shards, so its search index is built once."""
+        if not len(self.user):
+            return np.zeros(len(user), dtype=np.int64)
+        if self._index is None:
+            self._index = _search_index(self.user, self.ts)
+        if self._index == ():  # keys would overflow int64: the general (per-shard lexsort) path
+            return events_before(self.user, self.ts, user, t)
+        users, first, key, tmin, span = self._index
+        g = np.searchsorted(users, user)
+        found = (g < len(users)) & (users[np.minimum(g, len(users) - 1)] == user)
+        q = g * span + np.clip(t - tmin, 0, span - 1)
+        return np.where(found, np.searchsorted(key, q, side="left"), first[g])
+
+
+def _search_index(user: np.ndarray, ts: np.ndarray) -> tuple:
+    """(distinct users, their first event [U+1], key [E], tmin, span): key = user index × span + (ts − tmin)
+    is sorted because the log is, so a (user, t) query is one searchsorted; () if keys overflow int64."""
+    users, first = np.unique(user, return_index=True)
+    tmin, span = int(ts.min()), int(ts.max()) - int(ts.min()) + 2  # span − 1 stands for "after every event"
+    if len(users) * span >= 2**62:
+        return ()
+    g = np.repeat(np.arange(len(users), dtype=np.int64), np.diff(np.r_[first, len(user)]))
+    return users, np.r_[first, len(user)].astype(np.int64), g * span + (ts - tmin), tmin, span
 
 
 def read_bucket(data_dir: str | Path, files: list[EventFileInfo], schema: FeatureSchema,
@@ -128,7 +154,7 @@ def events_before(ev_user: np.ndarray, ev_ts: np.ndarray, user: np.ndarray, t: n
 def join_histories(user: np.ndarray, t: np.ndarray, ev: BucketEvents, stream: SequenceStream) -> dict[str, pa.Array]:
     """The v1 history list columns of ``stream`` for impressions (user [Q], request_ts [Q]): per row the
     user's events strictly before t, newest ``stream.max_len`` kept, oldest → newest."""
-    end = events_before(ev.user, ev.ts, user, t)
+    end = ev.end_before(user, t)
     first = np.searchsorted(ev.user, user, side="left")  # the user's first event (per-user offset)
     length = np.minimum(end - first, stream.max_len)
     offsets = np.zeros(len(user) + 1, dtype=np.int64)
