@@ -4,16 +4,20 @@ The loader tolerates what it can repair (out-of-range ids → the OOV row) and q
 a producer's bug can train quietly; this check names every problem up front, by file, column and value.
 
 Errors (the dataset is wrong): an unreadable manifest or schema; a listed file missing, unreadable or
-of another row count; a missing column or one of the wrong type; ids outside ``[0, vocab)``; nulls in
-a v2 event log; an event log not sorted by (user_id, ts); a user's events in two buckets, or in
-another bucket than its impressions'; times in another unit than ``request_ts`` (found by magnitude:
-a millisecond time is ~1000× a second one).
+of another row count; a missing column or one of the wrong type; nulls in a v2 event log; an event
+log not sorted by (user_id, ts); a user's events in two buckets, or in another bucket than its
+impressions'; times in another unit than ``request_ts`` (found by magnitude: a millisecond time is
+~1000× a second one).
 
-Warnings (kept, counted): v1 rows the loader would quarantine (``validate_rows``); exact duplicate
-events (every column equal), which real logs get from double logging but the synthetic world also
-draws, and which v1 rows hold, so the loader keeps them and v1 = v2 stays exact; a stream with no
-event files at all. Duplicate (user, ts) events that differ are valid (a view and a like in one
-second): they keep their log order, and are only counted. Users with no events have empty histories
+Warnings (the loader keeps or repairs them, counted; ``--strict`` fails on them): ids outside
+``[0, vocab)``, which the loader maps to the OOV row (new ads are normal in ads logs, a whole column
+off is not: the count and an example say which); v1 rows the loader would quarantine
+(``validate_rows``); exact duplicate events (every column equal), which real logs get from double
+logging but the synthetic world also draws, and which v1 rows hold, so the loader keeps them and
+v1 = v2 stays exact; a stream with no event files at all.
+
+Duplicate (user, ts) events that differ are valid (a view and a like in one second): they keep
+their log order, and are only counted. Users with no events have empty histories
 (valid, counted). Events after a user's last impression are allowed and unused.
 """
 
@@ -179,8 +183,9 @@ def _ids_in_range(where, column: str, values, vocab: int, report: Report) -> Non
         zero_copy_only=False)
     bad = (v < 0) | (v >= vocab)
     if bad.any():
-        report.errors.append(f"{where}: column {column!r} has {int(bad.sum())} ids outside [0, {vocab}) "
-                             f"(e.g. {v[bad][0]}); the loader would map them to the OOV row")
+        report.counts["oov_ids"] += int(bad.sum())
+        report.warnings.append(f"{where}: column {column!r} has {int(bad.sum())} ids outside [0, {vocab}) "
+                               f"(e.g. {v[bad][0]}); the loader maps them to the OOV row")
 
 
 def _same_unit(where, column: str, ts: np.ndarray, req: np.ndarray, req_column: str, report: Report) -> None:

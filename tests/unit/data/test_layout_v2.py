@@ -1,6 +1,7 @@
 """Dataset layout v2 (event logs stored once per user, joined at read time) against v1."""
 
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -216,9 +217,6 @@ def test_validate_accepts_the_generated_worlds(worlds, capsys):
 
 @pytest.mark.parametrize("change, match", [
     (lambda e: e.update(ts=[1, 5, 3, 4]), r"part-0.parquet: event log not sorted by \(user_id, ts\) at row 2"),
-    (lambda e: e.update(item=[1, 10, 40, 12]),
-     r"part-0.parquet: column 'item' has 1 ids outside \[0, 40\) \(e.g. 40\)"),
-    (lambda e: e.update(category=[0, 1, -1, 3]), r"column 'category' has 1 ids outside \[0, 5\)"),
     (lambda e: e.update(ts=[(1_700_000_000 - 5) * 1000] + e["ts"][1:]),
      r"column 'ts' has 1 times of another magnitude than 'request_ts' .*milliseconds"),
     (lambda e: e.pop("event"), r"missing columns \['event'\]"),
@@ -234,7 +232,19 @@ def test_validate_names_each_bad_input(tmp_path, capsys, change, match):
         path = _case(tmp_path, change)
     rc, out = _validate(path, capsys)
     assert rc == 2
-    assert any(__import__("re").search(match, line) for line in out.splitlines()), out
+    assert any(re.search(match, line) for line in out.splitlines()), out
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda e: e.update(item=[1, 10, 40, 12]),
+     r"part-0.parquet: column 'item' has 1 ids outside \[0, 40\) \(e.g. 40\); the loader maps them to the OOV"),
+    (lambda e: e.update(category=[0, 1, -1, 3]), r"column 'category' has 1 ids outside \[0, 5\) \(e.g. -1\)"),
+])
+def test_validate_warns_of_ids_out_of_range(tmp_path, capsys, change, match):
+    path = _case(tmp_path, change)
+    rc, out = _validate(path, capsys)
+    assert rc == 0 and re.search("warning: .*" + match, out) and "oov_ids=1" in out, out
+    assert _validate(path, capsys, "--strict")[0] == 2
 
 
 def test_validate_counts_exact_duplicates_as_a_warning(tmp_path, capsys):
