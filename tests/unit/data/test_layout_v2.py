@@ -301,3 +301,19 @@ def test_generate_cli_writes_v2(tmp_path, capsys):
     assert DatasetManifest.load(out).layout == LAYOUT_V2
     assert FeatureSchema.load(out).sequences
     assert not list((out / "shards").glob("*.tmp")) and list((out / "events" / "organic").rglob("*.parquet"))
+
+
+def test_a_null_event_value_is_a_validate_error_and_quarantines_the_rows_that_would_hold_it(tmp_path, capsys):
+    schema = tiny_schema(streams=1)
+    T = 1_700_000_000
+    w = ShardWriter(tmp_path, schema, layout=LAYOUT_V2)
+    w.write_events("s0", 0, pa.table({"user_id": pa.array([7, 7]), "ts": pa.array([T - 9, T - 1]),
+                                      "item": pa.array([1, None], pa.int64()), "event": pa.array([0, 0]),
+                                      "category": pa.array([0, 0])}))
+    w.write(_impressions(schema, [7, 7], [T - 5, T]), "s0", 0, bucket=0)  # only the second row sees the null
+    w.close({"train": [0]})
+    rc, out = _validate(tmp_path, capsys)
+    assert rc == 2 and "column 'item' has 1 nulls" in out
+    loader = ShardLoader(tmp_path, "train", 4)
+    (batch,) = list(loader)
+    assert batch.batch_size == 1 and dict(loader.quarantined) == {"s0.item is null": 1}
