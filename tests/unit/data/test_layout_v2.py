@@ -45,6 +45,7 @@ def test_v2_is_smaller_and_records_its_layout(worlds):
     m1, m2 = DatasetManifest.load(v1), DatasetManifest.load(v2)
     assert (m1.layout, m2.layout) == (LAYOUT_V1, LAYOUT_V2)
     assert [f.rows for f in m1.files] == [f.rows for f in m2.files]
+    assert m1.source == m2.source  # the same rows, statistics and calibration
     assert all(f.bucket is not None for f in m2.files) and set(m2.events) == {"organic", "ads"}
     nbytes = [sum(p.stat().st_size for p in d.rglob("*.parquet")) for d in worlds]
     assert nbytes[1] < nbytes[0]
