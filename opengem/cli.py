@@ -1,7 +1,7 @@
 """``opengem`` command line: one sub-command per stage, no logic of its own.
 
     opengem [--log-level debug|info|warning] [--quiet] [--log-format text|json] COMMAND …
-    opengem generate --preset P --out DIR [--seed N] [--world-seed N] [key=value …]
+    opengem generate --preset P --out DIR [--seed N] [--world-seed N] [--layout v1|v2] [key=value …]
     opengem train    --recipe R --data DIR --out RUN [--resume] [key=value …]
     opengem evaluate --run RUN --data DIR [--split test] [--json FILE] [--signal]
     opengem distill  --teacher RUN --student-recipe R --data DIR --out RUN [--via FM_RUN] [key=value …]
@@ -9,6 +9,7 @@
     opengem serve    --artifact ARTIFACT [--host 127.0.0.1] [--port 8000]
     opengem bench    [--recipe R] [--data DIR] [--levers eager,compile,ac,bf16,fp8]
     opengem import   --source S --in PATH --out DIR [--spec FILE]   real data → our Parquet layout + schema
+    opengem validate DATA [--strict]      check a dataset's files, columns, ids, times and event logs
     opengem report   --run RUN [--eval EVAL_JSON] [--out DIR] [--data DIR] [--bench FILE …]
     opengem demo     [--out DIR]          generate → train → evaluate → distil a VM → export it, serve, score a request
 """
@@ -48,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="structure seed: the world's functional form (0: the demo world's; dev 0-99, report >= 1000)")
     g.add_argument("--no-oracle", action="store_true",
                    help="skip fitting the world's oracle (its captured is what evaluate divides by; ~20-80 s on demo)")
+    g.add_argument("--layout", choices=["v1", "v2"], default="v1",
+                   help="v1: histories copied into every row; v2: event logs stored once per user, joined at read "
+                        "time (docs/dataset-layout.md); the same batches either way")
     g.add_argument("overrides", nargs="*", help="world config overrides key=value (e.g. sizes.num_users=3000)")
 
     t = sub.add_parser("train", help="train a GEM foundation model")
@@ -121,6 +125,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--no-serve", action="store_true", help="skip the last step: export, serve, score one request")
     d.add_argument("overrides", nargs="*", help="training config overrides key=value")
 
+    v = sub.add_parser("validate", help="check a dataset (schema, manifest, columns, ids, times, event logs)")
+    v.add_argument("data")
+    v.add_argument("--strict", action="store_true", help="warnings (e.g. exact duplicate events) fail too")
+
     import_cli.add_parser(sub)
     report_cli.add_parser(sub)
     return p
@@ -134,7 +142,8 @@ def cmd_generate(args) -> dict:
     structure = [] if args.world_seed is None else [f"structure_seed={args.world_seed}"]
     cfg = world_config(args.preset, seed=args.seed, overrides=[*args.overrides, *structure])
     t0 = time.perf_counter()
-    manifest = generate(cfg, args.out, progress=not args.quiet, observer=None if args.no_oracle else OracleCollector)
+    manifest = generate(cfg, args.out, progress=not args.quiet, observer=None if args.no_oracle else OracleCollector,
+                        layout=args.layout)
     rows = sum(f.rows for f in manifest.files)
     log.info("wrote %d rows in %d shards to %s in %.1f s", rows, len(manifest.files), args.out, time.perf_counter() - t0)
     return {"rows": rows, "shards": len(manifest.files), "out": args.out}
@@ -236,6 +245,18 @@ def cmd_bench(args) -> dict:
     return out
 
 
+def cmd_validate(args) -> dict:
+    from opengem.data.parquet import DataError
+    from opengem.data.validate import validate_dataset
+
+    report = validate_dataset(args.data)
+    print(report.format())
+    failed = len(report.errors) + (len(report.warnings) if args.strict else 0)
+    if failed:
+        raise DataError(f"{args.data}: {failed} problems (listed above)")
+    return {"counts": dict(report.counts)}
+
+
 def cmd_demo(args) -> dict:
     from opengem.pipeline import demo, format_demo
 
@@ -262,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         {"generate": cmd_generate, "train": cmd_train, "evaluate": cmd_evaluate, "recalibrate": cmd_recalibrate,
          "distill": cmd_distill,
          "export": cmd_export, "serve": cmd_serve, "bench": cmd_bench, "demo": cmd_demo,
+         "validate": cmd_validate,
          "import": import_cli.run, "report": report_cli.run}[args.cmd](args)
     except (ConfigError, DataError, SchemaError, CheckpointError, ArtifactError, ValueError) as e:
         print(f"opengem {args.cmd}: error: {e}", file=sys.stderr)

@@ -4,6 +4,8 @@ Order: epoch by epoch; inside an epoch, days in order (one-pass, time-ordered tr
 online ads training), the shards of one day in a seeded random order, and the rows of each shard
 in a seeded random permutation. Rank ``r`` of ``W`` reads shards ``r, r+W, …`` of that order, so no
 rank ever reads (or holds) another rank's shards, and only one shard is in memory at a time.
+Layout v2 datasets (``opengem.data.events``) join each shard with its user bucket's event logs as it
+is read (the bucket's files, nothing else: the join is local), so both layouts yield the same batches.
 
 ``state_dict()`` is the position after the last row handed out: (epoch, shard cursor, row cursor).
 Loading it and iterating yields exactly the rows not yet yielded, in the same order and batching
@@ -29,7 +31,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from opengem.data.batch import Batch, CollateStats, collate, validate_rows
-from opengem.data.parquet import DatasetManifest, ShardInfo, read_shard
+from opengem.data.events import ShardReader
+from opengem.data.parquet import DatasetManifest, ShardInfo
 from opengem.features.schema import FeatureSchema
 
 log = logging.getLogger(__name__)
@@ -87,6 +90,7 @@ class ShardLoader:
         self.quarantine_dir = Path(quarantine_dir) if quarantine_dir else None
         self.prefetch = prefetch
         self.columns = [c for c in self.schema.columns() if c]
+        self.reader = ShardReader(self.data_dir, self.manifest, self.schema)
         self.stats = CollateStats()
         self.quarantined: Counter = Counter()
         self._pos = {"epoch": 0, "shard": 0, "row": 0}
@@ -130,7 +134,7 @@ class ShardLoader:
     def _read(self, info: ShardInfo, epoch: int) -> tuple[pa.Table, Counter]:
         """The shard's valid rows and the count of its quarantined rows per reason (epoch 0 only:
         later epochs read the same rows)."""
-        table = read_shard(self.data_dir, info, self.columns, self.schema)
+        table = self.reader.read(info, self.columns)
         keep, reasons, row_reason = validate_rows(table, self.schema)
         found: Counter = Counter()
         if reasons and epoch == 0:

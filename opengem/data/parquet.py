@@ -1,13 +1,17 @@
 """Parquet shards and the dataset manifest.
 
-A dataset directory holds::
+A dataset directory holds (layout 1, "v1")::
 
     DIR/schema.json      the FeatureSchema
-    DIR/dataset.json     the manifest: files (path, day, rows), splits (day lists), source info
+    DIR/dataset.json     the manifest: layout, files (path, day, rows), splits (day lists), source info
     DIR/shards/*.parquet one impression per row; sequences as list<int64> columns
 
+Layout 2 ("v2", ``docs/dataset-layout.md``) stores each stream's events once per user instead, in
+``DIR/events/<stream>/bucket=<b>/*.parquet``; impression shards then carry no history columns and name
+the user bucket whose event files hold their users' events (``opengem.data.events`` joins them).
+
 Every producer (the synthetic world, the real-data adapters) writes this layout through
-``ShardWriter``; the loader reads it through ``DatasetManifest``.
+``ShardWriter``; the loader reads it through ``DatasetManifest``. A manifest without ``layout`` is v1.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import pyarrow.parquet as pq
 from opengem.features.schema import SCHEMA_FILE, FeatureSchema, SchemaError
 
 MANIFEST = "dataset.json"
+LAYOUT_V1, LAYOUT_V2 = 1, 2  # the manifest's "layout": v1 copies histories into rows, v2 joins event logs
+LAYOUTS = {"v1": LAYOUT_V1, "v2": LAYOUT_V2}
 
 
 class DataError(ValueError):
@@ -45,6 +51,16 @@ class ShardInfo:
     path: str  # relative to the dataset dir
     day: int
     rows: int
+    bucket: int | None = None  # v2: the user bucket whose event files hold this shard's users' events
+
+
+@dataclass
+class EventFileInfo:
+    """One Parquet file of a stream's event log (v2): a bucket's files, in listed order, are its log."""
+
+    path: str  # relative to the dataset dir
+    bucket: int
+    rows: int
 
 
 @dataclass
@@ -52,6 +68,8 @@ class DatasetManifest:
     files: list[ShardInfo]
     splits: dict[str, list[int]]
     source: dict = field(default_factory=dict)
+    layout: int = LAYOUT_V1
+    events: dict[str, list[EventFileInfo]] = field(default_factory=dict)  # v2: stream → its event files
 
     def split_files(self, split: str) -> list[ShardInfo]:
         if split not in self.splits:
@@ -59,8 +77,15 @@ class DatasetManifest:
         days = set(self.splits[split])
         return [f for f in self.files if f.day in days]
 
+    def event_files(self, stream: str, bucket: int) -> list[EventFileInfo]:
+        return [e for e in self.events.get(stream, []) if e.bucket == bucket]
+
     def to_dict(self) -> dict:
-        return {"files": [vars(f) for f in self.files], "splits": self.splits, "source": self.source}
+        files = [{k: v for k, v in vars(f).items() if v is not None} for f in self.files]
+        out = {"layout": self.layout, "files": files, "splits": self.splits, "source": self.source}
+        if self.layout != LAYOUT_V1:
+            out["events"] = {s: [vars(e) for e in es] for s, es in self.events.items()}
+        return out
 
     @classmethod
     def load(cls, data_dir: str | Path) -> "DatasetManifest":
@@ -71,41 +96,93 @@ class DatasetManifest:
             d = json.loads(p.read_text())
             files = [ShardInfo(**f) for f in d["files"]]
             splits = {k: [int(x) for x in v] for k, v in d["splits"].items()}
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            layout = d.get("layout", LAYOUT_V1)  # manifests written before layouts existed are v1
+            events = {s: [EventFileInfo(**e) for e in es] for s, es in d.get("events", {}).items()}
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise DataError(f"{p}: malformed manifest ({e})") from e
-        return cls(files=files, splits=splits, source=d.get("source", {}))
+        if layout not in (LAYOUT_V1, LAYOUT_V2):
+            raise DataError(f"{p}: layout {layout!r} is not supported (1 or 2)")
+        if layout == LAYOUT_V2:
+            no_bucket = [f.path for f in files if f.bucket is None]
+            if no_bucket:
+                raise DataError(f"{p}: layout 2 but files {no_bucket[:3]} name no bucket")
+        return cls(files=files, splits=splits, source=d.get("source", {}), layout=layout, events=events)
+
+
+def stream_columns(schema: FeatureSchema) -> set[str]:
+    """The history list columns of every stream (what v2 impression shards do not hold)."""
+    return {c for s in schema.sequences
+            for c in [s.item_column, s.event_column, s.ts_column] + [s.attribute_column(a) for a in s.attributes]}
+
+
+def impression_columns(schema: FeatureSchema, layout: int = LAYOUT_V1, with_probs: bool = True) -> list[str]:
+    """The columns an impression shard of ``layout`` holds."""
+    drop = stream_columns(schema) if layout == LAYOUT_V2 else set()
+    return [c for c in schema.columns(with_probs) if c not in drop]
 
 
 class ShardWriter:
-    """Writes shards into ``DIR/shards`` and, on ``close()``, the schema and manifest.
+    """Writes shards into ``DIR/shards`` (v2: also event logs into ``DIR/events``) and, on ``close()``,
+    the schema and manifest.
 
-    Shards are written to a temporary name and renamed, so a crash never leaves a truncated shard
+    Files are written to a temporary name and renamed, so a crash never leaves a truncated file
     under a name the manifest lists.
     """
 
-    def __init__(self, out_dir: str | Path, schema: FeatureSchema, row_group_size: int = 16384):
+    def __init__(self, out_dir: str | Path, schema: FeatureSchema, row_group_size: int = 16384,
+                 layout: int = LAYOUT_V1):
+        if layout not in (LAYOUT_V1, LAYOUT_V2):
+            raise ValueError(f"layout must be {LAYOUT_V1} or {LAYOUT_V2}, got {layout!r}")
         self.out = Path(out_dir)
         (self.out / "shards").mkdir(parents=True, exist_ok=True)
         self.schema = schema
         self.row_group_size = row_group_size
+        self.layout = layout
         self.files: list[ShardInfo] = []
+        self.events: dict[str, list[EventFileInfo]] = {}
 
-    def write(self, table: pa.Table, name: str, day: int) -> ShardInfo:
-        missing = [c for c in self.schema.columns() if c not in table.column_names]
+    def write(self, table: pa.Table, name: str, day: int, bucket: int | None = None) -> ShardInfo:
+        missing = [c for c in impression_columns(self.schema, self.layout) if c not in table.column_names]
         if missing:
             raise SchemaError(f"shard {name}: missing columns {missing}")
+        if (bucket is None) != (self.layout == LAYOUT_V1):
+            raise ValueError(f"shard {name}: a bucket is required in layout 2 and not allowed in layout 1")
         rel = f"shards/{name}.parquet"
-        tmp = self.out / (rel + ".tmp")
-        pq.write_table(table, tmp, row_group_size=self.row_group_size, compression="zstd")
-        os.replace(tmp, self.out / rel)
-        info = ShardInfo(path=rel, day=int(day), rows=table.num_rows)
+        self._write(table, rel)
+        info = ShardInfo(path=rel, day=int(day), rows=table.num_rows, bucket=None if bucket is None else int(bucket))
         self.files.append(info)
         return info
+
+    def write_events(self, stream: str, bucket: int, table: pa.Table) -> EventFileInfo:
+        """One bucket's event log of ``stream`` (columns: ``opengem.data.events.event_columns``),
+        already sorted by user then time; v2 only."""
+        if self.layout != LAYOUT_V2:
+            raise ValueError("event logs are written in layout 2 only")
+        from opengem.data.events import event_columns  # events builds on this module
+
+        missing = [c for c in event_columns(self.schema, self.schema.stream(stream)) if c not in table.column_names]
+        if missing:
+            raise SchemaError(f"event log {stream} bucket {bucket}: missing columns {missing}")
+        rel = f"events/{stream}/bucket={bucket:05d}/part-0.parquet"
+        (self.out / rel).parent.mkdir(parents=True, exist_ok=True)
+        # Sorted user and time columns delta-encode to ~1/3 fewer bytes of the log than dictionaries.
+        delta = {self.schema.user_column: "DELTA_BINARY_PACKED", "ts": "DELTA_BINARY_PACKED"}
+        self._write(table, rel, use_dictionary=[c for c in table.column_names if c not in delta],
+                    column_encoding=delta)
+        info = EventFileInfo(path=rel, bucket=int(bucket), rows=table.num_rows)
+        self.events.setdefault(stream, []).append(info)
+        return info
+
+    def _write(self, table: pa.Table, rel: str, **options) -> None:
+        tmp = self.out / (rel + ".tmp")
+        pq.write_table(table, tmp, row_group_size=self.row_group_size, compression="zstd", **options)
+        os.replace(tmp, self.out / rel)
 
     def close(self, splits: dict[str, list[int]], source: dict | None = None) -> DatasetManifest:
         self.schema.save(self.out / SCHEMA_FILE)
         files = sorted(self.files, key=lambda f: (f.day, f.path))
-        manifest = DatasetManifest(files=files, splits=splits, source=source or {})
+        events = {s: sorted(es, key=lambda e: (e.bucket, e.path)) for s, es in sorted(self.events.items())}
+        manifest = DatasetManifest(files=files, splits=splits, source=source or {}, layout=self.layout, events=events)
         tmp = self.out / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest.to_dict(), indent=2))
         os.replace(tmp, self.out / MANIFEST)
@@ -127,7 +204,10 @@ def read_shard(data_dir: str | Path, info: ShardInfo, columns: list[str],
     have = set(pf.schema_arrow.names)
     missing = [c for c in columns if c not in have]
     if missing:
-        raise DataError(f"{path}: missing columns {missing}")
+        hint = (" (a layout 2 shard: histories are joined from the event logs by opengem.data.events.ShardReader)"
+                if getattr(info, "bucket", None) is not None and schema and set(missing) <= stream_columns(schema)
+                else "")
+        raise DataError(f"{path}: missing columns {missing}{hint}")
     wrong = _wrong_types(pf.schema_arrow, schema, columns) if schema is not None else []
     if wrong:
         raise DataError(f"{path}: " + "; ".join(wrong) + " (the data does not match its schema.json)")

@@ -76,7 +76,7 @@ from typing import Callable, Protocol
 import numpy as np
 import pyarrow as pa
 
-from opengem.data.parquet import DatasetManifest, ShardWriter, list_array
+from opengem.data.parquet import LAYOUT_V2, LAYOUTS, DatasetManifest, ShardWriter, list_array, stream_columns
 from opengem.data.synthetic_world import (
     ADS_EVENTS,
     DAY,
@@ -513,13 +513,22 @@ class ShardObserver(Protocol):
 
 
 def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
-             observer: Callable[[World, dict[int, str]], ShardObserver] | None = None) -> DatasetManifest:
+             observer: Callable[[World, dict[int, str]], ShardObserver] | None = None,
+             layout: str = "v1") -> DatasetManifest:
     """Write the world's shards, schema and manifest into ``out_dir``; one block of users at a time.
 
     ``observer(world, split_of_day)`` builds a ``ShardObserver`` that sees every shard's columns as it
     is written; its ``result()`` is stored in ``source.stats[observer.stats_key]``. The CLI passes the
-    world's oracle (``opengem.evaluation.oracle.OracleCollector``): the data layer names no model."""
+    world's oracle (``opengem.evaluation.oracle.OracleCollector``): the data layer names no model.
+
+    ``layout="v2"`` (``opengem.data.events``) writes each user block's event streams once, as bucket
+    ``block`` of each stream's log, and impression shards without history columns; the rows, draws,
+    statistics and oracle are those of v1. The generator writes v2 itself, rather than a v1 → v2
+    converter, because it holds the true event log: a converter must rebuild logs from truncated
+    per-row copies, which lose events no row kept and events after a user's last impression."""
     cfg.validate()
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
     schema = build_schema(cfg)
     world = World(cfg)
     n_blocks = -(-cfg.sizes.num_users // cfg.sizes.users_per_block)
@@ -539,7 +548,8 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
     world.c0 = solve_intercept(zc, cfg.conversion.target_cvr, weights=sigmoid(world.b0 + z))
     del z, zc
 
-    writer = ShardWriter(out_dir, schema)
+    writer = ShardWriter(out_dir, schema, layout=LAYOUTS[layout])
+    histories = sorted(stream_columns(schema))
     stats = _Stats(cfg, world)
     watcher = observer(world, stats.split_of) if observer is not None else None
     blocks = range(n_blocks)
@@ -550,12 +560,18 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
     for b in blocks:
         if b > 0:
             ub = UserBlock(world, b)
+        if writer.layout == LAYOUT_V2:
+            for stream, table in _event_logs(world, ub).items():
+                writer.write_events(stream, b, table)
         for d in range(cfg.sizes.num_days):
             c = _impressions(world, ub, d, b)
             p_click, p_cvr, ct, vt = probabilities(world, c)
             table = _table(schema, c, p_click, p_cvr)
             stats.add(d, c, table, ct, vt)
-            writer.write(table, f"d{d:03d}-b{b:05d}", d)
+            if writer.layout == LAYOUT_V2:
+                writer.write(table.drop_columns(histories), f"d{d:03d}-b{b:05d}", d, bucket=b)
+            else:
+                writer.write(table, f"d{d:03d}-b{b:05d}", d)
             if watcher is not None:
                 watcher.add(d, columns_from_table(table))  # what the shard holds, nothing more
         del ub
@@ -564,6 +580,24 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
         result[watcher.stats_key] = _plain(watcher.result())
     return writer.close(splits_for(cfg), source={"kind": "synthetic", "config": asdict(cfg),
                                                  "structure": world.structure.to_dict(), "stats": result})
+
+
+def _event_logs(world: World, ub: UserBlock) -> dict[str, pa.Table]:
+    """The block's two streams as v2 event logs (``opengem.data.events``): every event of the window
+    once, sorted by (user, ts) as ``UserBlock`` holds them, with the attributes v1 rows carry."""
+    start = world.cfg.sizes.start_ts
+    out = {}
+    for stream, off, item, event, ts in (("organic", ub.org_off, ub.org_item, ub.org_event, ub.org_ts),
+                                          ("ads", ub.ads_off, ub.ads_item, ub.ads_event, ub.ads_ts)):
+        user = ub.first + np.repeat(np.arange(ub.n, dtype=np.int64), np.diff(off))
+        cols = {"user_id": user, "ts": start + ts, "item": item, "event": event}
+        if world.cfg.behaviour.event_attributes:
+            if stream == "organic":
+                cols["category"] = world.item_category[item]
+            else:
+                cols["advertiser_id"] = world.ad_advertiser[item]
+        out[stream] = pa.table({k: pa.array(np.asarray(v).astype(np.int64, copy=False)) for k, v in cols.items()})
+    return out
 
 
 def world_from_manifest(manifest: DatasetManifest) -> World:
