@@ -36,9 +36,11 @@ corrected model) added to the heads' output biases, so evaluation, export, servi
 read the corrected, recalibrated model while the checkpoint itself is never changed.
 
 The down-sampling correction (``downsampling_offsets``). Negatives (rows with no positive label,
-``data.downsampling``) kept at rate r multiply the odds the model learns by w = 1/r, so the calibrated
-probability is q = p / (p + (1 − p)/w), i.e. logit(q) = logit(p) + log r: an offset on the output
-bias. Which heads get it, with the ESMM chain p(conv) = p(click) · p(conv | click) (``Heads.chain``):
+``data.downsampling``) kept at rate r multiply the odds the model learns by 1/r (each kept negative
+stands for 1/r of them: its weight), so the calibrated probability is He et al.'s q = p / (p + (1 − p)/w)
+with w the rate r itself (not 1/r: that would shift the other way), i.e. logit(q) = logit(p) + log r,
+an offset on the output bias. Which heads get it, with the ESMM chain
+p(conv) = p(click) · p(conv | click) (``Heads.chain``):
 a row with conv = 1 has click = 1, so the rows kept with click = 1 are all of them and p(conv | click)
 is learnt unbiased; p(click) alone is inflated. So the offset is log r on each task's *own* logit when
 the task is not chained (the base task, click) and 0 on a chained one (its logit is the conditional);
