@@ -14,7 +14,7 @@ from opengem.config import apply_overrides
 from opengem.data.batch import collate
 from opengem.data.synthetic import generate
 from opengem.evaluation.evaluate import evaluate_run, held_out_evaluator
-from opengem.evaluation.recalibrate import fit_offsets
+from opengem.evaluation.recalibrate import fit_offsets, recalibrate_run
 from opengem.model.build import build_gem, materialize
 from opengem.model.heads import Heads, HeadsConfig
 from opengem.recipes import recipe, world_config
@@ -145,3 +145,18 @@ def test_a_downsampled_run_is_recorded_and_corrected_everywhere(world, tmp_path)
     raw, _, _ = load_run_model(tmp_path / "run", recalibrated=False, corrected=False)
     diff = (corrected.heads.out_b - raw.heads.out_b).detach().double()
     assert torch.allclose(diff[:, 0], torch.full_like(diff[:, 0], LOG(0.3)), atol=1e-6) and diff[:, 1].abs().max() == 0
+    # the recalibration is fitted on top of the corrected model, and both reach what is served
+    by_domain = evaluate_run(tmp_path / "run", world, "valid", progress=False)
+    rec = recalibrate_run(tmp_path / "run", world, "valid", progress=False)
+    assert by_domain["downsampling"]["rates"] == {d: 0.3 for d in rec_domains(by_domain)}
+    for key, cal in rec["calibration_before"].items():
+        assert cal == pytest.approx(by_domain["metrics"][key]["calibration"], abs=2e-4)
+    served, _, _ = load_run_model(tmp_path / "run")
+    total = (served.heads.out_b - raw.heads.out_b).detach().double()
+    delta = torch.tensor([[rec["offsets"][f"{d}/{t}"] for t in ("click", "conversion")]
+                          for d in rec_domains(by_domain)], dtype=torch.float64)
+    assert torch.allclose(total, diff + delta, atol=1e-5)
+
+
+def rec_domains(evaluation: dict) -> list[str]:
+    return list(evaluation["downsampling"]["rates"])
