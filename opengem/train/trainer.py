@@ -64,6 +64,7 @@ from opengem.parallel.launch import DistInfo, comm_device, destroy_distributed, 
 from opengem.run import (
     QUARANTINE_DIR,
     LogitShift,
+    RecalibrationError,
     downsampling_record,
     gem_heads,
     offsets_tensor,
@@ -180,7 +181,10 @@ def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo,
     schedule = Schedule(optimizers, total, cfg.optim)
     r = _Run(cfg, schema, run, info, model, optimizers, sparse, loader, schedule, total)
     if sampling is not None:
-        sampling = downsampling_record(gem_heads(model), schema, sampling[0], sampling[1])
+        try:  # before any step: a correction that cannot be served must not cost a training run
+            sampling = downsampling_record(gem_heads(model), schema, sampling[0], sampling[1])
+        except RecalibrationError as e:
+            raise ConfigError(f"data.negative_rate < 1 needs a correction in the heads' biases: {e}") from None
         r.downsampling = sampling
     if cfg.train.evaluates:
         r.evals = EvalHook(cfg.train, evaluator, rates, info)

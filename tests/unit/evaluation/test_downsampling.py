@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from opengem.config import apply_overrides
+from opengem.config import ConfigError, apply_overrides
 from opengem.data.batch import collate
 from opengem.data.synthetic import generate
 from opengem.evaluation.evaluate import evaluate_run, held_out_evaluator
@@ -160,3 +160,16 @@ def test_a_downsampled_run_is_recorded_and_corrected_everywhere(world, tmp_path)
 
 def rec_domains(evaluation: dict) -> list[str]:
     return list(evaluation["downsampling"]["rates"])
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["model.arch=dlrm"], "no GEM heads"),
+    (["model.heads.domain_mode=shared", 'data.negative_rate_by_domain={"feed": 0.5}'], "domain_mode=output"),
+    (['data.negative_rate_by_domain={"nowhere": 0.5}'], "unknown domain 'nowhere'"),
+])
+def test_a_correction_that_cannot_be_made_stops_training_before_it_starts(world, tmp_path, overrides, match):
+    cfg = apply_overrides(recipe("tiny"), ["data.negative_rate=0.3", "train.max_steps=2", "train.progress=false",
+                                           *overrides])
+    with pytest.raises(ConfigError, match=match):
+        train(cfg, world, tmp_path / "run")
+    assert not (tmp_path / "run" / "final.json").exists()
