@@ -22,7 +22,7 @@ rate on the same data, two budgets, scored on the valid day only (never test):
 Prints a line per run, a table of the means, and last ONE JSON line.
 
 Measured (``--quick``, 124 s on the shared 2-core machine, world 0 with 1,500 users: 7,543 training
-rows, click rate ~5%; means of training seeds 0-1; all/click on valid; speeds are noisy there):
+rows, click rate 4.4%; means of training seeds 0-1; all/click on valid; speeds are noisy there):
 
     equal_epochs  rate  read/s  trained/s  NE corrected  cal corrected  NE raw  cal raw
                   1       1304       1304        0.840          0.937    0.840    0.937

@@ -238,8 +238,8 @@ def downsampling_offsets(heads: Heads, schema: FeatureSchema, rates: dict[str, f
             raise RecalibrationError(f"per-domain negative rates {rates} need per-domain output heads "
                                      "(model.heads.domain_mode=output): shared heads have one bias per task")
         r_G = r_G[:1]
-    root = torch.tensor([p < 0 for p in heads.parent], dtype=torch.float64)
-    return torch.log(r_G)[:, None] * root[None, :]
+    root = torch.tensor([p < 0 for p in heads.parent])
+    return torch.where(root[None, :], torch.log(r_G)[:, None], torch.zeros((), dtype=torch.float64))
 
 
 def downsampling_record(heads: Heads, schema: FeatureSchema, rates: dict[str, float], counts: dict) -> dict:
