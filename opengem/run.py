@@ -58,6 +58,7 @@ __all__ = [
 
 CONFIG_FILE = "config.json"
 BASE_RATES_FILE = "base_rates.json"
+DENSE_STATS_FILE = "dense_stats.json"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 QUARANTINE_DIR = "quarantine"
@@ -106,6 +107,11 @@ def load_schema(run_dir: str | Path) -> FeatureSchema:
 
 def save_base_rates(run_dir: str | Path, rates: dict[str, float]) -> None:
     write_json(Path(run_dir) / BASE_RATES_FILE, rates)
+
+
+def save_dense_stats(run_dir: str | Path, stats: dict) -> None:
+    """The dense normaliser's training-split figures, for reading (the checkpoint holds them as buffers)."""
+    write_json(Path(run_dir) / DENSE_STATS_FILE, stats)
 
 
 def load_base_rates(run_dir: str | Path) -> dict[str, float]:

@@ -55,11 +55,11 @@ from opengem.data.base_rates import train_base_rates
 from opengem.data.batch import Batch
 from opengem.data.loader import ShardLoader
 from opengem.features.schema import FeatureSchema
-from opengem.model.build import build_gem, count_parameters, materialize
+from opengem.model.build import build_gem, count_parameters, fit_dense_norm, materialize
 from opengem.parallel import ParallelDims, SparseOptimizerSpec, build_parallel_gem
 from opengem.parallel import train_step as dist_step
 from opengem.parallel.launch import DistInfo, comm_device, destroy_distributed, init_distributed, min_over_ranks
-from opengem.run import QUARANTINE_DIR, save_base_rates, save_config, save_final, save_schema
+from opengem.run import QUARANTINE_DIR, save_base_rates, save_config, save_dense_stats, save_final, save_schema
 from opengem.train.hooks import EvalHook, Evaluator
 from opengem.train.observe import RunLog
 from opengem.train.optim import Schedule, build_optimizers
@@ -155,6 +155,7 @@ def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo,
     torch.manual_seed(cfg.train.seed + info.rank)
     rates = train_base_rates(data_dir, schema, cfg.data.train_split, info.rank, info.world_size)
     model, optimizers, sparse = _build(cfg, schema, [rates.get(t, 0.5) for t in schema.task_names], info)
+    dense_stats = fit_dense_norm(model, data_dir, schema, cfg.data.train_split)  # a resume then loads the same values
     loader = ShardLoader(data_dir, cfg.data.train_split, cfg.data.batch_size, schema, rank=info.rank,
                          world_size=info.world_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
                          epochs=cfg.train.epochs, drop_last=info.world_size > 1, max_seq_len=model.max_seq_len(),
@@ -171,6 +172,8 @@ def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo,
         save_config(run, cfg)
         save_schema(run, schema)
         save_base_rates(run, rates)
+        if dense_stats is not None:
+            save_dense_stats(run, dense_stats)
     t_start = time.perf_counter()
     with SigtermFlag() as r.sigterm:  # held over the final save too: a late SIGTERM lets it finish
         _loop(r)
