@@ -160,8 +160,8 @@ def cmd_train(args) -> dict:
         if args.recipe is not None or (args.out is not None and Path(args.out) != Path(args.continue_run)):
             raise ConfigError("--continue RUN trains RUN itself with its own recipe: drop --recipe and --out")
         cfg = continue_config(args.continue_run, overrides)
-        final = train(cfg, args.data, args.continue_run, args.resume, held_out_evaluator(args.data, cfg.train.eval_split),
-                      days=days, warm=True)
+        evaluator = held_out_evaluator(args.data, cfg.train.eval_split)
+        final = train(cfg, args.data, args.continue_run, args.resume, evaluator, days=days, warm=True)
         log.info("trained to step %d (%d examples), days seen %s", final["steps"], final["examples"], final["days"])
         return final
     if args.out is None:
