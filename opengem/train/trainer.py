@@ -161,8 +161,9 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path, resume: bool =
 
 
 def continue_config(run_dir: str | Path, overrides=()) -> Config:
-    """The config a continuation of ``run_dir`` trains with: its config.json with ``overrides`` on top;
-    a clear error when there is no such run or it has no checkpoint to warm-start from."""
+    """The config a continuation of ``run_dir`` trains with: its config.json with ``overrides`` on top
+    (but ``train.stop_at``, a pause of the command that set it, not part of the run); a clear error when
+    there is no such run or it has no checkpoint to warm-start from."""
     from opengem.config import apply_overrides
 
     run = Path(run_dir)
@@ -170,7 +171,9 @@ def continue_config(run_dir: str | Path, overrides=()) -> Config:
         raise CheckpointError(f"--continue {run}: no such training run (no {run}/{CONFIG_FILE})")
     if latest_checkpoint(run) is None:
         raise CheckpointError(f"--continue {run}: the run has no checkpoint to continue from")
-    return apply_overrides(load_config(run), list(overrides))
+    cfg = load_config(run)
+    cfg.train.stop_at = 0
+    return apply_overrides(cfg, list(overrides))
 
 
 def continue_training(run_dir: str | Path, data_dir: str | Path, days: list[int], overrides=(), resume: bool = False,
