@@ -109,7 +109,8 @@ def test_continued_run_equals_one_stream_over_the_same_days(tiny, streams, tmp_p
     for (pa, _), (pb, _) in zip(list_snapshots(root / "A"), list_snapshots(root / "B")):
         ma = load_run_model(root / "A", snapshot=pa)[0]
         assert params_sha256(ma) == params_sha256(load_run_model(root / "B", snapshot=pb)[0])
-    assert params_sha256(load_run_model(root / "A", snapshot=list_snapshots(root / "A")[-1][0])[0]) == a["params_sha256"]
+    last = list_snapshots(root / "A")[-1][0]
+    assert params_sha256(load_run_model(root / "A", snapshot=last)[0]) == a["params_sha256"]
 
 
 def test_continuing_a_plain_run_reads_its_schedule_past_the_horizon(tiny, tmp_path):
