@@ -13,7 +13,8 @@ def make_batch(schema, n=16, seed=0):
 
 
 def gem_config(dim=8):
-    return GEMConfig(embedding_dim=dim, wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2, fm_rank=2, mlp_dims=(16,)),
+    return GEMConfig(embedding_dim=dim,
+                     wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2, fm_rank=2, mlp_dims=(16,)),
                      sequence=SequenceConfig(num_heads=2, recent_len=4, min_recent=2, num_pooled=1))
 
 
