@@ -436,11 +436,11 @@ def _finish(r: _Run, wall: float) -> dict:
         final["resharded"] = r.resumed
     if r.distributed:
         final["parallel"] = {"dims": r.sparse.dims.describe(), "sparse_plan": r.sparse.describe().splitlines()}
-    if r.publish_end:
+    if r.publish_end and (r.step >= r.total or r.loader.state_dict()["epoch"] >= r.loader.epochs):  # not a pause
         publish(r, sorted({f.day for f in r.loader.files}))
     if r.stream is not None or r.publish_end:
         snaps = list_snapshots(r.run)
-        final["days"] = r.stream.completed if r.stream is not None else snaps[-1][1]["days"]
+        final["days"] = r.stream.completed if r.stream is not None else (snaps[-1][1]["days"] if snaps else [])
         final["snapshot"] = snaps[-1][0].name if snaps else None
     if r.info.is_main:
         save_final(r.run, final)
