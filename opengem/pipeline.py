@@ -65,7 +65,8 @@ def demo(out: str | Path, preset: str = "demo", seed: int = 0, overrides: Sequen
     cfg.train.progress = progress
     with _timed(times, "train_s"):
         # publish_end: the same weights as the last checkpoint (~4 MB on demo), so every number stays as it was
-        final = train(cfg, data, run, evaluator=held_out_evaluator(data, cfg.train.eval_split), publish_end=True)
+        evaluator = held_out_evaluator(data, cfg.train.eval_split)
+        final = train(cfg, data, run, evaluator=evaluator, publish_end=True)
     recal = None
     if recalibrate and cfg.data.eval_split != "valid" and _has_split(data, "valid"):
         with _timed(times, "recalibrate_s"):
