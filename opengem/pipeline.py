@@ -102,8 +102,9 @@ def _timed(times: dict[str, float], key: str) -> Iterator[None]:
 
 def distill_demo(teacher_run: str | Path, data_dir: str | Path, out_dir: str | Path) -> dict:
     """Distil the default vertical model from a trained GEM run on the same data (one pass over
-    the student's days), its teacher the run's newest published snapshot (else its checkpoint); returns the student's evaluation with the teacher's on the same slice
-    (``metrics``, ``teacher``, ``alone``, ``transfer_ratio``; ``report.text.distill_line`` prints it)."""
+    the student's days), its teacher the run's newest published snapshot (else its checkpoint); returns
+    the student's evaluation with the teacher's on the same slice (``metrics``, ``teacher``, ``alone``,
+    ``transfer_ratio``; ``report.text.distill_line`` prints it)."""
     return distill(teacher_run, DEMO_RECIPE, data_dir, out_dir, DEMO_OVERRIDES)
 
 
