@@ -9,8 +9,10 @@ run must be able to go on over the days that arrive and say, for every model it 
 days it has seen. Here:
 
 - **Warm start**: the model, both optimizers (dense AdamW, the tables' row-wise Adagrad), RNG and step
-  come from the run's latest checkpoint; the run's ``config.json`` is the config (overrides on top;
-  a model change is refused by the checkpoint's identity check).
+  come from the run's latest checkpoint; the run's ``config.json`` is the config, with the command's
+  overrides on top for this leg only (config.json is left as it was; a model change is refused by the
+  checkpoint's identity check). A recalibration fitted on the model the run moves past is set aside
+  (``recalibration-step-N.json``): offsets of one model are wrong for the next.
 - **Days**: in the order given, each one pass of its own ``ShardLoader`` (shards of the day in a
   seeded order, rows permuted, as a plain run orders a day), so a batch never spans two days. New
   days must come after every day the run has seen (a plain run has seen its ``data.train_split``).
@@ -49,7 +51,7 @@ from opengem.data.batch import Batch, CollateStats
 from opengem.data.loader import ShardLoader
 from opengem.data.parquet import DatasetManifest
 from opengem.features.schema import FeatureSchema
-from opengem.run import FINAL_FILE, METRICS_FILE, load_final
+from opengem.run import FINAL_FILE, METRICS_FILE, RECALIBRATION_FILE, load_final
 from opengem.train.resume import truncate_metrics
 
 log = logging.getLogger(__name__)
@@ -251,6 +253,12 @@ def _new_leg(r, stream: DayStream, saved: dict, plain_run: Callable[[], tuple[Co
     stream.stats = CollateStats.from_dict(saved.get("repaired", {}))
     if (r.run / FINAL_FILE).exists():  # absent while training, as for any run
         (r.run / FINAL_FILE).unlink()
+    recal = r.run / RECALIBRATION_FILE
+    if recal.exists():  # fitted on the model of this step, which the run is about to move past
+        stale = r.run / f"recalibration-step-{r.step:08d}.json"
+        recal.replace(stale)
+        log.warning("%s was fitted on the model at step %d: moved to %s (run `opengem recalibrate` again after this "
+                    "leg)", recal, r.step, stale.name)
 
 
 # ---------------------------------------------------------------------------------- publishing

@@ -188,15 +188,7 @@ def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo,
            days: list[int] | None = None, warm: bool = False, publish_end: bool = False) -> dict:
     if days is not None:
         return _train_stream(cfg, data_dir, run, resume, info, evaluator, days, warm)
-    run.mkdir(parents=True, exist_ok=True)
-    schema = FeatureSchema.load(data_dir)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    if cfg.train.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.manual_seed(cfg.train.seed + info.rank)
-    rates = train_base_rates(data_dir, schema, cfg.data.train_split, info.rank, info.world_size)
-    model, optimizers, sparse = _build(cfg, schema, [rates.get(t, 0.5) for t in schema.task_names], info)
+    schema, rates, model, optimizers, sparse = _parts(cfg, data_dir, run, info)
     loader = ShardLoader(data_dir, cfg.data.train_split, cfg.data.batch_size, schema, rank=info.rank,
                          world_size=info.world_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
                          epochs=cfg.train.epochs, drop_last=info.world_size > 1, max_seq_len=model.max_seq_len(),
@@ -212,9 +204,25 @@ def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo,
     return _run(r, rates)
 
 
-def _run(r: _Run, rates: dict) -> dict:
+def _parts(cfg: Config, data_dir: Path, run: Path, info: DistInfo):
+    """(schema, base rates, model, optimizers, sparse sharding or None), seeded, in this order (the
+    order every earlier run used: their parameters depend on it)."""
+    run.mkdir(parents=True, exist_ok=True)
+    schema = FeatureSchema.load(data_dir)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.manual_seed(cfg.train.seed + info.rank)
+    rates = train_base_rates(data_dir, schema, cfg.data.train_split, info.rank, info.world_size)
+    model, optimizers, sparse = _build(cfg, schema, [rates.get(t, 0.5) for t in schema.task_names], info)
+    return schema, rates, model, optimizers, sparse
+
+
+def _run(r: _Run, rates: dict, config: bool = True) -> dict:
     if r.info.is_main:  # after the resume checks: a refused resume leaves the run as it was
-        save_config(r.run, r.cfg)
+        if config:
+            save_config(r.run, r.cfg)
         save_schema(r.run, r.schema)
         save_base_rates(r.run, rates)
     t_start = time.perf_counter()
@@ -225,17 +233,12 @@ def _run(r: _Run, rates: dict) -> dict:
 
 def _train_stream(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo, evaluator: Evaluator | None,
                   days: list[int], warm: bool) -> dict:
-    """``_train`` for a stream (``opengem.train.continual``): the same parts, a ``DayStream`` for a loader."""
+    """``_train`` for a stream (``opengem.train.continual``): the same parts, a ``DayStream`` for a loader.
+    A warm leg leaves config.json as the run wrote it: its overrides are the leg's (as ``--resume``'s are
+    the resumed command's), and a plain run's schedule horizon is recomputed from it."""
     check_stream_config(cfg, info.world_size)
-    run.mkdir(parents=True, exist_ok=True)
-    schema = FeatureSchema.load(data_dir)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    if cfg.train.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.manual_seed(cfg.train.seed + info.rank)
-    rates = train_base_rates(data_dir, schema, cfg.data.train_split, info.rank, info.world_size)
-    model, optimizers, sparse = _build(cfg, schema, [rates.get(t, 0.5) for t in schema.task_names], info)
+    prev = load_config(run) if warm else cfg
+    schema, rates, model, optimizers, sparse = _parts(cfg, data_dir, run, info)
     loader = DayStream(data_dir, days, cfg.data.batch_size, schema, [], cfg.data.train_split, shuffle=cfg.data.shuffle,
                        seed=cfg.data.seed, max_seq_len=model.max_seq_len(), quarantine_dir=run / QUARANTINE_DIR,
                        prefetch=cfg.data.prefetch)
@@ -243,7 +246,6 @@ def _train_stream(cfg: Config, data_dir: Path, run: Path, resume: bool, info: Di
     r = _Run(cfg, schema, run, info, model, optimizers, sparse, loader, schedule, 0)
     if cfg.train.evaluates:
         r.evals = EvalHook(cfg.train, evaluator, rates, info)
-    prev = load_config(run) if warm else cfg  # before _run writes this leg's config over it
 
     def plain_run() -> tuple[Config, int]:
         ld = ShardLoader(data_dir, prev.data.train_split, prev.data.batch_size, schema, shuffle=prev.data.shuffle,
@@ -251,7 +253,7 @@ def _train_stream(cfg: Config, data_dir: Path, run: Path, resume: bool, info: Di
         return prev, _planned_steps(prev, ld, False)
 
     start_stream(r, latest_checkpoint(run) if (warm or resume) else None, warm, resume, plain_run)
-    return _run(r, rates)
+    return _run(r, rates, config=not warm)
 
 
 def _build(cfg: Config, schema: FeatureSchema, base_rates: list[float], info: DistInfo):

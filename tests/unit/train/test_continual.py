@@ -120,7 +120,12 @@ def test_continuing_a_plain_run_reads_its_schedule_past_the_horizon(tiny, tmp_pa
     cfg.train.progress = False
     plain = train(cfg, tiny, tmp_path / "run")
     assert "days" not in plain and not list_snapshots(tmp_path / "run")  # a plain run publishes nothing
-    final = continue_training(tmp_path / "run", tiny, [2], ["train.progress=false"])
+    config = (tmp_path / "run" / "config.json").read_text()
+    (tmp_path / "run" / "recalibration.json").write_text(json.dumps({"offsets": {"all/click": 0.1}}))
+    final = continue_training(tmp_path / "run", tiny, [2], ["train.progress=false", "data.prefetch=0"])
+    assert (tmp_path / "run" / "config.json").read_text() == config  # the leg's overrides are the leg's
+    assert not (tmp_path / "run" / "recalibration.json").exists()  # fitted on the model the run moved past
+    assert (tmp_path / "run" / f"recalibration-step-{plain['steps']:08d}.json").exists()
     day2 = _day_steps(tiny, [2])[0]
     assert final["steps"] == plain["steps"] + day2 and final["days"] == [0, 1, 2]
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
