@@ -149,8 +149,8 @@ def cmd_train(args) -> dict:
     from opengem.config import ConfigError, apply_overrides
     from opengem.evaluation.evaluate import held_out_evaluator
     from opengem.recipes import recipe
-    from opengem.train.continual import parse_days
-    from opengem.train.trainer import continue_config, train
+    from opengem.train.continual import continue_config, parse_days
+    from opengem.train.trainer import train
 
     days = parse_days(args.days) if args.days is not None else None
     overrides = list(args.overrides) + (["train.progress=false"] if args.quiet else [])

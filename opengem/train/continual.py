@@ -45,13 +45,13 @@ from pathlib import Path
 
 import torch
 
-from opengem.checkpoint import CheckpointError, load_checkpoint, save_snapshot, snapshot_dir
-from opengem.config import Config, ConfigError
+from opengem.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_snapshot, snapshot_dir
+from opengem.config import Config, ConfigError, apply_overrides
 from opengem.data.batch import Batch, CollateStats
 from opengem.data.loader import ShardLoader
 from opengem.data.parquet import DatasetManifest
 from opengem.features.schema import FeatureSchema
-from opengem.run import FINAL_FILE, METRICS_FILE, RECALIBRATION_FILE, load_final
+from opengem.run import CONFIG_FILE, FINAL_FILE, METRICS_FILE, RECALIBRATION_FILE, load_config, load_final
 from opengem.train.resume import truncate_metrics
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,20 @@ class DayStream:
 
 
 # ---------------------------------------------------------------------------------- starting a leg
+def continue_config(run_dir: str | Path, overrides=()) -> Config:
+    """The config a continuation of ``run_dir`` trains with: its config.json with ``overrides`` on top
+    (but ``train.stop_at``, a pause of the command that set it, not part of the run); a clear error when
+    there is no such run or it has no checkpoint to warm-start from."""
+    run = Path(run_dir)
+    if not (run / CONFIG_FILE).exists():
+        raise CheckpointError(f"--continue {run}: no such training run (no {run}/{CONFIG_FILE})")
+    if latest_checkpoint(run) is None:
+        raise CheckpointError(f"--continue {run}: the run has no checkpoint to continue from")
+    cfg = load_config(run)
+    cfg.train.stop_at = 0
+    return apply_overrides(cfg, list(overrides))
+
+
 def check_days(days: list[int], seen: list[int], data_dir: str | Path) -> None:
     """New days: in the data, in increasing order, none the run has seen, all after its last day."""
     have = {f.day for f in DatasetManifest.load(data_dir).files}

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from opengem.checkpoint import CheckpointError, latest_checkpoint, list_snapshots, save_best, save_checkpoint
+from opengem.checkpoint import latest_checkpoint, list_snapshots, save_best, save_checkpoint
 from opengem.config import Config, ConfigError
 from opengem.data.base_rates import train_base_rates
 from opengem.data.batch import Batch
@@ -64,8 +64,8 @@ from opengem.model.build import build_gem, count_parameters, materialize
 from opengem.parallel import ParallelDims, SparseOptimizerSpec, build_parallel_gem
 from opengem.parallel import train_step as dist_step
 from opengem.parallel.launch import DistInfo, comm_device, destroy_distributed, init_distributed, min_over_ranks
-from opengem.run import CONFIG_FILE, QUARANTINE_DIR, load_config, save_base_rates, save_config, save_final, save_schema
-from opengem.train.continual import DayStream, check_stream_config, publish, start_stream
+from opengem.run import QUARANTINE_DIR, load_config, save_base_rates, save_config, save_final, save_schema
+from opengem.train.continual import DayStream, check_stream_config, continue_config, publish, start_stream
 from opengem.train.hooks import EvalHook, Evaluator
 from opengem.train.observe import RunLog
 from opengem.train.optim import Schedule, build_optimizers
@@ -158,22 +158,6 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path, resume: bool =
     if owned:
         destroy_distributed()
     return final
-
-
-def continue_config(run_dir: str | Path, overrides=()) -> Config:
-    """The config a continuation of ``run_dir`` trains with: its config.json with ``overrides`` on top
-    (but ``train.stop_at``, a pause of the command that set it, not part of the run); a clear error when
-    there is no such run or it has no checkpoint to warm-start from."""
-    from opengem.config import apply_overrides
-
-    run = Path(run_dir)
-    if not (run / CONFIG_FILE).exists():
-        raise CheckpointError(f"--continue {run}: no such training run (no {run}/{CONFIG_FILE})")
-    if latest_checkpoint(run) is None:
-        raise CheckpointError(f"--continue {run}: the run has no checkpoint to continue from")
-    cfg = load_config(run)
-    cfg.train.stop_at = 0
-    return apply_overrides(cfg, list(overrides))
 
 
 def continue_training(run_dir: str | Path, data_dir: str | Path, days: list[int], overrides=(), resume: bool = False,

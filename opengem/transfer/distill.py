@@ -115,6 +115,9 @@ def distill(teacher_run: str | Path, recipe_name: str, data_dir: str | Path, out
     torch.manual_seed(cfg.train.seed)
     data_schema = FeatureSchema.load(data_dir)
     snap = gem_snapshot(teacher_run, data_dir, tcfg)
+    if snap:
+        log.info("teacher %s: snapshot %s (days up to %d; transfer.snapshot_lag=%s)", teacher_run, snap[0].name,
+                 snap[1]["last_day"], tcfg.snapshot_lag)
     gem, teacher = load_teachers(teacher_run, via, data_schema, snap[0] if snap else None)
     domains = domain_ids(data_schema, tcfg.domains)
     rates, n_slice, n_all = slice_rates(data_dir, data_schema, tcfg.train_split, domains)
