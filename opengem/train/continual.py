@@ -134,20 +134,21 @@ class DayStream:
     def __iter__(self) -> Iterator[Batch]:
         while self.index < len(self.days):
             ld = self._loader()
+            ended = False
             with contextlib.closing(iter(ld)) as it:
                 batch = next(it, None)
                 while batch is not None:
                     after = ld.state_dict()  # before reading ahead
                     ahead = next(it, None)
-                    self.day_ended = ahead is None
-                    if self.day_ended:  # the counts of the whole day, then the next day from its start
+                    ended = self.day_ended = ahead is None
+                    if ended:  # the counts of the whole day, then the next day from its start
                         self._take({**ld.state_dict(), "epoch": 0, "shard": 0, "row": 0})
                         self.index += 1
                     else:
                         self._take(after)
                     yield batch
                     batch = ahead
-            if not self.day_ended:  # a day without a valid row: nothing to train or publish
+            if not ended:  # no valid row left in the day: nothing to train or publish
                 self._take({**ld.state_dict(), "epoch": 0, "shard": 0, "row": 0})
                 self.index += 1
 

@@ -6,6 +6,8 @@ import json
 import math
 import shutil
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -159,6 +161,23 @@ def test_a_half_written_snapshot_is_never_read(streams, tmp_path):
     save_snapshot(run, 3, model, {"step": 99}, {"last_day": 3, "days": [0, 1, 2, 3], "step": 99})
     assert not (snaps / "day-00003.tmp").exists()
     assert [m["last_day"] for _, m in list_snapshots(run)] == [0, 1, 2, 3]
+
+
+def test_a_day_without_a_valid_row_is_passed_over(tiny, tmp_path):
+    """Every row of day 2 quarantined: nothing to train or publish there, day 3 goes on (no endless loop)."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny, data)
+    day2 = [f for f in DatasetManifest.load(data).files if f.day == 2]
+    for info in day2:
+        t = pq.read_table(data / info.path)
+        bad = pa.array([2] * t.num_rows, t.schema.field("click").type)
+        t = t.set_column(t.schema.get_field_index("click"), "click", bad)
+        pq.write_table(t, data / info.path)
+    final = train(_cfg(), data, tmp_path / "run", days=[1, 2, 3])  # the empty day after one that ended
+    assert final["days"] == [1, 2, 3] and final["steps"] == sum(_day_steps(data, [1, 3]))
+    assert sum(final["quarantined"].values()) == sum(f.rows for f in day2)
+    assert [(p.name, m["days"]) for p, m in list_snapshots(tmp_path / "run")] == [("day-00001", [1]),
+                                                                                  ("day-00003", [1, 2, 3])]
 
 
 def test_days_parse_and_check():
