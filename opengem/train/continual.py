@@ -30,7 +30,9 @@ days it has seen. Here:
 
 A stream keeps the plain run's base rates (NE's normaliser, of ``data.train_split``). Single process
 only for now (one day's end must be the same step on every rank); early stopping is refused (a
-stream has no end to stop before); ``train.max_steps`` is refused (a day is trained whole).
+stream has no end to stop before); ``train.max_steps`` is refused (a day is trained whole); a
+continuation starts both at 0 (``continue_config``). A plain run has "seen" its ``data.train_split``
+days, even if ``max_steps`` or early stopping ended its pass before their last row.
 """
 
 from __future__ import annotations
@@ -167,16 +169,18 @@ class DayStream:
 
 # ---------------------------------------------------------------------------------- starting a leg
 def continue_config(run_dir: str | Path, overrides=()) -> Config:
-    """The config a continuation of ``run_dir`` trains with: its config.json with ``overrides`` on top
-    (but ``train.stop_at``, a pause of the command that set it, not part of the run); a clear error when
-    there is no such run or it has no checkpoint to warm-start from."""
+    """The config a continuation of ``run_dir`` trains with: its config.json with ``overrides`` on top;
+    a clear error when there is no such run or it has no checkpoint to warm-start from. Three keys of
+    config.json belong to the run's first pass, not to the stream, and start at 0: ``train.stop_at`` (a
+    pause of the command that set it), ``train.max_steps`` (the pass's length, hence the schedule's
+    horizon) and ``train.early_stop_patience`` (the pass's end)."""
     run = Path(run_dir)
     if not (run / CONFIG_FILE).exists():
         raise CheckpointError(f"--continue {run}: no such training run (no {run}/{CONFIG_FILE})")
     if latest_checkpoint(run) is None:
         raise CheckpointError(f"--continue {run}: the run has no checkpoint to continue from")
     cfg = load_config(run)
-    cfg.train.stop_at = 0
+    cfg.train.stop_at = cfg.train.max_steps = cfg.train.early_stop_patience = 0
     return apply_overrides(cfg, list(overrides))
 
 

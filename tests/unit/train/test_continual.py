@@ -140,6 +140,20 @@ def test_continuing_a_plain_run_reads_its_schedule_past_the_horizon(tiny, tmp_pa
     assert path.name == "day-00002" and meta["days"] == [0, 1, 2] and meta["step"] == final["steps"]
 
 
+def test_a_capped_plain_run_continues_past_its_cap(tiny, tmp_path):
+    """max_steps was the first pass's length (the horizon); the stream goes on without it."""
+    cfg = apply_overrides(recipe("tiny"), [f"data.batch_size={B}", "optim.warmup_steps=2", "train.max_steps=5",
+                                           "train.log_every=1", "train.threads=1"])
+    cfg.train.progress = False
+    assert train(cfg, tiny, tmp_path / "run")["steps"] == 5
+    with pytest.raises(ConfigError, match="max_steps cannot cut a stream"):
+        continue_training(tmp_path / "run", tiny, [2], ["train.max_steps=3"])
+    final = continue_training(tmp_path / "run", tiny, [2], ["train.progress=false"])
+    assert final["steps"] == 5 + _day_steps(tiny, [2])[0] and final["days"] == [0, 1, 2]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["lr_factor"] for x in lines[5:]] == pytest.approx([cfg.optim.min_lr_ratio] * (final["steps"] - 5))
+
+
 def test_a_half_written_snapshot_is_never_read(streams, tmp_path):
     root, _, _, b = streams
     run = tmp_path / "B"
