@@ -15,6 +15,9 @@ but for ``schema.json`` (the schema's own name) and ``checkpoints/`` (the checkp
     RUN/checkpoints/        DCP checkpoints, loader position and RNG per rank (layout and name in
                             ``opengem.checkpoint``: ``checkpoint_dir``, ``latest_checkpoint``); ``best/``,
                             the best held-out evaluation's model, with ``train.keep_best``
+    RUN/snapshots/          continuous training: the model published at the end of each day, with the
+                            last day it has seen (layout in ``opengem.checkpoint``: ``list_snapshots``);
+                            what teachers read of a run that may still be training
     RUN/quarantine/         rows the loader set aside, Parquet per shard and rank, with a ``reason`` column
     RUN/final.json          steps, examples seen (all ranks), params_sha256, parameters, wall time,
                             examples/s, world size, peak RSS per rank (absent while training)
@@ -42,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from opengem.checkpoint import CheckpointError, best_checkpoint, latest_checkpoint, load_checkpoint
+from opengem.checkpoint import SNAPSHOT_META, CheckpointError, best_checkpoint, latest_checkpoint, load_checkpoint
 from opengem.config import Config
 from opengem.features.schema import SCHEMA_FILE, FeatureSchema
 from opengem.model.build import build_gem, materialize
@@ -140,23 +143,30 @@ def load_recalibration(run_dir: str | Path) -> dict | None:
 
 
 # ------------------------------------------------------------------------------------- the model
-def load_run_model(run_dir: str | Path, recalibrated: bool = True,
-                   best: bool = False) -> tuple[torch.nn.Module, Config, FeatureSchema]:
+def load_run_model(run_dir: str | Path, recalibrated: bool = True, best: bool = False,
+                   snapshot: str | Path | None = None) -> tuple[torch.nn.Module, Config, FeatureSchema]:
     """The trained model of a run (latest checkpoint; with ``best``, the best held-out evaluation's,
-    ``train.keep_best``), single process, in eval mode; with ``recalibrated``, plus the offsets of
-    ``RUN/recalibration.json`` if the run has been recalibrated."""
+    ``train.keep_best``; with ``snapshot``, that published snapshot of RUN/snapshots), single process,
+    in eval mode; with ``recalibrated``, plus the offsets of ``RUN/recalibration.json`` if the run has
+    been recalibrated (for a snapshot: only if it holds the run's final model, which they were fitted on)."""
     run = Path(run_dir)
     cfg = load_config(run)
     schema = load_schema(run)
-    ckpt = best_checkpoint(run) if best else latest_checkpoint(run)
+    ckpt = Path(snapshot) if snapshot is not None else best_checkpoint(run) if best else latest_checkpoint(run)
     if ckpt is None:
         raise CheckpointError(f"{run}: no {'best ' if best else ''}checkpoint "
                               f"({'was train.keep_best on?' if best else 'did training finish?'})")
     model = materialize(build_gem(schema, cfg.model), "cpu")
     load_checkpoint(ckpt, model, expect={"schema": schema.fingerprint()})
-    if recalibrated:
+    if recalibrated and (snapshot is None or _is_final(run, Path(snapshot))):
         apply_recalibration(model, run, schema)
     return model.eval(), cfg, schema
+
+
+def _is_final(run: Path, snapshot: Path) -> bool:
+    """Whether ``snapshot`` holds the model of the run's final.json (the one recalibration was fitted on)."""
+    final, meta = load_final(run), snapshot / SNAPSHOT_META
+    return final is not None and meta.exists() and json.loads(meta.read_text())["step"] == final["steps"]
 
 
 def gem_heads(model: torch.nn.Module) -> Heads:

@@ -47,6 +47,11 @@ def fit_dense_norm(model: torch.nn.Module, data_dir: str | Path, schema: Feature
     return stats
 
 
+def dense_norm_stats(model: torch.nn.Module) -> dict | None:
+    """The statistics the model's dense normaliser was fitted with in this process (None: nothing fitted)."""
+    return next((m.stats for m in model.modules() if isinstance(m, DenseNormalizer) and m.stats is not None), None)
+
+
 def count_parameters(model: torch.nn.Module) -> dict[str, int]:
     sparse = {id(p) for p in model.sparse_parameters()}
     n_sparse = sum(p.numel() for p in model.parameters() if id(p) in sparse)

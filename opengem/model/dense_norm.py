@@ -41,6 +41,7 @@ class DenseNormalizer(nn.Module):
             raise ValueError(f"model.dense_norm must be one of {'|'.join(MODES)}, got {mode!r}")
         self.mode, self.num_features = mode, num_features
         self.fitted = mode == "signed_log"
+        self.stats: dict | None = None  # what ``fit`` was given (the trainer writes it to RUN/dense_stats.json)
         if mode == "standardize":
             self.register_buffer("mean", torch.zeros(num_features))
             self.register_buffer("inv_std", torch.ones(num_features))
@@ -73,7 +74,7 @@ class DenseNormalizer(nn.Module):
             if knots.shape != self.knots.shape:
                 raise ValueError(f"dense quantiles have shape {tuple(knots.shape)}, expected {tuple(self.knots.shape)}")
             self.knots.copy_(knots)
-        self.fitted = True
+        self.fitted, self.stats = True, stats
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
