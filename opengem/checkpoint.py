@@ -14,13 +14,26 @@ as ``LATEST``, and a ``.tmp`` directory is never loaded (the next save removes s
 the newest ``keep`` are kept. A failed write (e.g. a full disk) removes its ``.tmp`` and raises a
 ``CheckpointError`` that says where; the previous checkpoint stays ``LATEST``.
 
-Test hook: ``OPENGEM_FAULT_SLEEP_IN_SAVE=seconds`` sleeps after ``step-N.tmp`` is complete and before
-the rename, so a fault-injection test can kill a run inside that window.
+Published snapshots (continuous training, ``opengem.train.continual``) are what other stages read of
+a run that is still training; a checkpoint may be being written, a snapshot never is::
+
+    RUN/snapshots/day-00004/         DCP files: the model only (no optimizer), as trained to the end of day 4
+        snapshot.json                ``last_day`` (the newest day it has seen), ``days`` (all of them), step
+        trainer_state-rank0.pt       schema fingerprint, model config, step (what ``load_checkpoint`` checks)
+
+``save_snapshot`` writes ``day-N.tmp`` and renames it once complete; ``list_snapshots`` lists only
+renamed directories with both ``.metadata`` and ``snapshot.json``, so a reader never sees half a
+snapshot, and one killed mid-publish is simply absent until it is published again.
+
+Test hooks: ``OPENGEM_FAULT_SLEEP_IN_SAVE=seconds`` sleeps after ``step-N.tmp`` is complete and before
+the rename, so a fault-injection test can kill a run inside that window; ``OPENGEM_FAULT_SLEEP_IN_PUBLISH``
+does the same for ``day-N.tmp``.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import time
@@ -32,6 +45,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 BEST = "best"  # RUN/checkpoints/best: the one file name of the best model; readers call best_checkpoint()
+SNAPSHOTS = "snapshots"  # RUN/snapshots: one published model per trained day; readers call list_snapshots()
+SNAPSHOT_META = "snapshot.json"
 
 
 class CheckpointError(RuntimeError):
@@ -121,6 +136,60 @@ def save_best(run_dir: str | Path, model: torch.nn.Module, trainer_state: dict) 
         shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def snapshot_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / SNAPSHOTS
+
+
+def snapshot_name(day: int) -> str:
+    return f"day-{day:05d}"
+
+
+def save_snapshot(run_dir: str | Path, day: int, model: torch.nn.Module, trainer_state: dict, meta: dict) -> Path:
+    """Publish ``model`` as RUN/snapshots/day-N (every rank calls this); ``meta`` becomes its snapshot.json.
+
+    Written into ``day-N.tmp`` and renamed once complete. A snapshot already published is left as it
+    is: a resume that redoes a day publishes the same model, and a reader may be loading the old one."""
+    root = snapshot_dir(run_dir)
+    name = snapshot_name(day)
+    final, tmp = root / name, root / f"{name}.tmp"
+    if (final / SNAPSHOT_META).exists() and (final / ".metadata").exists():
+        return final
+    if _rank() == 0:
+        for stale in root.glob("day-*.tmp"):  # left by a run killed mid-publish
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    _write(tmp, {"model": get_model_state_dict(model)}, trainer_state, root)
+    if _rank() == 0:
+        (tmp / SNAPSHOT_META).write_text(json.dumps({**meta, "name": name}, indent=2, sort_keys=True))
+    if os.environ.get("OPENGEM_FAULT_SLEEP_IN_PUBLISH"):
+        time.sleep(float(os.environ["OPENGEM_FAULT_SLEEP_IN_PUBLISH"]))
+    _barrier()
+    if _rank() == 0:
+        if final.exists():  # a directory without its files (removed by hand): replaced
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    _barrier()
+    return final
+
+
+def list_snapshots(run_dir: str | Path) -> list[tuple[Path, dict]]:
+    """(path, snapshot.json) of every complete snapshot, oldest last day first; ``.tmp`` never listed."""
+    root = snapshot_dir(run_dir)
+    out = []
+    for p in root.glob("day-*") if root.exists() else []:
+        if p.name.endswith(".tmp") or not (p / ".metadata").exists() or not (p / SNAPSHOT_META).exists():
+            continue
+        out.append((p, json.loads((p / SNAPSHOT_META).read_text())))
+    return sorted(out, key=lambda s: s[1]["last_day"])
+
+
+def newest_snapshot(run_dir: str | Path, up_to_day: int | None = None) -> tuple[Path, dict] | None:
+    """The complete snapshot with the newest ``last_day`` (at most ``up_to_day`` if given), or None."""
+    fit = [s for s in list_snapshots(run_dir) if up_to_day is None or s[1]["last_day"] <= up_to_day]
+    return fit[-1] if fit else None
 
 
 def _write(tmp: Path, state: dict, trainer_state: dict, root: Path) -> None:

@@ -2,7 +2,8 @@
 
     opengem [--log-level debug|info|warning] [--quiet] [--log-format text|json] COMMAND …
     opengem generate --preset P --out DIR [--seed N] [--world-seed N] [--layout v1|v2] [key=value …]
-    opengem train    --recipe R --data DIR --out RUN [--resume] [key=value …]
+    opengem train    --recipe R --data DIR --out RUN [--resume] [--days D] [key=value …]
+    opengem train    --data DIR --continue RUN --days D [--resume] [key=value …]   continuous training
     opengem evaluate --run RUN --data DIR [--split test] [--json FILE] [--signal]
     opengem distill  --teacher RUN --student-recipe R --data DIR --out RUN [--via FM_RUN] [key=value …]
     opengem export   --run RUN --out ARTIFACT [--data DIR] [--no-compile] [--table-dtype fp32|fp16|int8]
@@ -55,10 +56,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("overrides", nargs="*", help="world config overrides key=value (e.g. sizes.num_users=3000)")
 
     t = sub.add_parser("train", help="train a GEM foundation model")
-    t.add_argument("--recipe", default="demo")
+    t.add_argument("--recipe", default=None, help="the preset (default demo); a --continue run keeps its own")
     t.add_argument("--data", required=True)
-    t.add_argument("--out", required=True)
+    t.add_argument("--out", default=None, help="the run directory (required unless --continue)")
     t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    t.add_argument("--continue", dest="continue_run", default=None, metavar="RUN",
+                   help="continuous training: warm-start RUN from its last checkpoint and train --days, one pass "
+                        "each, publishing RUN/snapshots/day-N after each (opengem.train.continual)")
+    t.add_argument("--days", default=None, help="the days to train, in order: 4,5 or 2-4 (a stream: one pass a day)")
     t.add_argument("overrides", nargs="*", help="config overrides key=value (e.g. optim.lr=1e-3)")
 
     e = sub.add_parser("evaluate", help="evaluate a run on a split")
@@ -150,16 +155,29 @@ def cmd_generate(args) -> dict:
 
 
 def cmd_train(args) -> dict:
-    from opengem.config import apply_overrides
+    from opengem.config import ConfigError, apply_overrides
     from opengem.evaluation.evaluate import held_out_evaluator
     from opengem.recipes import recipe
+    from opengem.train.continual import continue_config, parse_days
     from opengem.train.trainer import train
 
-    cfg = apply_overrides(recipe(args.recipe), list(args.overrides))
-    if args.quiet:
-        cfg.train.progress = False
+    days = parse_days(args.days) if args.days is not None else None
+    overrides = list(args.overrides) + (["train.progress=false"] if args.quiet else [])
+    if args.continue_run is not None:
+        if days is None:
+            raise ConfigError("--continue needs --days: the new days to train on")
+        if args.recipe is not None or (args.out is not None and Path(args.out) != Path(args.continue_run)):
+            raise ConfigError("--continue RUN trains RUN itself with its own recipe: drop --recipe and --out")
+        cfg = continue_config(args.continue_run, overrides)
+        evaluator = held_out_evaluator(args.data, cfg.train.eval_split)
+        final = train(cfg, args.data, args.continue_run, args.resume, evaluator, days=days, warm=True)
+        log.info("trained to step %d (%d examples), days seen %s", final["steps"], final["examples"], final["days"])
+        return final
+    if args.out is None:
+        raise ConfigError("train needs --out RUN (or --continue RUN)")
+    cfg = apply_overrides(recipe(args.recipe or "demo"), overrides)
     evaluator = held_out_evaluator(args.data, cfg.train.eval_split)  # used when train.eval_* asks for it
-    final = train(cfg, args.data, args.out, resume=args.resume, evaluator=evaluator)
+    final = train(cfg, args.data, args.out, resume=args.resume, evaluator=evaluator, days=days)
     log.info("trained %d steps (%d examples) in %.1f s", final["steps"], final["examples"], final["wall_s"])
     return final
 

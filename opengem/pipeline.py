@@ -4,8 +4,10 @@
     print(format_demo(result))
 
     OUT/data              a synthetic ads world (``opengem generate``)
-    OUT/run               GEM trained on its train days, recalibrated on the valid days
-    OUT/vm                the default vertical model distilled from it (``distill_demo``)
+    OUT/run               GEM trained on its train days, recalibrated on the valid days; its final
+                          model published as RUN/snapshots/day-N (``opengem.train.continual``)
+    OUT/vm                the default vertical model distilled from that snapshot (``distill_demo``:
+                          a teacher reads published snapshots, as it would of a GEM trained continuously)
     OUT/artifact          the vertical model exported, served once and scored (``serve_smoke``)
     OUT/evaluation.json   GEM's test metrics, the VM's (``distill``), serving, training and timings
 
@@ -62,7 +64,9 @@ def demo(out: str | Path, preset: str = "demo", seed: int = 0, overrides: Sequen
     cfg = apply_overrides(recipe(preset), list(overrides))
     cfg.train.progress = progress
     with _timed(times, "train_s"):
-        final = train(cfg, data, run, evaluator=held_out_evaluator(data, cfg.train.eval_split))
+        # publish_end: the same weights as the last checkpoint (~4 MB on demo), so every number stays as it was
+        evaluator = held_out_evaluator(data, cfg.train.eval_split)
+        final = train(cfg, data, run, evaluator=evaluator, publish_end=True)
     recal = None
     if recalibrate and cfg.data.eval_split != "valid" and _has_split(data, "valid"):
         with _timed(times, "recalibrate_s"):
@@ -98,8 +102,9 @@ def _timed(times: dict[str, float], key: str) -> Iterator[None]:
 
 def distill_demo(teacher_run: str | Path, data_dir: str | Path, out_dir: str | Path) -> dict:
     """Distil the default vertical model from a trained GEM run on the same data (one pass over
-    the student's days); returns the student's evaluation with the teacher's on the same slice
-    (``metrics``, ``teacher``, ``alone``, ``transfer_ratio``; ``report.text.distill_line`` prints it)."""
+    the student's days), its teacher the run's newest published snapshot (else its checkpoint); returns
+    the student's evaluation with the teacher's on the same slice (``metrics``, ``teacher``, ``alone``,
+    ``transfer_ratio``; ``report.text.distill_line`` prints it)."""
     return distill(teacher_run, DEMO_RECIPE, data_dir, out_dir, DEMO_OVERRIDES)
 
 

@@ -15,6 +15,9 @@ but for ``schema.json`` (the schema's own name) and ``checkpoints/`` (the checkp
     RUN/checkpoints/        DCP checkpoints, loader position and RNG per rank (layout and name in
                             ``opengem.checkpoint``: ``checkpoint_dir``, ``latest_checkpoint``); ``best/``,
                             the best held-out evaluation's model, with ``train.keep_best``
+    RUN/snapshots/          continuous training: the model published at the end of each day, with the
+                            last day it has seen (layout in ``opengem.checkpoint``: ``list_snapshots``);
+                            what teachers read of a run that may still be training
     RUN/quarantine/         rows the loader set aside, Parquet per shard and rank, with a ``reason`` column
     RUN/final.json          steps, examples seen (all ranks), params_sha256, parameters, wall time,
                             examples/s, world size, peak RSS per rank (absent while training)
@@ -61,7 +64,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from opengem.checkpoint import CheckpointError, best_checkpoint, latest_checkpoint, load_checkpoint
+from opengem.checkpoint import SNAPSHOT_META, CheckpointError, best_checkpoint, latest_checkpoint, load_checkpoint
 from opengem.config import Config
 from opengem.features.schema import SCHEMA_FILE, FeatureSchema
 from opengem.model.build import build_gem, materialize
@@ -80,6 +83,7 @@ __all__ = [
 
 CONFIG_FILE = "config.json"
 BASE_RATES_FILE = "base_rates.json"
+DENSE_STATS_FILE = "dense_stats.json"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 QUARANTINE_DIR = "quarantine"
@@ -131,6 +135,11 @@ def save_base_rates(run_dir: str | Path, rates: dict[str, float]) -> None:
     write_json(Path(run_dir) / BASE_RATES_FILE, rates)
 
 
+def save_dense_stats(run_dir: str | Path, stats: dict) -> None:
+    """The dense normaliser's training-split figures, for reading (the checkpoint holds them as buffers)."""
+    write_json(Path(run_dir) / DENSE_STATS_FILE, stats)
+
+
 def load_base_rates(run_dir: str | Path) -> dict[str, float]:
     path = Path(run_dir) / BASE_RATES_FILE
     if not path.exists():
@@ -167,15 +176,18 @@ def load_downsampling(run_dir: str | Path) -> dict | None:
 
 # ------------------------------------------------------------------------------------- the model
 def load_run_model(run_dir: str | Path, recalibrated: bool = True, best: bool = False,
+                   snapshot: str | Path | None = None,
                    corrected: bool = True) -> tuple[torch.nn.Module, Config, FeatureSchema]:
     """The trained model of a run (latest checkpoint; with ``best``, the best held-out evaluation's,
-    ``train.keep_best``), single process, in eval mode; with ``corrected``, plus the down-sampling
-    correction of ``RUN/downsampling.json`` if negatives were down-sampled; with ``recalibrated``, plus
-    the offsets of ``RUN/recalibration.json`` if the run has been recalibrated."""
+    ``train.keep_best``; with ``snapshot``, that published snapshot of RUN/snapshots), single process,
+    in eval mode; with ``corrected``, plus the down-sampling correction of ``RUN/downsampling.json`` if
+    negatives were down-sampled (any checkpoint or snapshot of the run: all were trained so); with
+    ``recalibrated``, plus the offsets of ``RUN/recalibration.json`` if the run has been recalibrated
+    (for a snapshot: only if it holds the run's final model, which they were fitted on)."""
     run = Path(run_dir)
     cfg = load_config(run)
     schema = load_schema(run)
-    ckpt = best_checkpoint(run) if best else latest_checkpoint(run)
+    ckpt = Path(snapshot) if snapshot is not None else best_checkpoint(run) if best else latest_checkpoint(run)
     if ckpt is None:
         raise CheckpointError(f"{run}: no {'best ' if best else ''}checkpoint "
                               f"({'was train.keep_best on?' if best else 'did training finish?'})")
@@ -183,9 +195,15 @@ def load_run_model(run_dir: str | Path, recalibrated: bool = True, best: bool = 
     load_checkpoint(ckpt, model, expect={"schema": schema.fingerprint()})
     if corrected:
         apply_downsampling(model, run, schema)
-    if recalibrated:
+    if recalibrated and (snapshot is None or _is_final(run, Path(snapshot))):
         apply_recalibration(model, run, schema)
     return model.eval(), cfg, schema
+
+
+def _is_final(run: Path, snapshot: Path) -> bool:
+    """Whether ``snapshot`` holds the model of the run's final.json (the one recalibration was fitted on)."""
+    final, meta = load_final(run), snapshot / SNAPSHOT_META
+    return final is not None and meta.exists() and json.loads(meta.read_text())["step"] == final["steps"]
 
 
 def gem_heads(model: torch.nn.Module) -> Heads:

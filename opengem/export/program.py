@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from opengem.export.tables import packed_tables, without_tables
-from opengem.model.foundation import GEM, signed_log
+from opengem.model.foundation import GEM
 from opengem.model.student import Student
 
 
@@ -161,8 +161,7 @@ class ServingGEM(nn.Module):
         for k in range(1, len(toks)):
             recent = torch.where((combo == k).unsqueeze(-1), toks[k][ridx_CK], recent)
         recent = recent * rvalid_CK.unsqueeze(-1).to(recent.dtype)
-        K = recent.shape[1]
-        parts.append(recent + tower.pos_emb[tower.pos_emb.shape[0] - K:])
+        parts.append(tower.add_position(recent))
         valid.append(rvalid_CK)
         return torch.cat(parts, dim=1), torch.cat(valid, dim=1)
 
@@ -173,7 +172,7 @@ class ServingGEM(nn.Module):
         C = domain.shape[0]
         tokens = [self.sparse_tokens(x)]
         if gem.dense_arch is not None:
-            tokens.append(gem.dense_arch(signed_log(dense)).view(C, self.cfg.dense_tokens, -1))
+            tokens.append(gem.dense_arch(gem.dense_norm(dense)).view(C, self.cfg.dense_tokens, -1))
         tokens.append(gem.domain_emb(domain).unsqueeze(1))
         if gem.history_counts is not None:
             tokens.append(gem.history_counts([self.history_counts(x, s) for s in gem.streams]).unsqueeze(1))

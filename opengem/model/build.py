@@ -7,9 +7,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from opengem.data.dense_stats import train_dense_stats
 from opengem.features.schema import FeatureSchema
+from opengem.model.dense_norm import DenseNormalizer
 from opengem.model.foundation import GEM, GEMConfig
 from opengem.model.peers import PeerModel
 
@@ -29,6 +33,23 @@ def materialize(model: GEM | PeerModel, device: str | torch.device = "cpu", seed
         torch.manual_seed(seed)
         model.init_weights(base_rates, seed)
     return model
+
+
+def fit_dense_norm(model: torch.nn.Module, data_dir: str | Path, schema: FeatureSchema, split: str) -> dict | None:
+    """Fit the model's dense normaliser (``model.dense_norm``) on ``split`` (the training split; every
+    rank computes the same figures). Returns the statistics, or None when the mode fits nothing."""
+    norms = [m for m in model.modules() if isinstance(m, DenseNormalizer) and m.mode != "signed_log"]
+    if not norms:
+        return None
+    stats = train_dense_stats(data_dir, schema, split)
+    for m in norms:
+        m.fit(stats, [f.name for f in schema.dense])
+    return stats
+
+
+def dense_norm_stats(model: torch.nn.Module) -> dict | None:
+    """The statistics the model's dense normaliser was fitted with in this process (None: nothing fitted)."""
+    return next((m.stats for m in model.modules() if isinstance(m, DenseNormalizer) and m.stats is not None), None)
 
 
 def count_parameters(model: torch.nn.Module) -> dict[str, int]:

@@ -25,6 +25,7 @@ from torch.nn.functional import one_hot
 
 from opengem.data.batch import Batch
 from opengem.features.schema import FeatureSchema
+from opengem.model.dense_norm import DenseNormalizer, signed_log  # noqa: F401 (signed_log: re-exported)
 from opengem.model.heads import Heads, HeadsConfig, LowOrderShortcut
 from opengem.model.interaction_arch import WukongConfig, mlp
 from opengem.model.interformer import InterFormer, InterFormerConfig
@@ -42,6 +43,10 @@ class GEMConfig:
     shortcut: str = "fwfm"  # fwfm | linear | none: low-order logits from X_0 (heads.LowOrderShortcut)
     target_match: bool = True  # flag events whose attribute equals the candidate's feature of that name
     count_decay_hours: tuple[float, ...] = (1.0, 24.0, 168.0, 720.0)  # HistoryCounts token; () = off
+    # torch: the domain and time-bucket embeddings keep nn.Embedding's N(0, 1) | table: N(0, init_std²) like the
+    # id tables. After LayerNorm a unit-scale token dominates 0.05-scale ones; measured in docs/experiments.md.
+    embedding_init: str = "torch"
+    dense_norm: str = "signed_log"  # signed_log | standardize | quantile (opengem.model.dense_norm; fitted on train)
     sparse: SparseArchConfig = field(default_factory=SparseArchConfig)
     wukong: WukongConfig = field(default_factory=WukongConfig)
     sequence: SequenceConfig = field(default_factory=SequenceConfig)
@@ -55,6 +60,8 @@ class GEMConfig:
             raise ValueError("model.embedding_dim and model.dense_tokens must be >= 1, max_seq_len >= 0")
         if any(not h > 0 for h in self.count_decay_hours):
             raise ValueError(f"model.count_decay_hours must all be > 0 hours, got {self.count_decay_hours}")
+        if self.embedding_init not in ("torch", "table"):
+            raise ValueError(f"model.embedding_init must be torch|table, got {self.embedding_init!r}")
         if self.shortcut not in ("fwfm", "linear", "none"):
             raise ValueError(f"model.shortcut must be fwfm|linear|none, got {self.shortcut!r}")
         self.wukong.validate()
@@ -80,11 +87,6 @@ def match_attributes(schema: FeatureSchema, stream: str) -> list[tuple[str, str,
         if f is not None and not f.multi_hot and f.vocab_size == a.vocab_size:
             out.append((schema.stream(stream).attribute_column(a), f.name, f.vocab_size))
     return out
-
-
-def signed_log(x: torch.Tensor) -> torch.Tensor:
-    """sign(x)·log1p(|x|): keeps counts and standardised floats in one range (real logs vary)."""
-    return torch.sign(x) * torch.log1p(x.abs())
 
 
 class HistoryCounts(nn.Module):
@@ -187,6 +189,7 @@ class GEM(TableModel):
             self.sparse_arch = SparseArch(schema, cfg.sparse, D, device)
             F = len(schema.dense)
             self.dense_arch = mlp([F, 4 * D, cfg.dense_tokens * D]) if F else None
+            self.dense_norm = DenseNormalizer(F, cfg.dense_norm)
             self.domain_emb = nn.Embedding(schema.num_domains, D)
             self.streams = [s.name for s in schema.sequences] if cfg.use_sequences else []
             self.match_pairs = {name: match_attributes(schema, name) if cfg.target_match else []
@@ -216,6 +219,10 @@ class GEM(TableModel):
             elif hasattr(m, "reset_parameters"):
                 m.reset_parameters()
         self.sparse_arch.init_weights(seed)
+        if self.cfg.embedding_init == "table":
+            std = self.cfg.sparse.init_std
+            for emb in [self.domain_emb] + [t.time_emb for t in self.interformer.towers]:
+                emb.weight.normal_(0.0, std)
         if base_rates is not None:
             self.heads.init_bias(base_rates)
 
@@ -225,7 +232,7 @@ class GEM(TableModel):
         B = batch.batch_size
         tokens = [self.sparse_arch.forward_sparse(batch.sparse, B)]
         if self.dense_arch is not None:
-            tokens.append(self.dense_arch(signed_log(batch.dense)).view(B, self.cfg.dense_tokens, -1))
+            tokens.append(self.dense_arch(self.dense_norm(batch.dense)).view(B, self.cfg.dense_tokens, -1))
         tokens.append(self.domain_emb(batch.domain).unsqueeze(1))
         seqs, counts = [], []
         if self.streams:

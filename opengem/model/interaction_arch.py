@@ -14,11 +14,19 @@ One Wukong layer (Wukong eq. §3.2)::
 GEM's *cross-layer attention connections* are not specified publicly. Our
 choice, a config option measured against the others (``cross_layer``):
 
-- ``attention`` (default): before layer i, X̃_i = X_i + Σ_{j<i} α_ij P_j(X_j), where P_j compresses
-  X_j's tokens to X_i's count and α_i = softmax_j(q(mean X_i)·k_j(mean P_j X_j) / √D) — each layer
-  attends over the outputs of all earlier layers (X_0 = the input tokens).
+- ``attention`` (default): before layer i, X̃_i = X_i + Σ_j α_ij P_j(X_j), where P_j compresses
+  X_j's tokens to X_i's count and α_i = softmax_j(q(LN mean X_i)·k_j(LN mean P_j X_j) / √D).
 - ``dense``: the same sum with uniform α (DenseNet-style, as Lattice's extended context).
 - ``none``: plain Wukong.
+
+Which layers compete (``cross_layer_span``):
+
+- ``all`` (default): connection i (1 ≤ i ≤ L) attends over X_0 … X_i — the earlier layers *and* the
+  current one — and connection L is an output connection after the last layer, so the heads read
+  X̃_L. Every connection then has ≥ 2 candidates: the attention is live at 1 and 2 layers, the
+  depths we ship (with only earlier layers, a softmax over the single X_0 at layer 1 is constant).
+- ``earlier``: connection i (i < L) over X_0 … X_{i−1} only, no output connection: at ≤ 2 layers
+  ``attention`` then equals ``dense``.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ class WukongConfig:
     mlp_dims: tuple[int, ...] = (256,)
     attentive_fm: bool = False
     cross_layer: str = "attention"  # attention | dense | none
+    cross_layer_span: str = "all"  # all: earlier + current layer, plus an output connection | earlier
     dropout: float = 0.0
 
     @property
@@ -47,6 +56,8 @@ class WukongConfig:
     def validate(self) -> None:
         if self.cross_layer not in ("attention", "dense", "none"):
             raise ValueError(f"model.wukong.cross_layer must be attention|dense|none, got {self.cross_layer!r}")
+        if self.cross_layer_span not in ("all", "earlier"):
+            raise ValueError(f"model.wukong.cross_layer_span must be all|earlier, got {self.cross_layer_span!r}")
         for k in ("num_layers", "num_fm", "num_lc", "fm_rank"):
             if getattr(self, k) < 1:
                 raise ValueError(f"model.wukong.{k} must be >= 1, got {getattr(self, k)}")
@@ -119,7 +130,9 @@ class WukongLayer(nn.Module):
 
 
 class CrossLayerConnection(nn.Module):
-    """Mixes the outputs of all earlier layers into layer i's input (see the module docstring)."""
+    """Mixes the candidates ``prev_tokens`` (token counts of X_0 … in order) into a layer's input X_i
+    (see the module docstring). ``forward(x, candidates)`` takes the candidates' tensors in that order;
+    with span ``all`` the last candidate is X_i itself."""
 
     def __init__(self, prev_tokens: list[int], n_cur: int, dim: int, mode: str):
         super().__init__()
@@ -128,17 +141,28 @@ class CrossLayerConnection(nn.Module):
         if mode == "attention" and len(prev_tokens) >= 2:  # a softmax over one candidate is constant
             self.q = nn.Linear(dim, dim, bias=False)
             self.k = nn.Linear(dim, dim, bias=False)
+            # the token means are small (tokens are LayerNormed around 0): normalise them so the scores
+            # start O(1) and the softmax can move off uniform in a pass
+            self.norm = nn.LayerNorm(dim, elementwise_affine=False)
 
     def forward(self, x_BND: torch.Tensor, history: list[torch.Tensor]) -> torch.Tensor:
         if self.proj is None or not history:
             return x_BND
-        cands = torch.stack([p(h) for p, h in zip(self.proj, history)], dim=1)  # [B, J, n, D]
+        cands = self.candidates(history)  # [B, J, n, D]
         if self.mode == "dense" or len(history) == 1:
             return x_BND + cands.mean(dim=1)
-        q = self.q(x_BND.mean(dim=1))  # [B, D]
-        k = self.k(cands.mean(dim=2))  # [B, J, D]
-        alpha = torch.softmax(torch.einsum("bd,bjd->bj", q, k) * q.shape[-1] ** -0.5, dim=1)
+        alpha = self.weights(x_BND, cands)
         return x_BND + torch.einsum("bj,bjnd->bnd", alpha, cands)
+
+    def weights(self, x_BND: torch.Tensor, cands_BJND: torch.Tensor) -> torch.Tensor:
+        """α [B, J]: softmax over the candidates (read by tests and the report to show it is not uniform)."""
+        q = self.q(self.norm(x_BND.mean(dim=1)))  # [B, D]
+        k = self.k(self.norm(cands_BJND.mean(dim=2)))  # [B, J, D]
+        return torch.softmax(torch.einsum("bd,bjd->bj", q, k) * q.shape[-1] ** -0.5, dim=1)
+
+    def candidates(self, history: list[torch.Tensor]) -> torch.Tensor:
+        """[B, J, n, D]: each candidate compressed to this layer's token count."""
+        return torch.stack([p(h) for p, h in zip(self.proj, history)], dim=1)
 
 
 class InteractionArch(nn.Module):
@@ -151,23 +175,39 @@ class InteractionArch(nn.Module):
         dim: D.  cfg: ``WukongConfig``.
 
     ``forward_layer(i, x, extra, history)`` runs one layer so InterFormer can interleave it with
-    the sequence arch; ``forward(x)`` runs the whole stack standalone.
+    the sequence arch, ``finish(x, history)`` applies the output connection (span ``all``);
+    ``forward(x)`` runs the whole stack standalone. ``history`` holds X_0 … X_{i−1}.
     """
 
     def __init__(self, n_in: int, n_extra: int, dim: int, cfg: WukongConfig):
         super().__init__()
         self.cfg = cfg
+        self.span_all = cfg.cross_layer_span == "all"
         tokens = [n_in] + [cfg.num_out] * cfg.num_layers  # tokens of X_0 … X_L
-        self.connections = nn.ModuleList(
-            CrossLayerConnection(tokens[:i], tokens[i], dim, cfg.cross_layer) for i in range(cfg.num_layers))
+        if self.span_all:  # connection i over X_0 … X_i for i ≥ 1, plus the output connection (i = L)
+            conns = [CrossLayerConnection(tokens[: i + 1] if i else [], tokens[i], dim, cfg.cross_layer)
+                     for i in range(cfg.num_layers + (cfg.num_layers > 0))]
+        else:
+            conns = [CrossLayerConnection(tokens[:i], tokens[i], dim, cfg.cross_layer) for i in range(cfg.num_layers)]
+        self.connections = nn.ModuleList(conns)
         self.layers = nn.ModuleList(WukongLayer(tokens[i] + n_extra, dim, cfg) for i in range(cfg.num_layers))
+
+    def candidates(self, x_BND: torch.Tensor, history: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What connection i mixes: the earlier layers, and with span ``all`` the current one too."""
+        return history + [x_BND] if self.span_all and history else history
 
     def forward_layer(self, i: int, x_BND: torch.Tensor, extra_BED: torch.Tensor | None,
                       history: list[torch.Tensor]) -> torch.Tensor:
-        x = self.connections[i](x_BND, history)
+        x = self.connections[i](x_BND, self.candidates(x_BND, history))
         if extra_BED is not None:
             x = torch.cat([x, extra_BED], dim=1)
         return self.layers[i](x)
+
+    def finish(self, x_BND: torch.Tensor, history: list[torch.Tensor]) -> torch.Tensor:
+        """X̃_L: the output connection over X_0 … X_L (span ``all``); X_L unchanged otherwise."""
+        if len(self.connections) <= self.cfg.num_layers:
+            return x_BND
+        return self.connections[self.cfg.num_layers](x_BND, self.candidates(x_BND, history))
 
     def forward(self, x_BND: torch.Tensor) -> torch.Tensor:
         history: list[torch.Tensor] = []  # X_0 … X_{i-1}
@@ -175,4 +215,4 @@ class InteractionArch(nn.Module):
             x_next = self.forward_layer(i, x_BND, None, history)
             history.append(x_BND)
             x_BND = x_next
-        return x_BND
+        return self.finish(x_BND, history)

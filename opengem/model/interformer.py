@@ -164,5 +164,7 @@ class InterFormer(nn.Module):
             states = [tw.layer(i, s, v, self.tower_context(x_sum)) for tw, (s, v) in zip(self.towers, states)]
             history.append(x_BND)
             x_BND = x_next
+        if self.cfg.wukong:
+            x_BND = self.interaction.finish(x_BND, history)
         last = self.cross[self.num_layers]
         return last.summarize_x(x_BND), last.summarize_s(states), x_BND

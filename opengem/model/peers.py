@@ -6,7 +6,7 @@ D dim, T tasks, N events of one stream (jagged).
     batch.sparse    ─► SparseArch (EBC, ours)          ─► [B, n_f, D] ┐
     batch.sequences ─► SparseArch (EC, ours) ─► pool/row ─► [B, S, D]  ├─ sparse [B, n, D] ┐
     batch.domain    ─► domain embedding                 ─► [B, 1, D]  ┘                   ├─►
-    batch.dense ─► signed_log ─► DenseArch (torchrec)   ─► [B, D] ───────────────────────┘
+    batch.dense ─► DenseNormalizer ─► DenseArch (torchrec)   ─► [B, D] ───────────────────────┘
         ─► InteractionArch (dlrm: dot products)  | InteractionDCNArch (dlrm_dcn: low-rank DCN-v2)
            | ConcatInteraction (din: the concatenation)
         ─► OverArch (torchrec) ─► [B, T] raw logits ─► task chaining ─► logits [B, T]
@@ -26,7 +26,7 @@ dispatches; ``gem`` is GEM). The parts are torchrec.models.dlrm's own ``DenseArc
   (``opengem.model.din``: the query is GEM's target-match rule), then every token and the dense
   vector concatenated into the OverArch, as DIN feeds its MLP.
 - Domain: one more sparse token (GEM's ``heads.domain_mode=shared`` reading of the surface).
-- Dense: torchrec's ``DenseArch`` [F → 4D → D] on GEM's ``signed_log`` of the values; with no
+- Dense: torchrec's ``DenseArch`` [F → 4D → D] on GEM's ``DenseNormalizer`` of the values; with no
   dense features it reads a constant 1 (a learned vector), since DLRM's interaction needs one.
 - Tasks: one ``OverArch`` [in → heads.trunk_dims → heads.task_dims → T] (GEM's head widths) with
   one output per task; a task that ``requires`` another is chained as GEM's heads chain it
@@ -51,8 +51,9 @@ from torchrec.modules.crossnet import LowRankCrossNet
 
 from opengem.data.batch import Batch
 from opengem.features.schema import FeatureSchema
+from opengem.model.dense_norm import DenseNormalizer
 from opengem.model.din import ConcatInteraction, DINPooling
-from opengem.model.foundation import GEMConfig, TableModel, signed_log
+from opengem.model.foundation import GEMConfig, TableModel
 from opengem.model.heads import base_rate_logits, chained_logit
 from opengem.model.sparse_arch import SparseArch
 from opengem.ops.jagged import row_ids
@@ -95,6 +96,7 @@ class PeerModel(TableModel):
             self.sparse_arch = SparseArch(schema, cfg.sparse, D, device)
             self.domain_emb = nn.Embedding(schema.num_domains, D)
             self.dense_arch = DenseArch(max(len(schema.dense), 1), [4 * D, D])
+            self.dense_norm = DenseNormalizer(len(schema.dense), cfg.dense_norm)  # GEM's, so peers see the same inputs
             self.pool = DINPooling(schema, self.streams, D) if cfg.arch == "din" and self.streams else None
             self.inter_arch, self.feature_dim = self._interaction(cfg.arch, n, D)
             hidden = [*cfg.heads.trunk_dims, *cfg.heads.task_dims] or [4 * D]
@@ -161,7 +163,7 @@ class PeerModel(TableModel):
             else:
                 tokens += [mean_pool(*emb[name]).unsqueeze(1) for name in self.streams]
         tokens.append(self.domain_emb(batch.domain).unsqueeze(1))
-        dense = signed_log(batch.dense) if self.schema.dense else batch.dense.new_ones(B, 1)
+        dense = self.dense_norm(batch.dense) if self.schema.dense else batch.dense.new_ones(B, 1)
         return self.inter_arch(self.dense_arch(dense), torch.cat(tokens, dim=1))
 
     def forward(self, batch: Batch) -> torch.Tensor:

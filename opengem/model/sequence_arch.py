@@ -20,8 +20,14 @@ Choices where the public record is silent, all config options:
 - "pyramid-parallel" = parallel per-stream towers whose recent window halves per layer, with the long
   history pooled by learnable queries once at the bottom (``pyramid``: halve | none).
 - Attention is standard softmax MHA, bidirectional (the history is all in the past of the request).
-- PFFN follows InterFormer's appendix: a per-row D×D map W_b = X_sumᵀ W applied to every token.
+- PFFN (``pffn``): ``paper`` (default) follows InterFormer's appendix, W_PFFN = X_sum W ∈ ℝ^{D×D} with
+  X_sum ∈ ℝ^{D×C}, applied as W_PFFN s to every token s; ``transposed`` is the map s ↦ W_PFFNᵀ s that
+  earlier versions computed. Same parameters, a different function; measured in docs/experiments.md.
 - Time: log-spaced buckets of (request time − event time), embedded and added to each event.
+- Position (``position``): InterFormer applies RoPE to the sequence tokens. ``learned`` (default): a
+  learned vector per recent position, added once to the first tokens; ``rope``: rotary embeddings of
+  each recent token's distance from the newest event on the queries and keys of every layer (summary
+  tokens sit at position 0, i.e. are not rotated). Both are measured in docs/experiments.md.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class SequenceConfig:
     ffn_mult: int = 2
     dropout: float = 0.0
     attention_impl: str = "reference"  # reference | triton: pooled attention kernel (opengem.ops.triton_jagged; CUDA)
+    pffn: str = "paper"  # paper: token s ↦ W_PFFN s (InterFormer App. A) | transposed: s ↦ W_PFFNᵀ s
+    position: str = "learned"  # learned: added position vectors | rope: rotary q/k (module docstring)
 
     def validate(self, dim: int) -> None:
         if self.attention_impl not in IMPLS:
@@ -54,6 +62,13 @@ class SequenceConfig:
             raise ValueError(f"model.embedding_dim {dim} is not divisible by model.sequence.num_heads {self.num_heads}")
         if self.pyramid not in ("halve", "none"):
             raise ValueError(f"model.sequence.pyramid must be halve|none, got {self.pyramid!r}")
+        if self.pffn not in ("paper", "transposed"):
+            raise ValueError(f"model.sequence.pffn must be paper|transposed, got {self.pffn!r}")
+        if self.position not in ("learned", "rope"):
+            raise ValueError(f"model.sequence.position must be learned|rope, got {self.position!r}")
+        if self.position == "rope" and (dim // self.num_heads) % 2:
+            raise ValueError(f"model.sequence.position=rope needs an even head dim, got "
+                             f"{dim} / {self.num_heads} heads = {dim // self.num_heads}")
         if self.recent_len < 1 or self.num_pooled < 0 or self.min_recent < 1:
             raise ValueError("model.sequence.recent_len/min_recent must be >= 1 and num_pooled >= 0")
 
@@ -71,11 +86,13 @@ def time_bucket(age_s: torch.Tensor, num_buckets: int) -> torch.Tensor:
 
 
 class PersonalizedFFN(nn.Module):
-    """InterFormer PFFN: W_b = X_sum[b]ᵀ W ∈ ℝ^{D×D}; token t ↦ t W_b."""
+    """InterFormer PFFN: a per-row D×D map M_b[d, e] = Σ_c X_sum[b, c, d] W[c, e] (the paper's
+    W_PFFN = X_sum W with X_sum stored as rows here). ``paper``: token t ↦ M_b t; ``transposed``: t ↦ M_bᵀ t."""
 
-    def __init__(self, n_sum: int, dim: int):
+    def __init__(self, n_sum: int, dim: int, orientation: str = "paper"):
         super().__init__()
         self.w = nn.Parameter(torch.empty(n_sum, dim))
+        self.transposed = orientation == "transposed"
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -83,15 +100,36 @@ class PersonalizedFFN(nn.Module):
 
     def forward(self, x_sum_BCD: torch.Tensor, s_BSD: torch.Tensor) -> torch.Tensor:
         w_BDD = torch.einsum("bnd,ne->bde", x_sum_BCD, self.w)
-        return torch.bmm(s_BSD, w_BDD)
+        return torch.bmm(s_BSD, w_BDD if self.transposed else w_BDD.transpose(1, 2))
+
+
+def rope_positions(n_sum: int, num_pooled: int, num_recent: int, device: torch.device) -> torch.Tensor:
+    """[S] position of each token of [CLS | pooled | recent]: summaries 0, recent = distance from the newest.
+
+    The recent tokens are right-aligned (newest last), so a pyramid drop of the oldest keeps each
+    survivor's position."""
+    head = torch.zeros(n_sum + num_pooled, device=device)
+    return torch.cat([head, torch.arange(num_recent - 1, -1, -1, device=device, dtype=head.dtype)])
+
+
+def apply_rope(x_BHSd: torch.Tensor, pos_S: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding (Su et al. 2021, half-split form) of queries or keys [B, H, S, d] at positions [S]."""
+    d = x_BHSd.shape[-1]
+    inv = base ** (-torch.arange(0, d, 2, device=x_BHSd.device, dtype=torch.float32) / d)
+    ang = pos_S.float()[:, None] * inv[None, :]  # [S, d/2]
+    cos, sin = ang.cos().to(x_BHSd.dtype), ang.sin().to(x_BHSd.dtype)
+    x1, x2 = x_BHSd[..., : d // 2], x_BHSd[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
 class SequenceLayer(nn.Module):
     def __init__(self, n_sum: int, dim: int, cfg: SequenceConfig):
         super().__init__()
         self.heads, self.dropout = cfg.num_heads, cfg.dropout
+        self.rope = cfg.position == "rope"
+        self.n_head_tokens = n_sum + cfg.num_pooled
         self.norm1, self.norm2, self.norm3 = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.pffn = PersonalizedFFN(n_sum, dim)
+        self.pffn = PersonalizedFFN(n_sum, dim, cfg.pffn)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
         self.ffn = nn.Sequential(nn.Linear(dim, cfg.ffn_mult * dim), nn.SiLU(), nn.Linear(cfg.ffn_mult * dim, dim))
@@ -100,6 +138,9 @@ class SequenceLayer(nn.Module):
         B, S, D = s_BSD.shape
         s = s_BSD + self.pffn(x_sum_BCD, self.norm1(s_BSD))
         q, k, v = self.qkv(self.norm2(s)).view(B, S, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        if self.rope:
+            pos = rope_positions(self.n_head_tokens, 0, S - self.n_head_tokens, s.device)
+            q, k = apply_rope(q, pos), apply_rope(k, pos)
         mask = valid_BS[:, None, None, :]  # key padding; every row keeps its CLS tokens valid
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
         s = s + self.out(a.transpose(1, 2).reshape(B, S, D))
@@ -115,6 +156,7 @@ class SequenceTower(nn.Module):
         self.time_emb = nn.Embedding(cfg.time_buckets, dim)
         self.in_norm = nn.LayerNorm(dim)
         self.pos_emb = nn.Parameter(torch.zeros(cfg.recent_len, dim))  # position from the newest event
+        # (with position=rope it stays zero and unused: kept so checkpoints and export have one layout)
         M = cfg.num_pooled
         if M:
             self.pool_q = nn.Parameter(torch.empty(M, dim))
@@ -150,10 +192,15 @@ class SequenceTower(nn.Module):
             parts.append(self.pool_out(pooled))
             valid.append(lengths.new_ones(B, M, dtype=torch.bool))  # the sink makes every row's pool defined
         recent, rvalid = recent_window(tok_ND, lengths, self.cfg.recent_len)
-        recent = recent + self.pos_emb[-recent.shape[1]:]
-        parts.append(recent)
+        parts.append(self.add_position(recent))
         valid.append(rvalid)
         return torch.cat(parts, dim=1), torch.cat(valid, dim=1)
+
+    def add_position(self, recent_BKD: torch.Tensor) -> torch.Tensor:
+        """The learned position vectors (newest event last); with RoPE positions enter in the layers instead."""
+        if self.cfg.position == "rope":
+            return recent_BKD
+        return recent_BKD + self.pos_emb[self.pos_emb.shape[0] - recent_BKD.shape[1]:]
 
     def layer(self, i: int, s_BSD: torch.Tensor, valid_BS: torch.Tensor,
               x_sum_BCD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ writes one JSON line ``{"step": step, "loss": 0.41, …}`` (the format ``metrics
 the scalars ``loss``, ``lr_factor``, ``loss_by_domain_task/feed/click`` (nested keys joined by ``/``)
 to event files in ``RUN/tensorboard/`` (``tensorboard --logdir RUN/tensorboard``).
 
-Resume: the trainer truncates ``metrics.jsonl`` to the checkpoint's step (``resume._truncate_metrics``);
+Resume: the trainer truncates ``metrics.jsonl`` to the checkpoint's step (``resume.truncate_metrics``);
 event files cannot be truncated, so the writer opened after a resume at step S gets
 ``purge_step=S + 1``: TensorBoard then hides every earlier event of step > S, and the redone steps
 appear once. Only rank 0 writes (``enabled=False`` elsewhere: every call is a no-op). Without the

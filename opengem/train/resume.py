@@ -59,7 +59,7 @@ def resume_run(r, ckpt: Path | None) -> None:
     No checkpoint (a run killed before its first one) starts over: only its log lines are dropped."""
     if ckpt is None:
         if r.info.is_main:
-            _truncate_metrics(r.run / METRICS_FILE, 0)
+            truncate_metrics(r.run / METRICS_FILE, 0)
         return
     state = load_checkpoint(ckpt, r.model, r.optimizers, expect=r.identity())
     r.step, r.examples = state["step"], state["examples"]
@@ -73,11 +73,11 @@ def resume_run(r, ckpt: Path | None) -> None:
     else:
         _reshard_data(r, ckpt, saved_world)
     if r.info.is_main:
-        _truncate_metrics(r.run / METRICS_FILE, r.step)
+        truncate_metrics(r.run / METRICS_FILE, r.step)
     log.info("resumed from %s at step %d", ckpt, r.step)
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
+def truncate_metrics(path: Path, step: int) -> None:
     """Drop log lines past the checkpoint (a run killed between checkpoints logged steps that are redone)."""
     if not path.exists():
         return

@@ -28,6 +28,11 @@ Held-out evaluation, early stopping and the best checkpoint are hooks (``opengem
 caller passes ``evaluator=`` (the CLI: ``evaluation.evaluate.held_out_evaluator``) and ``train.eval_*``
 keys say when; with them off the loop runs exactly as without them.
 
+Continuous training (``days=``; ``opengem train --continue RUN --days …``): one pass over each of
+those days in order, warm-started from the run's checkpoint, a snapshot published after each day's
+last step; ``opengem.train.continual`` says how (schedule, snapshots, resume). Without ``days`` the
+loop is exactly the plain one.
+
 SIGTERM (a preemption notice; torchrun forwards it to every worker and SIGKILLs after 30 s) sets a
 flag; the step in flight finishes, every rank agrees on the flag (a collective, so all stop after
 the same step), a checkpoint is written and the process exits with ``EXIT_PREEMPTED`` (75, "try
@@ -50,14 +55,14 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from opengem.checkpoint import latest_checkpoint, save_best, save_checkpoint
+from opengem.checkpoint import latest_checkpoint, list_snapshots, save_best, save_checkpoint
 from opengem.config import Config, ConfigError
 from opengem.data.base_rates import train_base_rates
 from opengem.data.batch import Batch
 from opengem.data.downsampling import NegativeSampler
 from opengem.data.loader import ShardLoader
 from opengem.features.schema import FeatureSchema
-from opengem.model.build import build_gem, count_parameters, materialize
+from opengem.model.build import build_gem, count_parameters, dense_norm_stats, fit_dense_norm, materialize
 from opengem.parallel import ParallelDims, SparseOptimizerSpec, build_parallel_gem
 from opengem.parallel import train_step as dist_step
 from opengem.parallel.launch import DistInfo, comm_device, destroy_distributed, init_distributed, min_over_ranks
@@ -67,13 +72,17 @@ from opengem.run import (
     RecalibrationError,
     downsampling_record,
     gem_heads,
+    load_config,
+    load_downsampling,
     offsets_tensor,
     save_base_rates,
     save_config,
+    save_dense_stats,
     save_downsampling,
     save_final,
     save_schema,
 )
+from opengem.train.continual import DayStream, check_stream_config, continue_config, publish, start_stream
 from opengem.train.hooks import EvalHook, Evaluator
 from opengem.train.observe import RunLog
 from opengem.train.optim import Schedule, build_optimizers
@@ -111,7 +120,7 @@ class _Run:
     model: torch.nn.Module
     optimizers: list
     sparse: object | None  # opengem.parallel.SparseSharding
-    loader: ShardLoader
+    loader: ShardLoader | DayStream
     schedule: Schedule
     total: int
     step: int = 0
@@ -121,11 +130,16 @@ class _Run:
     sigterm: threading.Event = field(default_factory=threading.Event)
     evals: EvalHook | None = None
     eval_s: float = 0.0  # seconds this process spent in evaluations (not training time)
+    publish_end: bool = False  # publish the final model as a snapshot (a plain run; a stream publishes daily)
     downsampling: dict | None = None  # RUN/downsampling.json's record when negatives are down-sampled
 
     @property
     def distributed(self) -> bool:
         return self.sparse is not None
+
+    @property
+    def stream(self) -> DayStream | None:
+        return self.loader if isinstance(self.loader, DayStream) else None
 
     def trainer_state(self) -> dict:
         evals = {"evals": self.evals.state_dict()} if self.evals is not None else {}
@@ -138,11 +152,15 @@ class _Run:
 
 
 def train(cfg: Config, data_dir: str | Path, run_dir: str | Path, resume: bool = False,
-          evaluator: Evaluator | None = None) -> dict:
+          evaluator: Evaluator | None = None, *, days: list[int] | None = None, warm: bool = False,
+          publish_end: bool = False) -> dict:
     """Train from ``cfg``; under torchrun every rank calls this. Returns final.json's content.
 
     ``evaluator`` scores the model on held-out data when ``train.eval_every``, ``eval_each_epoch`` or
-    ``eval_at`` asks for it (``opengem.train.hooks``); it is not called otherwise."""
+    ``eval_at`` asks for it (``opengem.train.hooks``); it is not called otherwise. ``days``: train a
+    stream over those days (``opengem.train.continual``); ``warm``: continuing the run in ``run_dir``
+    from its checkpoint (``continue_training``). ``publish_end``: a plain run also publishes its final
+    model as the snapshot of its last day, for readers of snapshots (the demo's teacher)."""
     cfg.validate()
     if cfg.train.evaluates and evaluator is None:
         raise ConfigError("train.eval_every/eval_each_epoch/eval_at need an evaluator: pass train(…, evaluator=…), "
@@ -150,7 +168,7 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path, resume: bool =
     owned = not (dist.is_available() and dist.is_initialized())
     info = init_distributed(cfg.parallel.backend)
     try:
-        final = _train(cfg, Path(data_dir), Path(run_dir), resume, info, evaluator)
+        final = _train(cfg, Path(data_dir), Path(run_dir), resume, info, evaluator, days, warm, publish_end)
     except BaseException:
         if owned and info.backend is not None:  # no barrier: the other ranks may be gone already
             dist.destroy_process_group()
@@ -160,7 +178,44 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path, resume: bool =
     return final
 
 
-def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo, evaluator: Evaluator | None) -> dict:
+def continue_training(run_dir: str | Path, data_dir: str | Path, days: list[int], overrides=(), resume: bool = False,
+                      evaluator: Evaluator | None = None) -> dict:
+    """Continue the run in ``run_dir`` over ``days`` (``opengem train --continue``), warm-started from
+    its latest checkpoint with ``continue_config``. Returns final.json's content."""
+    cfg = continue_config(run_dir, overrides)
+    return train(cfg, data_dir, run_dir, resume, evaluator, days=list(days), warm=True)
+
+
+def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo, evaluator: Evaluator | None,
+           days: list[int] | None = None, warm: bool = False, publish_end: bool = False) -> dict:
+    if days is not None:
+        return _train_stream(cfg, data_dir, run, resume, info, evaluator, days, warm)
+    schema, rates, model, optimizers, sparse, sampling = _parts(cfg, data_dir, run, info)
+    loader = ShardLoader(data_dir, cfg.data.train_split, cfg.data.batch_size, schema, rank=info.rank,
+                         world_size=info.world_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
+                         epochs=cfg.train.epochs, drop_last=info.world_size > 1, max_seq_len=model.max_seq_len(),
+                         quarantine_dir=run / QUARANTINE_DIR, prefetch=cfg.data.prefetch,
+                         negative_rate=cfg.data.negative_rate, negative_rate_by_domain=cfg.data.negative_rate_by_domain)
+    total = _planned_steps(cfg, loader, sparse is not None)
+    # Built before a checkpoint is loaded: Schedule keeps the config's base lrs.
+    schedule = Schedule(optimizers, total, cfg.optim)
+    r = _Run(cfg, schema, run, info, model, optimizers, sparse, loader, schedule, total, publish_end=publish_end)
+    if sampling is not None:
+        try:  # before any step: a correction that cannot be served must not cost a training run
+            r.downsampling = downsampling_record(gem_heads(model), schema, sampling[0], sampling[1])
+        except RecalibrationError as e:
+            raise ConfigError(f"data.negative_rate < 1 needs a correction in the heads' biases: {e}") from None
+    if cfg.train.evaluates:
+        r.evals = EvalHook(cfg.train, evaluator, rates, info)
+    if resume:
+        resume_run(r, latest_checkpoint(run))
+    return _run(r, rates)
+
+
+def _parts(cfg: Config, data_dir: Path, run: Path, info: DistInfo):
+    """(schema, base rates, model, optimizers, sparse sharding or None, down-sampling or None: see
+    ``_negative_sampling``), seeded, in this order (the order every earlier run used: their parameters
+    depend on it; the down-sampling count draws from numpy, not from torch's generator)."""
     run.mkdir(parents=True, exist_ok=True)
     schema = FeatureSchema.load(data_dir)
     if cfg.train.threads:
@@ -171,31 +226,21 @@ def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo,
     rates = train_base_rates(data_dir, schema, cfg.data.train_split, info.rank, info.world_size)
     sampling, init_rates = _negative_sampling(cfg, schema, data_dir, rates)
     model, optimizers, sparse = _build(cfg, schema, [init_rates.get(t, 0.5) for t in schema.task_names], info)
-    loader = ShardLoader(data_dir, cfg.data.train_split, cfg.data.batch_size, schema, rank=info.rank,
-                         world_size=info.world_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
-                         epochs=cfg.train.epochs, drop_last=info.world_size > 1, max_seq_len=model.max_seq_len(),
-                         quarantine_dir=run / QUARANTINE_DIR, prefetch=cfg.data.prefetch,
-                         negative_rate=cfg.data.negative_rate, negative_rate_by_domain=cfg.data.negative_rate_by_domain)
-    total = _planned_steps(cfg, loader, sparse is not None)
-    # Built before a checkpoint is loaded: Schedule keeps the config's base lrs.
-    schedule = Schedule(optimizers, total, cfg.optim)
-    r = _Run(cfg, schema, run, info, model, optimizers, sparse, loader, schedule, total)
-    if sampling is not None:
-        try:  # before any step: a correction that cannot be served must not cost a training run
-            sampling = downsampling_record(gem_heads(model), schema, sampling[0], sampling[1])
-        except RecalibrationError as e:
-            raise ConfigError(f"data.negative_rate < 1 needs a correction in the heads' biases: {e}") from None
-        r.downsampling = sampling
-    if cfg.train.evaluates:
-        r.evals = EvalHook(cfg.train, evaluator, rates, info)
-    if resume:
-        resume_run(r, latest_checkpoint(run))
-    if info.is_main:  # after the resume checks: a refused resume leaves the run as it was
-        save_config(run, cfg)
-        save_schema(run, schema)
-        save_base_rates(run, rates)  # the true rates, NE's normaliser, whatever the sampling
-        if sampling is not None:
-            save_downsampling(run, sampling)
+    fit_dense_norm(model, data_dir, schema, cfg.data.train_split)  # a resume or continuation loads the checkpoint's
+    return schema, rates, model, optimizers, sparse, sampling
+
+
+def _run(r: _Run, rates: dict, config: bool = True) -> dict:
+    if r.info.is_main:  # after the resume checks: a refused resume leaves the run as it was
+        if config:
+            save_config(r.run, r.cfg)
+            stats = dense_norm_stats(r.model)
+            if stats is not None:
+                save_dense_stats(r.run, stats)
+        save_schema(r.run, r.schema)
+        save_base_rates(r.run, rates)  # the true rates, NE's normaliser, whatever the sampling
+        if r.downsampling is not None:
+            save_downsampling(r.run, r.downsampling)
     t_start = time.perf_counter()
     with SigtermFlag() as r.sigterm:  # held over the final save too: a late SIGTERM lets it finish
         _loop(r)
@@ -224,6 +269,41 @@ def _negative_sampling(cfg: Config, schema: FeatureSchema, data_dir: Path,
               "train_base_rates": {t: rates[t] for t in schema.task_names if t in rates},
               "sampled_base_rates": sampled}
     return (sampler.rates(), record), {**rates, **sampled}
+
+
+def _refuse_sampled_stream(cfg: Config, run: Path, warm: bool) -> None:
+    """A stream (``DayStream``) reads every row: down-sampling it, or continuing a down-sampled run
+    (whose RUN/downsampling.json would then correct a model trained on all rows), is refused."""
+    by_domain = cfg.data.negative_rate_by_domain.values()
+    if cfg.data.negative_rate < 1 or any(float(r) < 1 for r in by_domain) or (warm and load_downsampling(run)):
+        raise ConfigError("negative down-sampling (data.negative_rate < 1, RUN/downsampling.json) is not supported "
+                          "by continuous training (--continue/--days) yet: its DayStream reads every row")
+
+
+def _train_stream(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo, evaluator: Evaluator | None,
+                  days: list[int], warm: bool) -> dict:
+    """``_train`` for a stream (``opengem.train.continual``): the same parts, a ``DayStream`` for a loader.
+    A warm leg leaves config.json as the run wrote it: its overrides are the leg's (as ``--resume``'s are
+    the resumed command's), and a plain run's schedule horizon is recomputed from it."""
+    check_stream_config(cfg, info.world_size)
+    _refuse_sampled_stream(cfg, run, warm)
+    prev = load_config(run) if warm else cfg
+    schema, rates, model, optimizers, sparse, _ = _parts(cfg, data_dir, run, info)
+    loader = DayStream(data_dir, days, cfg.data.batch_size, schema, [], cfg.data.train_split, shuffle=cfg.data.shuffle,
+                       seed=cfg.data.seed, max_seq_len=model.max_seq_len(), quarantine_dir=run / QUARANTINE_DIR,
+                       prefetch=cfg.data.prefetch)
+    schedule = Schedule(optimizers, 0, cfg.optim)  # its horizon is set by start_stream
+    r = _Run(cfg, schema, run, info, model, optimizers, sparse, loader, schedule, 0)
+    if cfg.train.evaluates:
+        r.evals = EvalHook(cfg.train, evaluator, rates, info)
+
+    def plain_run() -> tuple[Config, int]:
+        ld = ShardLoader(data_dir, prev.data.train_split, prev.data.batch_size, schema, shuffle=prev.data.shuffle,
+                         seed=prev.data.seed, epochs=prev.train.epochs)
+        return prev, _planned_steps(prev, ld, False)
+
+    start_stream(r, latest_checkpoint(run) if (warm or resume) else None, warm, resume, plain_run)
+    return _run(r, rates, config=not warm)
 
 
 def _build(cfg: Config, schema: FeatureSchema, base_rates: list[float], info: DistInfo):
@@ -282,6 +362,8 @@ def _loop(r: _Run) -> None:
                     _log(r, mlog, bar, clock, {"loss": loss, "lr_factor": lr_f}, _global_table(r, table, batch))
                 if r.evals and r.evals.due(r.step, r.loader.state_dict()["epoch"]):
                     _evaluate(r, mlog, started)
+                if r.stream is not None and r.stream.day_ended:  # before a checkpoint can say the day is done
+                    publish(r, r.stream.completed)
                 if r.step >= stop or (r.evals and r.evals.stopped):
                     break
                 saved = bool(cfg.train.ckpt_every) and r.step % cfg.train.ckpt_every == 0
@@ -411,6 +493,12 @@ def _finish(r: _Run, wall: float) -> dict:
         final["resharded"] = r.resumed
     if r.distributed:
         final["parallel"] = {"dims": r.sparse.dims.describe(), "sparse_plan": r.sparse.describe().splitlines()}
+    if r.publish_end and (r.step >= r.total or r.loader.state_dict()["epoch"] >= r.loader.epochs):  # not a pause
+        publish(r, sorted({f.day for f in r.loader.files}))
+    if r.stream is not None or r.publish_end:
+        snaps = list_snapshots(r.run)
+        final["days"] = r.stream.completed if r.stream is not None else (snaps[-1][1]["days"] if snaps else [])
+        final["snapshot"] = snaps[-1][0].name if snaps else None
     if r.info.is_main:
         save_final(r.run, final)
     if r.distributed:

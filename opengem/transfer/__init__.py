@@ -1,6 +1,7 @@
 """Knowledge transfer: GEM → (domain FMs →) vertical models (ExFM-style; GEM's transfer).
 
-    teacher.py   TeacherService: the frozen FM, once per example; user cache; Parquet cache
+    teacher.py   TeacherService: the frozen FM, once per example; user cache; Parquet cache; the snapshot
+               a student of day d reads with transfer.snapshot_lag (teacher_snapshot)
     stream.py    the students' rows (surfaces, history caps), scored once by the teacher
     losses.py    KD, auxiliary head (label scaling, weight), the loss of one student step
     adapter.py   the student adapter (stale teacher → calibrated on the freshest labels)
@@ -11,8 +12,8 @@
 
 from opengem.transfer.config import TransferConfig, techniques_config
 from opengem.transfer.distill import distill
-from opengem.transfer.teacher import CachedTeacher, TeacherOutput, TeacherService, UserRepCache
+from opengem.transfer.teacher import CachedTeacher, TeacherOutput, TeacherService, UserRepCache, teacher_snapshot
 from opengem.transfer.trainer import transfer_ratio
 
 __all__ = ["CachedTeacher", "TeacherOutput", "TeacherService", "TransferConfig", "UserRepCache", "distill",
-           "techniques_config", "transfer_ratio"]
+           "teacher_snapshot", "techniques_config", "transfer_ratio"]

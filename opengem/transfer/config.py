@@ -10,6 +10,11 @@ Every technique is a switch and they combine freely (ExFM, Li et al. 2025; GEM's
     transfer.rep       representation transfer: the teacher's embedding as student input features
     transfer.share     parameter sharing: the student's tables start from (or reuse) the teacher's
 
+Staleness is a knob too: ``transfer.snapshot_lag=k`` makes a student of day d read the teacher run's
+newest published snapshot (``opengem.train.continual``) that has seen only days up to d − 1 − k, so
+0 is a fresh FM and k the k days of delay GEM's students suffer; unset, the teacher is the run's
+newest snapshot, or its latest checkpoint when it has none (a plain run), as before.
+
 ``aux`` and ``adapter`` shape the distillation loss, so they need ``kd``; ``rep`` and ``share`` do not.
 Overrides are dotted ``transfer.<section>.<field>=value`` strings, parsed like ``opengem train``'s.
 """
@@ -68,6 +73,7 @@ class TransferConfig:
     train_split: str = "valid"  # the student's days: after the teacher's ("train") days
     eval_split: str = "test"  # held out, after the student's days
     baseline: bool = True  # also train the same student without transfer, for the transfer ratio
+    snapshot_lag: int | None = None  # days of teacher delay: read the snapshot that has seen up to d - 1 - lag
     kd: KDConfig = field(default_factory=KDConfig)
     aux: AuxHeadConfig = field(default_factory=AuxHeadConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
@@ -77,6 +83,9 @@ class TransferConfig:
     def validate(self) -> TransferConfig:
         if not self.domains:
             raise ConfigError("transfer.domains must name at least one surface")
+        if self.snapshot_lag is not None and self.snapshot_lag < 0:
+            raise ConfigError(f"transfer.snapshot_lag is days of teacher delay: it must be >= 0, "
+                              f"got {self.snapshot_lag}")
         if (self.aux.enabled or self.adapter.enabled) and not self.kd.enabled:
             raise ConfigError("transfer.aux and transfer.adapter shape the distillation loss: they need "
                               "transfer.kd.enabled=true")

@@ -16,6 +16,11 @@ A student run directory is an ordinary run directory (the served backbone is a `
 
 so ``opengem evaluate`` / ``opengem export`` take it as they take a GEM run, and ``--via`` takes
 one as a teacher.
+
+Staleness as a knob (``transfer.snapshot_lag``): when GEM is trained continuously
+(``opengem train --continue``), its teacher is the snapshot that has seen days up to d − 1 − lag,
+d the first day of the student's split (one teacher for the whole split in this version); the
+snapshot read is recorded in transfer.json (``teacher_snapshot``).
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ from pathlib import Path
 
 import torch
 
-from opengem.checkpoint import save_checkpoint
+from opengem.checkpoint import newest_snapshot, save_checkpoint
 from opengem.config import Config, apply_prefixed_overrides
+from opengem.data.parquet import DatasetManifest
 from opengem.evaluation import EVAL_BATCH
 from opengem.features.schema import FeatureSchema, SchemaError
 from opengem.model.build import count_parameters
@@ -49,7 +55,7 @@ from opengem.train.trainer import params_sha256
 from opengem.transfer.config import TransferConfig, techniques_config
 from opengem.transfer.share import share_parameters
 from opengem.transfer.stream import SliceStream, domain_ids, slice_rates
-from opengem.transfer.teacher import TeacherService
+from opengem.transfer.teacher import TeacherService, teacher_snapshot
 from opengem.transfer.trainer import StudentTrainer, evaluate_students, train_students, transfer_ratio
 
 log = logging.getLogger(__name__)
@@ -79,9 +85,19 @@ def reads_user_cache(tcfg: TransferConfig, teacher: TeacherService) -> bool:
     return (tcfg.rep.enabled and tcfg.rep.source == "user") or bool(teacher.rep_in and teacher.upstream_source == "user")
 
 
-def load_teachers(teacher_run: str | Path, via: str | Path | None, data_schema: FeatureSchema):
-    """(GEM service, the student's teacher service: GEM itself, or the domain FM fed by GEM)."""
-    gem = TeacherService.from_run(teacher_run)
+def gem_snapshot(teacher_run: str | Path, data_dir: str | Path, tcfg: TransferConfig) -> tuple[Path, dict] | None:
+    """The snapshot of GEM the students read (``transfer.snapshot_lag``; None: a run without snapshots)."""
+    if tcfg.snapshot_lag is None:
+        return newest_snapshot(teacher_run)
+    day = min(DatasetManifest.load(data_dir).splits[tcfg.train_split])
+    return teacher_snapshot(teacher_run, day, tcfg.snapshot_lag)
+
+
+def load_teachers(teacher_run: str | Path, via: str | Path | None, data_schema: FeatureSchema,
+                  snapshot: str | Path | None = None):
+    """(GEM service, the student's teacher service: GEM itself, or the domain FM fed by GEM); GEM from
+    ``snapshot`` if given (else as ``TeacherService.from_run`` picks)."""
+    gem = TeacherService.from_run(teacher_run, snapshot=snapshot)
     if gem.schema.fingerprint() != data_schema.fingerprint():
         raise SchemaError(f"teacher {teacher_run} was trained on another schema than this data's")
     return gem, (TeacherService.from_run(via, upstream=gem) if via else gem)
@@ -98,7 +114,11 @@ def distill(teacher_run: str | Path, recipe_name: str, data_dir: str | Path, out
     tcfg.validate()
     torch.manual_seed(cfg.train.seed)
     data_schema = FeatureSchema.load(data_dir)
-    gem, teacher = load_teachers(teacher_run, via, data_schema)
+    snap = gem_snapshot(teacher_run, data_dir, tcfg)
+    if snap:
+        log.info("teacher %s: snapshot %s (days up to %d; transfer.snapshot_lag=%s)", teacher_run, snap[0].name,
+                 snap[1]["last_day"], tcfg.snapshot_lag)
+    gem, teacher = load_teachers(teacher_run, via, data_schema, snap[0] if snap else None)
     domains = domain_ids(data_schema, tcfg.domains)
     rates, n_slice, n_all = slice_rates(data_dir, data_schema, tcfg.train_split, domains)
     stream = SliceStream(data_dir, tcfg.train_split, data_schema, domains, teacher, cfg.data.batch_size,
@@ -117,8 +137,10 @@ def distill(teacher_run: str | Path, recipe_name: str, data_dir: str | Path, out
     ev = evaluate_students(trainers, test, data_schema, rates, {"gem": gem} if via else None)
     out = report(ev, tcfg, via is not None, test.rows)
     out["times"] = {"train_s": t_train, "total_s": time.perf_counter() - t0}
+    read = {"path": str(snap[0]), "last_day": snap[1]["last_day"], "step": snap[1]["step"]} if snap else None
     save_run(Path(out_dir), trainers[0], cfg, tcfg, rates, teacher, out,
-             {"teacher": str(teacher_run), "via": str(via) if via else None, "data": str(data_dir)}, scored)
+             {"teacher": str(teacher_run), "via": str(via) if via else None, "data": str(data_dir),
+              "teacher_snapshot": read}, scored)
     return out
 
 

@@ -23,7 +23,9 @@ lookup by user id, passed as the student's ``teacher_rep_*`` dense user features
 serving see the same thing. ``rep.source=row`` (the row's own features) is the offline upper bound.
 
 The teacher is built and loaded as in training and evaluation (``opengem.run.load_run_model``: meta →
-materialise → load the DCP checkpoint); a large teacher can be passed in already sharded
+materialise → load the DCP checkpoint), from a published snapshot when the run has any (a run still
+training writes checkpoints; its snapshots are complete by construction, ``teacher_snapshot`` picks
+one by the student's day and the lag); a large teacher can be passed in already sharded
 (``opengem.parallel.build_parallel_gem`` + ``load_checkpoint``): the service only calls it.
 A student run can be a teacher too (hierarchical transfer): if it reads teacher embeddings, its own
 teacher is given as ``upstream``.
@@ -40,6 +42,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from opengem.checkpoint import CheckpointError, list_snapshots, newest_snapshot
+from opengem.config import ConfigError
 from opengem.data.batch import Batch
 from opengem.model.student import forward_with_features, rep_dim_of, with_rep
 from opengem.run import TRANSFER_FILE, load_run_model
@@ -141,9 +145,15 @@ class TeacherService:
         self.calls, self.rows, self.day = 0, 0, None
 
     @classmethod
-    def from_run(cls, run_dir: str | Path, upstream: TeacherService | None = None) -> TeacherService:
-        """The latest checkpoint of a training or distillation run, loaded as training/evaluation do."""
-        model, _, _ = load_run_model(run_dir)
+    def from_run(cls, run_dir: str | Path, upstream: TeacherService | None = None,
+                 snapshot: str | Path | None = None) -> TeacherService:
+        """A training or distillation run's model, loaded as training/evaluation do: ``snapshot`` (a
+        published one, ``teacher_snapshot``), else the run's newest snapshot, else (a run that
+        publishes none) its latest checkpoint."""
+        if snapshot is None:
+            newest = newest_snapshot(run_dir)
+            snapshot = newest[0] if newest else None
+        model, _, _ = load_run_model(run_dir, snapshot=snapshot)
         meta = Path(run_dir) / TRANSFER_FILE
         source = json.loads(meta.read_text())["transfer"]["rep"]["source"] if meta.exists() else "user"
         return cls(model, upstream=upstream, upstream_source=source)
@@ -220,6 +230,22 @@ class TeacherService:
             writer.close()
             tmp.replace(path)
         return n
+
+
+def teacher_snapshot(run_dir: str | Path, day: int, lag: int) -> tuple[Path, dict]:
+    """(path, snapshot.json) of the snapshot a student of ``day`` reads with ``lag`` days of delay: the
+    newest that has seen only days up to ``day − 1 − lag`` (lag 0: everything before the student's day)."""
+    if lag < 0:
+        raise ConfigError(f"transfer.snapshot_lag is days of teacher delay: it must be >= 0, got {lag}")
+    up_to = day - 1 - lag
+    found = newest_snapshot(run_dir, up_to)
+    if found is None:
+        have = [f"{p.name} (up to day {m['last_day']})" for p, m in list_snapshots(run_dir)]
+        raise CheckpointError(f"{run_dir}: no published snapshot has seen only days up to {up_to}, as a student of "
+                              f"day {day} with transfer.snapshot_lag={lag} needs; snapshots: "
+                              f"{', '.join(have) or 'none'} (a run publishes them when trained with --days or "
+                              "--continue)")
+    return found
 
 
 class CachedTeacher:

@@ -23,13 +23,19 @@ from opengem.testing import tiny_schema
 TOL = 1e-5
 
 
-def _model(schema, max_rows=0, max_seq_len=12, interleave=True, count_decay_hours=()):
+def _model(schema, max_rows=0, max_seq_len=12, interleave=True, count_decay_hours=(), seq=None, span="all", **kw):
     cfg = GEMConfig(embedding_dim=16, max_seq_len=max_seq_len, sparse=SparseArchConfig(max_rows_per_table=max_rows),
                     interformer=InterFormerConfig(interleave=interleave),
                     count_decay_hours=count_decay_hours,
-                    wukong=WukongConfig(num_layers=2, num_fm=4, num_lc=4, fm_rank=4, mlp_dims=(32,)),
-                    sequence=SequenceConfig(num_heads=2, recent_len=8, min_recent=2, num_pooled=2))
+                    wukong=WukongConfig(num_layers=2, num_fm=4, num_lc=4, fm_rank=4, mlp_dims=(32,),
+                                        cross_layer_span=span),
+                    sequence=SequenceConfig(num_heads=2, recent_len=8, min_recent=2, num_pooled=2, **(seq or {})), **kw)
     model = materialize(build_gem(schema, cfg), base_rates=[0.1, 0.01])
+    if cfg.dense_norm != "signed_log":  # statistics of a made-up training split
+        F = len(schema.dense)
+        knots = np.sort(np.random.default_rng(3).normal(size=(F, 33)), axis=1)
+        model.dense_norm.fit({"names": [f.name for f in schema.dense], "mean": [0.3] * F, "std": [2.0] * F,
+                              "quantiles": knots.tolist()}, [f.name for f in schema.dense])
     with torch.no_grad(), torch.random.fork_rng():  # zero-initialised parts (shortcut, sinks) must matter too
         torch.manual_seed(0)
         for p in model.parameters():
@@ -84,6 +90,19 @@ def test_serving_module_equals_gem(specs):
     assert reports[0]["oov"]  # the first request carries out-of-vocabulary ids
     if specs[0][1] < 0:
         assert reports[0]["truncated"] == {"s0": 24, "s1": 24}
+
+
+@pytest.mark.parametrize("kw", [
+    {"seq": {"position": "rope"}},
+    {"seq": {"pffn": "transposed"}, "span": "earlier"},
+    {"embedding_init": "table", "dense_norm": "standardize"},
+    {"dense_norm": "quantile"},
+])
+def test_serving_module_equals_gem_for_each_model_choice(kw):
+    """RoPE, the PFFN orientation, the cross-layer span and the fitted dense normaliser serve as they train."""
+    schema = tiny_schema()
+    diff, _ = _compare(_model(schema, **kw), schema, _requests(schema, [(3, -1), (2, 0), (4, 5)], seed=21))
+    assert diff < TOL
 
 
 def test_serving_module_hashes_capped_tables():
@@ -151,10 +170,11 @@ def test_padded_pool_equals_jagged_pool_attention(seed):
     assert torch.allclose(got, ref, atol=1e-6)
 
 
-def test_exported_program_runs_every_size():
+@pytest.mark.parametrize("kw", [{}, {"dense_norm": "quantile", "seq": {"position": "rope"}}])
+def test_exported_program_runs_every_size(kw):
     """One exported graph serves 1 or many users, candidates and events (0/1 sizes included)."""
     schema = tiny_schema()
-    model = _model(schema)
+    model = _model(schema, **kw)
     layout = Layout(model.max_seq_len(), model.cfg.sequence.recent_len)
     _, req_model = request_models(schema)
 

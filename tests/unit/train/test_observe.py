@@ -7,7 +7,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from opengem.run import METRICS_FILE, TENSORBOARD_DIR
 from opengem.train.observe import RunLog, flatten_scalars
-from opengem.train.resume import _truncate_metrics
+from opengem.train.resume import truncate_metrics
 
 
 def record(step: int, shift: float = 0.0) -> dict:
@@ -41,7 +41,7 @@ def test_resume_purges_redone_steps(tmp_path):
     with RunLog(tmp_path) as mlog:
         for step in range(1, 6):
             mlog.log(step, record(step))
-    _truncate_metrics(tmp_path / METRICS_FILE, 3)  # what the trainer does on resume from step 3
+    truncate_metrics(tmp_path / METRICS_FILE, 3)  # what the trainer does on resume from step 3
     with RunLog(tmp_path, purge_step=4) as mlog:
         for step in (4, 5):
             mlog.log(step, record(step, shift=10.0))

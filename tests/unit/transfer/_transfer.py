@@ -12,10 +12,14 @@ def make_batch(schema, n=16, seed=0):
     return collate(random_table(schema, n, seed=seed), schema)
 
 
+def gem_config(dim=8):
+    return GEMConfig(embedding_dim=dim,
+                     wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2, fm_rank=2, mlp_dims=(16,)),
+                     sequence=SequenceConfig(num_heads=2, recent_len=4, min_recent=2, num_pooled=1))
+
+
 def make_gem(schema, dim=8, seed=0):
-    cfg = GEMConfig(embedding_dim=dim, wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2, fm_rank=2, mlp_dims=(16,)),
-                    sequence=SequenceConfig(num_heads=2, recent_len=4, min_recent=2, num_pooled=1))
-    return materialize(build_gem(schema, cfg), seed=seed, base_rates=[0.1, 0.01])
+    return materialize(build_gem(schema, gem_config(dim)), seed=seed, base_rates=[0.1, 0.01])
 
 
 def write_dataset(out, schema, rows_per_day=(96, 64), seed=0):
