@@ -47,7 +47,7 @@ p(conv) = p(click) · p(conv | click) (``Heads.chain``):
 a row with conv = 1 has click = 1, so the rows kept with click = 1 are all of them and p(conv | click)
 is learnt unbiased; p(click) alone is inflated. So the offset is log r on each task's *own* logit when
 the task is not chained (the base task, click) and 0 on a chained one (its logit is the conditional);
-chaining the corrected click gives the corrected conversion (tests/unit/evaluation/test_downsampling.py
+chaining the corrected click gives the corrected conversion (tests/unit/evaluation/test_downsampling_correction.py
 checks it numerically). An unchained second task (``model.heads.chain_required=false``) also gets
 log r, which is exact only as its rate → 0; the record says ``exact: false`` then, and a recalibration
 fitted on top corrects the mean.
