@@ -27,7 +27,7 @@ from opengem.run import (
     shift_logits,
 )
 from opengem.testing import random_table, tiny_schema
-from opengem.train.trainer import train
+from opengem.train.trainer import continue_training, train
 
 LOG = math.log
 
@@ -173,3 +173,15 @@ def test_a_correction_that_cannot_be_made_stops_training_before_it_starts(world,
     with pytest.raises(ConfigError, match=match):
         train(cfg, world, tmp_path / "run")
     assert not (tmp_path / "run" / "final.json").exists()
+
+
+def test_continuous_training_refuses_down_sampling(world, tmp_path):
+    """DayStream reads every row: a down-sampled stream, or continuing a down-sampled run (whose
+    correction would then be applied to a model trained on all rows), is a clear error."""
+    base = ["train.progress=false", "train.threads=1", "data.negative_rate=0.5"]
+    with pytest.raises(ConfigError, match="continuous training"):
+        train(apply_overrides(recipe("tiny"), base), world, tmp_path / "s", days=[0])
+    assert not (tmp_path / "s" / "config.json").exists()
+    train(apply_overrides(recipe("tiny"), [*base, "train.max_steps=2"]), world, tmp_path / "run")
+    with pytest.raises(ConfigError, match="continuous training"):
+        continue_training(tmp_path / "run", world, [2], ["data.negative_rate=1"])
