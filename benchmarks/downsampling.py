@@ -1,7 +1,7 @@
 """Negative down-sampling (``data.negative_rate``) at rates 1, 0.5, 0.1: training speed, and valid NE and
 calibration with and without the correction (logit + log r on click, ``opengem.run.downsampling_offsets``).
 
-    python benchmarks/downsampling.py --quick     # world seed 0, training seeds 0-1 (~2 min on 2 cores)
+    python benchmarks/downsampling.py --quick     # world seed 0, training seeds 0-1 (~2.5 min on 2 cores)
     python benchmarks/downsampling.py             # world seeds 0-2, training seeds 0-2
 
 The ``tiny`` recipe on a ``tiny`` development world (seeds < 100) widened to ``--users`` users, at each
@@ -34,7 +34,7 @@ speeds are noisy there):
 
 The correction does what it should: without it the model over-predicts click by about 1/r (6.4× at
 r = 0.1) and its NE is worse than the base rate; with it calibration is back near rate 1's. Rows
-read per second grow ~5.5× at r = 0.1 while rows trained per second stay (the step is the cost).
+read per second grow ~5.5× at r = 0.1 while rows trained per second stay within ~20% (the step is the cost).
 The NE cost at equal epochs is mostly fewer steps (17 at r = 0.1, inside the recipe's 50-step
 warm-up). At equal steps this world is too small to show the saving: 20 passes over the same
 positives memorise them and valid NE goes above 1 (raw and corrected alike); a one-pass comparison
