@@ -149,9 +149,8 @@ class EventTable:
                 continue
             if hi > UNIT_RATIO * req_max or (lo > 1e8 and hi > UNIT_RATIO * lo):
                 raise ColumnError(f"{f}: column {self.cols['time']!r}: time {hi} is {hi / req_max:.0f}x the "
-                                  f"impressions' "
-                                  f"last request_ts {req_max} (values from {lo}): times in mixed units (ms vs s)? "
-                                  f"set sequence.time_unit")
+                                  f"impressions' last request_ts {req_max} (values from {lo}): times in mixed units "
+                                  "(ms vs s)? set sequence.time_unit")
             if 0 < hi < req_max / UNIT_RATIO:
                 raise ColumnError(f"{f}: column {self.cols['time']!r}: the latest time {hi} is {req_max / hi:.0f}x "
                                   f"smaller than the impressions' request_ts {req_max}: times in another unit?")
