@@ -124,13 +124,15 @@ def _prepare(a, work: Path) -> tuple[Path, Path, dict]:
 def _requests(schema, data: Path, candidates: int, domains: list[int] | None, n: int = 16) -> list[dict]:
     """``n`` requests from test rows (of ``domains``): a row's user, context and history + the ads of
     ``candidates`` rows."""
-    from opengem.data.parquet import DatasetManifest, read_shard
+    from opengem.data.events import ShardReader
+    from opengem.data.parquet import DatasetManifest
     from opengem.export.request import split_row
 
     manifest = DatasetManifest.load(data)
+    reader = ShardReader(data, manifest, schema)  # v2: the histories are joined from the event logs
     rows = []
     for info in manifest.split_files("test"):
-        rows += [r for r in read_shard(data, info, schema.columns()).to_pylist()
+        rows += [r for r in reader.read(info, schema.columns()).to_pylist()
                  if domains is None or r[schema.domains.column] in domains]
         if len(rows) >= 2048:
             break

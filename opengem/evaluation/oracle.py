@@ -326,13 +326,15 @@ def _xent(q, p) -> np.ndarray:
 def refit(data_dir) -> dict:
     """The oracle of a written synthetic dataset, from its shards and manifest alone (what ``generate``
     stores in ``source.stats.oracle``, before rounding)."""
-    import pyarrow.parquet as pq
-
+    from opengem.data.events import ShardReader
     from opengem.data.synthetic import columns_from_table, world_from_manifest
+    from opengem.features.schema import FeatureSchema
 
     manifest = DatasetManifest.load(data_dir)
     split_of = {d: s for s, days in manifest.splits.items() for d in days}
     rows = OracleCollector(world_from_manifest(manifest), split_of)
+    schema = FeatureSchema.load(data_dir)
+    reader = ShardReader(data_dir, manifest, schema)  # v2: histories joined from the event logs
     for f in manifest.files:
-        rows.add(f.day, columns_from_table(pq.read_table(f"{data_dir}/{f.path}")))
+        rows.add(f.day, columns_from_table(reader.read(f, schema.columns())))
     return rows.result()

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
+from opengem.data.events import ShardReader
 from opengem.data.loader import ShardLoader
 from opengem.data.parquet import DatasetManifest
 from opengem.data.synthetic import columns_from_table, world_from_manifest
@@ -61,7 +61,9 @@ def signal_decomposition(model, schema: FeatureSchema, data_dir: str | Path, spl
     if loader.quarantined:
         raise ValueError(f"{data_dir}: {dict(loader.quarantined)} rows were quarantined; the decomposition "
                          "needs every row of the split")
-    table = pa.concat_tables([pq.read_table(Path(data_dir) / f.path) for f in loader.shard_order(0)])  # every column
+    # Every column, histories joined in v2: the world's terms need the rows the loader scored.
+    reader = ShardReader(data_dir, manifest, schema)
+    table = pa.concat_tables([reader.read(f, schema.columns()) for f in loader.shard_order(0)])
     cols = columns_from_table(table)
     if len(cols["p_click"]) != len(logits):
         raise ValueError(f"{len(logits)} scored rows but {len(cols['p_click'])} rows in the split")

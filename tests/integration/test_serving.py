@@ -14,13 +14,14 @@ from types import SimpleNamespace
 import httpx
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 import uvicorn
 
 from opengem.cli import main
 from opengem.data.batch import collate
+from opengem.data.events import ShardReader
+from opengem.data.parquet import DatasetManifest
 from opengem.export import ArtifactError, Predictor
 from opengem.export.artifact import load_manifest
 from opengem.export.client import free_port, wait_ready
@@ -86,7 +87,9 @@ def _log_requests(schema, data, n_requests=6, per=5):
 
     The users with the longest organic histories come first, so truncation is exercised.
     """
-    rows = pq.read_table(max((data / "shards").glob("*.parquet"))).to_pylist()
+    manifest = DatasetManifest.load(data)  # either layout: v2 histories are joined from the event logs
+    info = max(manifest.files, key=lambda f: f.path)
+    rows = ShardReader(data, manifest, schema).read(info, schema.columns()).to_pylist()
     users = sorted(range(len(rows)), key=lambda i: -len(rows[i]["organic.item"]))
     out = []
     for k, i in enumerate(users[:n_requests]):

@@ -32,4 +32,5 @@ def run(args: argparse.Namespace) -> dict:
     log.info("imported %s: %s rows (%s) in %d shards to %s in %.1f s", args.source, sum(rows.values()),
              ", ".join(f"{k} {v}" for k, v in rows.items()), len(manifest.files), args.out,
              time.perf_counter() - t0)
-    return {"rows": rows, "shards": len(manifest.files), "out": args.out}
+    return {"rows": rows, "shards": len(manifest.files), "out": args.out, "layout": manifest.layout,
+            "storage": manifest.source.get("storage")}

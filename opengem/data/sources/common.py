@@ -22,7 +22,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from opengem.data.parquet import DataError, DatasetManifest, ShardWriter, list_array
+from opengem.data.parquet import (
+    LAYOUT_V1,
+    LAYOUT_V2,
+    DataError,
+    DatasetManifest,
+    ShardWriter,
+    impression_columns,
+    list_array,
+)
 from opengem.features.schema import FeatureSchema, SchemaError
 
 SPLITS = ("train", "valid", "test")
@@ -196,32 +204,44 @@ def random_split(n: int, valid: float, test: float, seed: int) -> np.ndarray:
 # --------------------------------------------------------------------------------------- writing
 def write_dataset(out_dir: str | Path, schema: FeatureSchema, cols: dict, day: np.ndarray,
                   splits: dict[str, list[int]] | None = None, source: dict | None = None,
-                  rows_per_shard: int = 50_000) -> DatasetManifest:
+                  rows_per_shard: int = 50_000, layout: int = LAYOUT_V1, buckets: int = 1,
+                  events: Callable[[ShardWriter], None] | None = None) -> DatasetManifest:
     """Write rows (``cols``: name → array, or (flat values, lengths) for list columns) as shards.
 
     One or more shards per day, rows in time order inside a day. ``splits`` defaults to day 0/1/2 →
     train/valid/test. The row counts per split go into the manifest's ``source.rows``.
+    Layout v2: one or more shards per (day, user bucket ``user_id % buckets``) and no history columns;
+    ``events(writer)`` writes the event logs (``ShardWriter.write_events``) of the same buckets.
     """
     day = np.asarray(day, dtype=np.int32)
     splits = splits or {s: [d] for d, s in enumerate(SPLITS)}
-    for name in schema.columns():
+    for name in impression_columns(schema, layout):
         if name not in cols and name not in (schema.day_column,):
             raise SchemaError(f"adapter produced no column {name!r} that its schema declares")
-    writer = ShardWriter(out_dir, schema)
+    writer = ShardWriter(out_dir, schema, layout=layout)
     offsets = {k: np.r_[0, np.cumsum(v[1])] for k, v in cols.items() if isinstance(v, tuple)}
     ts = np.asarray(cols[schema.time_column])
+    bucket = np.asarray(cols[schema.user_column]) % buckets if layout == LAYOUT_V2 else np.zeros(len(day), np.int64)
     for d in np.unique(day):
-        rows = np.flatnonzero(day == d)
-        rows = rows[np.argsort(ts[rows], kind="stable")]
-        for part, i in enumerate(range(0, len(rows), rows_per_shard)):
-            writer.write(_table(schema, cols, offsets, rows[i:i + rows_per_shard], int(d)), f"d{d:03d}-p{part:04d}", d)
+        for b in np.unique(bucket[day == d]):
+            rows = np.flatnonzero((day == d) & (bucket == b))
+            rows = rows[np.argsort(ts[rows], kind="stable")]
+            for part, i in enumerate(range(0, len(rows), rows_per_shard)):
+                table = _table(schema, cols, offsets, rows[i:i + rows_per_shard], int(d), layout)
+                if layout == LAYOUT_V2:
+                    writer.write(table, f"d{d:03d}-b{b:05d}-p{part:04d}", d, bucket=int(b))
+                else:
+                    writer.write(table, f"d{d:03d}-p{part:04d}", d)
+    if events is not None:
+        events(writer)
     rows_per_split = {s: int(np.isin(day, ds).sum()) for s, ds in splits.items()}
     return writer.close(splits, source={**(source or {}), "rows": rows_per_split})
 
 
-def _table(schema: FeatureSchema, cols: dict, offsets: dict, rows: np.ndarray, day: int) -> pa.Table:
+def _table(schema: FeatureSchema, cols: dict, offsets: dict, rows: np.ndarray, day: int,
+           layout: int = LAYOUT_V1) -> pa.Table:
     out = {}
-    for name in schema.columns():
+    for name in impression_columns(schema, layout):
         if name == schema.day_column:
             out[name] = pa.array(np.full(len(rows), day, dtype=np.int32))
             continue

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from opengem.data.parquet import DatasetManifest
+from opengem.data.parquet import LAYOUT_V2, DatasetManifest
 from opengem.data.sources.common import (
     SPLITS,
     TRAIN,
@@ -34,7 +34,8 @@ from opengem.data.sources.common import (
     to_label,
     write_dataset,
 )
-from opengem.data.sources.spec import check_spec, load_spec, time_divisor
+from opengem.data.sources.event_log import EventTable, list_histories
+from opengem.data.sources.spec import _TIME_UNITS, check_spec, load_spec, time_divisor
 from opengem.features.schema import (
     DenseFeature,
     Domains,
@@ -49,17 +50,27 @@ DEFAULT_DOMAIN = "default"  # the one domain of data without a domain column
 _TABLES = ("*.csv", "*.csv.gz", "*.tsv", "*.parquet")
 
 
-def read_table(path: Path, sep: str = ",", numeric=None) -> dict[str, np.ndarray]:
-    """A CSV (strings) or Parquet (native numbers, other columns as strings) file as numpy columns."""
+def read_table(path: Path, sep: str = ",", numeric=None, lists: tuple[str, ...] = (),
+               only: set[str] | None = None) -> dict[str, np.ndarray]:
+    """A CSV (strings) or Parquet (native numbers, other columns as strings) file as numpy columns;
+    the Parquet list columns named in ``lists`` stay Arrow arrays (``sequence.from: lists``).
+    ``only``: of a Parquet file, read just these columns (the others are never decoded)."""
     if path.name.endswith(".parquet"):
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         if not path.exists():
             raise ColumnError(f"{path}: file not found")
-        t = pq.read_table(path)
+        try:
+            names = pq.read_schema(path).names
+            t = pq.read_table(path, columns=[c for c in names if only is None or c in only])
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ColumnError(f"{path}: not a readable Parquet file ({e})") from e
         out = {}
         for name, col in zip(t.column_names, t.columns):
+            if name in lists:
+                out[name] = col
+                continue
             if pa.types.is_nested(col.type):
                 raise ColumnError(f"{path}: column {name!r} is a {col.type} column; use a delimited string (multi_hot)")
             v = col.to_numpy(zero_copy_only=False)
@@ -86,9 +97,13 @@ def convert(in_path: str | Path, out_dir: str | Path, spec: dict | str | Path, s
     """Write the table(s) at ``in_path`` as a dataset in ``out_dir`` per ``spec`` (a dict or a JSON file)."""
     spec = load_spec(spec) if isinstance(spec, (str, Path)) else check_spec(spec)
     dense = {f["column"] for f in spec["dense"]}
-    frames = [(str(f), day, read_table(f, spec.get("sep", ","), dense.__contains__))
+    seq = spec.get("sequence", {})
+    lists = (seq["column"], seq["times"]) if seq.get("from") == "lists" else ()
+    only = set(referenced_columns(spec))
+    frames = [(str(f), day, read_table(f, spec.get("sep", ","), dense.__contains__, lists, only))
               for f, day in input_files(in_path, spec)]
-    return convert_frames(frames, spec, out_dir, seed, {"kind": "generic", "in": str(in_path)})
+    base = Path(in_path) if Path(in_path).is_dir() else Path(in_path).parent
+    return convert_frames(frames, spec, out_dir, seed, {"kind": "generic", "in": str(in_path)}, base=base)
 
 
 def referenced_columns(spec: dict) -> list[str]:
@@ -96,13 +111,15 @@ def referenced_columns(spec: dict) -> list[str]:
     cols += [spec[k] for k in ("user", "time") if k in spec]
     cols += [spec["domain"]["column"]] if "domain" in spec else []
     seq = spec.get("sequence", {})
-    cols += [seq[k] for k in ("event", "column") if k in seq]
+    keys = {"rows": ("event",), "column": ("column",), "lists": ("column", "times")}.get(seq.get("from"), ())
+    cols += [seq[k] for k in keys if k in seq]  # from events: those columns are the events table's
     return list(dict.fromkeys(cols))
 
 
 def convert_frames(frames: list[tuple[str, int | None, dict]], spec: dict, out_dir: str | Path, seed: int = 0,
-                   source: dict | None = None) -> DatasetManifest:
-    """``frames``: (file name for errors, day or None, columns). The spec must be checked already."""
+                   source: dict | None = None, base: Path | None = None) -> DatasetManifest:
+    """``frames``: (file name for errors, day or None, columns). The spec must be checked already.
+    ``base``: the directory the events files of ``sequence.from: events`` are relative to."""
     c, raw, day = _parse(frames, spec, seed)
     train = day == TRAIN
     sparse: list[SparseFeature] = []
@@ -120,14 +137,48 @@ def convert_frames(frames: list[tuple[str, int | None, dict]], spec: dict, out_d
         vocab = Vocab(np.array(names))  # sorted; map its positions back to the order of ``names``
         c["domain"] = np.array([names.index(v) for v in vocab.values], dtype=np.int64)[
             vocab(raw[spec["domain"]["column"]])]
-    seqs = (_sequence(spec, c, raw, encoders, train),) if "sequence" in spec else ()
+    info = {**(source or {}), "split": spec["split"], "files": [f for f, _, _ in frames]}
+    kind = spec.get("sequence", {}).get("from")
+    write: dict = {}
+    if kind == "events":
+        stream, write = _event_table(spec, c, raw, encoders, base or Path("."), info)
+        seqs = (stream,)
+    elif kind == "lists":
+        stream, storage, tables = list_histories(frames, spec, c, encoders[spec["sequence"]["item"]])
+        storage.report(stream.name)
+        info["storage"] = storage.to_dict()
+        seqs = (stream,)
+        if tables is not None:
+            write = {"layout": LAYOUT_V2, "buckets": storage.buckets,
+                     "events": lambda w: [w.write_events(stream.name, b, t) for b, t in tables.items()]}
+    else:
+        seqs = (_sequence(spec, c, raw, encoders, train),) if "sequence" in spec else ()
     schema = FeatureSchema(
         sparse=tuple(sparse), dense=tuple(DenseFeature(f["name"], f["group"]) for f in spec["dense"]),
         sequences=seqs, tasks=tuple(Task(t["name"], t["name"], requires=t.get("requires")) for t in spec["tasks"]),
         domains=Domains(tuple(names)), meta={"source": (source or {}).get("kind", "generic"), "spec": spec})
     splits = {s: [d] for d, s in enumerate(SPLITS)}
-    info = {**(source or {}), "split": spec["split"], "files": [f for f, _, _ in frames]}
-    return write_dataset(out_dir, schema, c, day, splits=splits, source=info)
+    return write_dataset(out_dir, schema, c, day, splits=splits, source=info, **write)
+
+
+def _event_table(spec: dict, c: dict, raw: dict, encoders: dict, base: Path,
+                 info: dict) -> tuple[SequenceStream, dict]:
+    """The stream of an events table and ``write_dataset``'s v2 arguments; ``info["storage"]`` is
+    filled in once the logs are written (the counts are made on the way)."""
+    s = spec["sequence"]
+    user_raw = raw[spec["user"]]
+    table = EventTable(spec, base, Vocab(user_raw), c["user_id"], c["request_ts"], encoders,
+                       [spec_name(spec, a) for a in s["attributes"]], _TIME_UNITS[s["time_unit"]])
+    buckets = table.partition()
+    stream = table.stream(s["name"], s["max_len"])
+
+    def events(writer) -> None:
+        table.write(writer, stream)
+        storage = table.storage()
+        storage.report(stream.name)
+        info["storage"] = storage.to_dict()
+
+    return stream, {"layout": LAYOUT_V2, "buckets": buckets, "events": events}
 
 
 def _parse(frames, spec: dict, seed: int) -> tuple[dict, dict, np.ndarray]:
@@ -136,7 +187,8 @@ def _parse(frames, spec: dict, seed: int) -> tuple[dict, dict, np.ndarray]:
     seq = spec.get("sequence", {})
     raw_cols = [f["column"] for f in spec["sparse"]] + [spec[k] for k in ("user",) if k in spec]
     raw_cols += [spec["domain"]["column"]] if "domain" in spec else []
-    raw_cols = list(dict.fromkeys(raw_cols + [seq[k] for k in ("event", "column") if k in seq]))
+    seq_raw = {"rows": ("event",), "column": ("column",)}.get(seq.get("from"), ())
+    raw_cols = list(dict.fromkeys(raw_cols + [seq[k] for k in seq_raw if k in seq]))
     parts: dict[str, list] = {}
     for name, _, table in frames:
         need(table, cols, name)

@@ -41,6 +41,15 @@ column's values (contiguous; default one type), ``attributes`` = single-valued s
 event carries; needs ``user`` and ``time``. ``from: column`` — a delimited list of item ids in the
 row itself (``column``, ``sep``), taken as oldest → newest and before the request; their times are
 unknown, so events get the request time − k seconds (k = 1 for the newest).
+``from: events`` — a separate events table (``files``, relative to ``--in``; CSV/TSV/Parquet) with
+one row per event: the user column (``user``, default the top-level ``user``), the time (``time``,
+default the top-level ``time``; ``time_unit`` default the top-level one), the item (the column named
+``item``), ``event`` and ``attributes`` columns named as in the impression table. It is sorted and
+bucketed out of core by DuckDB and written as layout v2 (``opengem.data.sources.event_log``).
+``from: lists`` — Parquet list columns of each impression row: ``column`` (list of item ids) and
+``times`` (list<int64> in ``time_unit`` or list<timestamp>), one time per item. Written as v2 when
+every row's list is the time-prefix of one per-user history, else per row (v1) with the times kept.
+``buckets``: the number of user buckets of a v2 dataset (default: from the number of events).
 
 Split: ``files`` (the ``files`` lists, day 0/1/2), ``time`` (global, by time rank; with no ``time``
 column, by row order), ``user_time``
@@ -68,7 +77,8 @@ _KEYS = {
     "dense": ({"column": str, "name": str, "group": str, "transform": str, "fill": float}, {"column"}),
     "domain": ({"column": str, "names": list}, {"column"}),
     "sequence": ({"name": str, "from": str, "item": str, "event": str, "only": str, "max_len": int, "attributes": list,
-                  "column": str, "sep": str}, {"item", "max_len"}),
+                  "column": str, "sep": str, "files": list, "user": str, "time": str, "time_unit": str,
+                  "times": str, "buckets": int}, {"item", "max_len"}),
     "split": ({"by": str, "valid": float, "test": float}, set()),
 }
 
@@ -177,7 +187,34 @@ def _sequence(d: dict, where: str) -> dict:
         raise SpecError(f"{where}: sequence.item {s['item']!r} must be a single-valued column listed under sparse")
     if s["max_len"] <= 0:
         raise SpecError(f"{where}: sequence.max_len must be > 0, got {s['max_len']}")
-    if s["from"] == "rows":
+    extra = {"rows": set(), "column": set(), "events": {"files", "user", "time", "time_unit", "buckets"},
+             "lists": {"times", "time_unit", "buckets"}}.get(s["from"], set())
+    stray = sorted({"files", "user", "time", "time_unit", "times", "buckets"} & set(s) - extra)
+    if stray:
+        raise SpecError(f"{where}: sequence.{stray[0]} is not used with sequence from {s['from']!r}")
+    if s.get("time_unit", "s") not in _TIME_UNITS:
+        raise SpecError(f"{where}: sequence.time_unit must be one of {sorted(_TIME_UNITS)}, got {s['time_unit']!r}")
+    if s.get("buckets", 1) <= 0:
+        raise SpecError(f"{where}: sequence.buckets must be > 0, got {s['buckets']}")
+    if s["from"] in ("events", "lists"):
+        missing = [k for k in ("user", "time") if k not in d]
+        if missing:
+            raise SpecError(f"{where}: sequence from {s['from']} needs the top-level key(s) {missing}")
+        if s["from"] == "events":
+            if not s.get("files") or not all(isinstance(x, str) for x in s["files"]):
+                raise SpecError(f"{where}: sequence from events needs files, a list of event table file names")
+            s.setdefault("user", d["user"])
+            s.setdefault("time", d["time"])
+        else:
+            if "column" not in s or "times" not in s:
+                raise SpecError(f"{where}: sequence from lists needs sequence.column (items) and sequence.times")
+            if s["attributes"] or "event" in s or "only" in s:
+                raise SpecError(f"{where}: sequence from lists takes no attributes/event/only")
+        s.setdefault("time_unit", d.get("time_unit", "s"))
+        for a in s["attributes"]:
+            if a not in sparse or sparse[a].get("multi_hot"):
+                raise SpecError(f"{where}: sequence attribute {a!r} must be a single-valued column listed under sparse")
+    elif s["from"] == "rows":
         missing = [k for k in ("user", "time") if k not in d]
         if missing:
             raise SpecError(f"{where}: sequence from rows needs the top-level key(s) {missing}")
@@ -194,5 +231,5 @@ def _sequence(d: dict, where: str) -> dict:
             raise SpecError(f"{where}: sequence from column takes no attributes/event/only")
         s.setdefault("sep", "|")
     else:
-        raise SpecError(f"{where}: sequence.from must be rows or column, got {s['from']!r}")
+        raise SpecError(f"{where}: sequence.from must be rows, column, events or lists, got {s['from']!r}")
     return s

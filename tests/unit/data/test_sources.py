@@ -337,7 +337,8 @@ def test_cli_import_parses_and_runs(tmp_path):
     sources_cli.add_parser(parser.add_subparsers(dest="cmd"))
     args = parser.parse_args(["import", "--source", "generic", "--in", str(FIX / "generic" / "events.csv"),
                               "--out", str(tmp_path / "g"), "--spec", str(FIX / "generic" / "spec.json")])
-    assert sources_cli.run(args) == {"rows": {"train": 6, "valid": 3, "test": 3}, "shards": 3, "out": str(tmp_path / "g")}
+    assert sources_cli.run(args) == {"rows": {"train": 6, "valid": 3, "test": 3}, "shards": 3, "out": str(tmp_path / "g"),
+                                    "layout": 1, "storage": None}
     args = parser.parse_args(["import", "--source", "movielens", "--in", str(FIX / "movielens"), "--out",
                               str(tmp_path / "m"), "--spec", "x.json"])
     with pytest.raises(ValueError, match="--spec is only for --source generic"):

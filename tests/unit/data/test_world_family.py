@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from opengem.cli import main
-from opengem.data.parquet import DatasetManifest
+from opengem.data.events import ShardReader
+from opengem.data.parquet import LAYOUT_V2, DatasetManifest
 from opengem.data.synthetic import _plain, columns_from_table, generate, world_from_manifest
 from opengem.data.synthetic_world import (
     TAG_STRUCTURE,
@@ -33,6 +34,7 @@ from opengem.data.world_structure import (
     draw_structure,
 )
 from opengem.evaluation.oracle import Design, OracleCollector, choose_l2, refit
+from opengem.features.schema import FeatureSchema
 from opengem.recipes import world_config
 
 TODAY_TERMS = ["surface", "position", "hour", "ad_quality", "ad_drift", "ad_novelty", "surface_format",
@@ -184,5 +186,7 @@ def test_cli_world_seed(tmp_path):
     assert m.source["config"]["structure_seed"] == 7
     assert m.source["structure"] == structure_for(world_config("tiny", overrides=["structure_seed=7"])).to_dict()
     assert "oracle" in m.source["stats"]
-    stats = history_stats(world_from_manifest(m), columns_from_table(pq.read_table(out / m.files[0].path)))
+    assert m.layout == LAYOUT_V2  # the CLI's default: histories joined from the event logs on read
+    shard = ShardReader(out, m, FeatureSchema.load(out)).read(m.files[0], FeatureSchema.load(out).columns())
+    stats = history_stats(world_from_manifest(m), columns_from_table(shard))
     assert stats  # a structure with a history effect

@@ -1,0 +1,330 @@
+"""Histories of a real log stored as layout v2 (``docs/dataset-layout.md``): an events table, or
+per-row list columns that turn out to be prefixes of one per-user history.
+
+``EventTable`` (``sequence.from: events``) never holds the events in memory: DuckDB reads the event
+files (CSV/TSV/Parquet), joins the users to the impressions' user ids and writes the events into
+user buckets (``PARTITION BY``, spilling to disk under ``MEMORY_LIMIT``); then one bucket at a time is
+read back sorted by (user, time) (DuckDB ``ORDER BY``), encoded and written as that bucket's log. Peak
+memory is one bucket (``EVENTS_PER_BUCKET`` events) plus DuckDB's limit, whatever the log's length.
+The input need not be sorted: the importer sorts, and says so.
+
+``list_histories`` (``sequence.from: lists``) reads per-row list columns (items, per-event times),
+builds the union per-user history and checks that the v2 join over it gives back every row's list
+exactly; if so the dataset is v2, else (features logged at serving time, say) rows keep their own
+lists (v1), with their times. Either way the log line and ``source.storage`` say which and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from opengem.data.parquet import LAYOUT_V1, LAYOUT_V2, ShardWriter
+from opengem.data.sources.common import ColumnError, Vocab, history, ranges
+from opengem.features.schema import EventAttribute, SequenceStream
+
+log = logging.getLogger("opengem")
+
+EVENTS_PER_BUCKET = 1_000_000  # one bucket's events are in memory at a time (~100 MB encoded)
+MEMORY_LIMIT = "512MB"  # DuckDB's working memory; beyond it its sort and partitioning spill to disk
+UNIT_RATIO = 30.0  # event times this many times larger/smaller than request_ts: another unit (ms vs s)
+
+
+def _q(s: str) -> str:
+    return '"' + s.replace('"', '""') + '"'
+
+
+def _lit(s: str | Path) -> str:
+    return "'" + str(s).replace("'", "''") + "'"
+
+
+def n_buckets(n_events: int, n_users: int, wanted: int | None = None) -> int:
+    """Buckets so that one holds about ``EVENTS_PER_BUCKET`` events (at most one per user)."""
+    return max(1, min(int(wanted or -(-n_events // EVENTS_PER_BUCKET)), max(n_users, 1)))
+
+
+@dataclass
+class Storage:
+    """Which layout the importer chose, why, and what it counted on the way (``source.storage``)."""
+
+    layout: int
+    why: str
+    buckets: int = 1
+    counts: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"layout": self.layout, "why": self.why, "buckets": self.buckets, **self.counts}
+
+    def report(self, name: str) -> None:
+        log.info("import: history %r stored as layout v%d (%s); %s", name, self.layout, self.why,
+                 ", ".join(f"{k} {v}" for k, v in self.counts.items()) or "nothing counted")
+
+
+class EventTable:
+    """An events table (one row per event) → the v2 event logs of one stream; see the module docstring.
+
+    ``user_vocab`` maps the raw user values to the impressions' ``user_id``; events of users with no
+    impression are dropped (counted). ``encoders`` are the impression columns' id encoders (the item
+    and attribute columns share them); event types get contiguous ids of the values in the log.
+    """
+
+    def __init__(self, spec: dict, base: Path, user_vocab: Vocab, row_user: np.ndarray, row_ts: np.ndarray,
+                 encoders: dict, attr_names: list[str], divisor: int):
+        import duckdb  # the out-of-core sort and partitioning; only this importer needs it
+
+        s = spec["sequence"]
+        self.s, self.encoders, self.attr_names = s, encoders, attr_names
+        self.files = [base / f for f in s["files"]]
+        self.cols = {"user": s["user"], "time": s["time"], "item": s["item"]}
+        if "event" in s:
+            self.cols["event"] = s["event"]
+        self.cols |= {f"a{i}": a for i, a in enumerate(s["attributes"])}
+        self._tmp = tempfile.TemporaryDirectory(prefix="opengem-import-")
+        self.con = duckdb.connect(config={"memory_limit": MEMORY_LIMIT, "threads": 1,
+                                          "temp_directory": str(Path(self._tmp.name) / "spill")})
+        self.duckdb_error = duckdb.Error
+        users = pa.table({"u": pa.array(user_vocab.values.astype(str)), "uid": pa.array(np.arange(len(user_vocab)))})
+        self.con.register("users", users)
+        self.row_user, self.row_ts = row_user, row_ts
+        self.last_ts = np.full(len(user_vocab), np.iinfo(np.int64).min)  # a user's last impression
+        np.maximum.at(self.last_ts, row_user, row_ts)
+        self.counts: dict[str, int] = {}
+        self._events_view(divisor)
+        self._check()
+
+    def _events_view(self, divisor: int) -> None:
+        """A view of every event file: raw values as text, time as int64 seconds, file and row number."""
+        parts = []
+        for fi, f in enumerate(self.files):
+            if not f.exists():
+                raise ColumnError(f"{f}: events file not found")
+            if f.name.endswith(".parquet"):
+                src = f"read_parquet({_lit(f)}, file_row_number=true)"
+                rn = "file_row_number"
+            else:
+                sep = "\t" if f.name.endswith(".tsv") else self.s.get("sep", ",")
+                src = f"read_csv({_lit(f)}, header=true, all_varchar=true, delim={_lit(sep)})"
+                rn = "row_number() OVER ()"
+            try:
+                types = {r[0]: r[1] for r in self.con.sql(f"DESCRIBE SELECT * FROM {src}").fetchall()}
+            except self.duckdb_error as e:
+                raise ColumnError(f"{f}: not a readable events table ({e})") from e
+            missing = [c for c in self.cols.values() if c not in types]
+            if missing:
+                raise ColumnError(f"{f}: missing columns {missing}; it has {sorted(types)}")
+            t, tt = _q(self.cols["time"]), types[self.cols["time"]]
+            if tt.startswith("TIMESTAMP") or tt == "DATE":
+                ts = f"CAST(floor(epoch({t})) AS BIGINT)"
+            elif tt == "VARCHAR":  # numbers in the spec's unit, or ISO-8601 datetimes
+                ts = (f"CASE WHEN TRY_CAST({t} AS DOUBLE) IS NOT NULL THEN CAST(floor(CAST({t} AS DOUBLE) / {divisor})"
+                      f" AS BIGINT) ELSE CAST(floor(epoch(CAST({t} AS TIMESTAMPTZ))) AS BIGINT) END")
+            else:
+                ts = f"CAST(floor({t} / {divisor}) AS BIGINT)"
+            vals = ", ".join(f"CAST({_q(c)} AS VARCHAR) AS {k}" for k, c in self.cols.items() if k != "time")
+            parts.append(f"SELECT {vals}, {ts} AS ts, {fi} AS fi, {rn} AS rn FROM {src}")
+        self.con.sql("CREATE VIEW ev AS " + " UNION ALL ".join(parts))
+
+    def _check(self) -> None:
+        """Nulls, unparseable times and times of another unit than ``request_ts``: errors naming the file."""
+        try:
+            rows = self.con.sql("SELECT fi, count(*), count(*) - count(user), count(*) - count(ts), min(ts), max(ts), "
+                                "count(*) - count(item) FROM ev GROUP BY fi ORDER BY fi").fetchall()
+        except self.duckdb_error as e:
+            raise ColumnError(f"{[str(f) for f in self.files]}: column {self.cols['time']!r}: a value is not a unix "
+                              f"time or an ISO-8601 datetime ({e})") from e
+        req_max = int(self.row_ts.max()) if len(self.row_ts) else 0
+        for fi, n, null_user, null_ts, lo, hi, null_item in rows:
+            f = self.files[fi]
+            for col, k in ((self.cols["user"], null_user), (self.cols["time"], null_ts)):
+                if k:
+                    raise ColumnError(f"{f}: column {col!r} has {k} empty values; every event needs a user and a time")
+            self.counts["null_items"] = self.counts.get("null_items", 0) + int(null_item)
+            if hi is None or req_max <= 1e8:  # not unix-like times: nothing to compare against
+                continue
+            if hi > UNIT_RATIO * req_max or (lo > 1e8 and hi > UNIT_RATIO * lo):
+                raise ColumnError(f"{f}: column {self.cols['time']!r}: time {hi} is {hi / req_max:.0f}x the "
+                                  f"impressions' last request_ts {req_max} (values from {lo}): times in mixed units "
+                                  "(ms vs s)? set sequence.time_unit")
+            if 0 < hi < req_max / UNIT_RATIO:
+                raise ColumnError(f"{f}: column {self.cols['time']!r}: the latest time {hi} is {req_max / hi:.0f}x "
+                                  f"smaller than the impressions' request_ts {req_max}: times in another unit?")
+        self.counts["events_read"] = int(sum(r[1] for r in rows))
+
+    def partition(self, wanted: int | None = None) -> int:
+        """Join users, assign buckets (user id mod B) and write the events into per-bucket files on disk."""
+        known = self.con.sql("SELECT count(*) FROM ev JOIN users ON ev.user = users.u").fetchall()[0][0]
+        self.counts["events_of_users_without_impressions_dropped"] = self.counts["events_read"] - int(known)
+        self.buckets = n_buckets(int(known), len(self.last_ts), wanted or self.s.get("buckets"))
+        keys = [k for k in self.cols if k not in ("user", "time")]
+        self.parts = Path(self._tmp.name) / "parts"
+        self.con.sql(f"COPY (SELECT uid % {self.buckets} AS bucket, uid, ts, {', '.join(keys)}, fi, rn FROM ev "
+                     f"JOIN users ON ev.user = users.u) TO {_lit(self.parts)} (FORMAT parquet, PARTITION_BY (bucket))")
+        self.keys = keys
+        log.info("import: %d events sorted by (user, time) and split into %d buckets by DuckDB (input order is "
+                 "not required)", known, self.buckets)
+        return self.buckets
+
+    def stream(self, name: str, max_len: int) -> SequenceStream:
+        """The stream's schema entry; event types get ids of their sorted values in the log."""
+        if "event" in self.cols:
+            values = [r[0] for r in self.con.sql("SELECT DISTINCT event FROM ev WHERE event IS NOT NULL").fetchall()]
+            self.event_vocab = Vocab(np.array(values, dtype=str))
+        else:
+            self.event_vocab = None
+        attrs = tuple(EventAttribute(n, self.encoders[a].vocab_size)
+                      for n, a in zip(self.attr_names, self.s["attributes"]))
+        n_events = self.event_vocab.vocab_size if self.event_vocab else 1
+        return SequenceStream(name, self.encoders[self.s["item"]].vocab_size, n_events, max_len, attrs)
+
+    def write(self, writer: ShardWriter, stream: SequenceStream) -> None:
+        """Each bucket's log, read back sorted by (user, time, then input order) and encoded."""
+        oov = dict.fromkeys(["item", "event"] + [a.name for a in stream.attributes], 0)
+        dup_time = exact = after = 0
+        with_events = np.zeros(len(self.last_ts), dtype=bool)
+        for b in range(self.buckets):
+            d = self.parts / f"bucket={b}"
+            if not d.exists():
+                continue
+            files = _lit(str(d) + "/*.parquet")
+            t = self.con.sql(f"SELECT uid, ts, {', '.join(self.keys)} FROM read_parquet({files}) "
+                             "ORDER BY uid, ts, fi, rn").to_arrow_table()
+            uid, ts = t.column("uid").to_numpy(), t.column("ts").to_numpy()
+            cols = {"user_id": uid, "ts": ts}
+
+            def enc(key: str, encoder) -> np.ndarray:
+                raw = t.column(key).fill_null("").to_numpy(zero_copy_only=False).astype(str)
+                return encoder(raw)
+
+            cols["item"] = enc("item", self.encoders[self.s["item"]])
+            cols["event"] = enc("event", self.event_vocab) if self.event_vocab else np.zeros(len(uid), dtype=np.int64)
+            for i, a in enumerate(stream.attributes):
+                cols[a.name] = enc(f"a{i}", self.encoders[self.s["attributes"][i]])
+            oov["item"] += int((cols["item"] == stream.item_vocab_size).sum())
+            if self.event_vocab:
+                oov["event"] += int((cols["event"] == stream.num_event_types).sum())
+            for a in stream.attributes:
+                oov[a.name] += int((cols[a.name] == a.vocab_size).sum())
+            same = (uid[1:] == uid[:-1]) & (ts[1:] == ts[:-1])
+            dup_time += int(same.sum())
+            order = np.lexsort([cols[k] for k in reversed(list(cols))])  # every column: exact duplicates adjacent
+            stacked = np.stack([cols[k][order] for k in cols], 1)
+            exact += int((stacked[1:] == stacked[:-1]).all(1).sum())
+            after += int((ts >= self.last_ts[uid]).sum())
+            with_events[uid] = True
+            writer.write_events(stream.name, b, pa.table({k: pa.array(v, pa.int64()) for k, v in cols.items()}))
+        self.counts |= {"events_at_or_after_last_impression_kept_unused": after,
+                        "events_sharing_user_and_time": dup_time, "exact_duplicate_events_kept": exact,
+                        "users_without_events": int((~with_events).sum())}
+        self.counts |= {f"{k}_out_of_range_to_oov": v for k, v in oov.items() if v}
+        if exact:
+            log.warning("import: %d exact duplicate events kept (double logging upstream?)", exact)
+        self.con.close()
+        self._tmp.cleanup()
+
+    def storage(self) -> Storage:
+        return Storage(LAYOUT_V2, "an events table: every history is a time-prefix of its user's log",
+                       self.buckets, self.counts)
+
+
+def list_times(col: pa.ChunkedArray, where: str, divisor: int) -> np.ndarray:
+    """The flat int64 seconds of a list<timestamp | integer | float> column."""
+    values = pc.list_flatten(col)
+    if pa.types.is_timestamp(values.type):
+        return pc.cast(pc.cast(values, pa.timestamp("s", values.type.tz)), pa.int64()).to_numpy()
+    if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
+        raise ColumnError(f"{where}: a list of {values.type}, expected times (list<int64> or list<timestamp>)")
+    v = values.to_numpy(zero_copy_only=False)
+    if np.isnan(v.astype(np.float64)).any():
+        raise ColumnError(f"{where}: an empty time in a list")
+    return (v // divisor).astype(np.int64)
+
+
+def read_lists(frames, spec: dict, item_encoder) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row [E], item id [E], ts [E]) of every listed event, rows numbered across ``frames``."""
+    s = spec["sequence"]
+    rows, items, times, n0 = [], [], [], 0
+    for name, _, table in frames:
+        it, tm = table[s["column"]], table[s["times"]]
+        for c, col in ((s["column"], it), (s["times"], tm)):
+            if not isinstance(col, (pa.ChunkedArray, pa.Array)) or not pa.types.is_list(col.type):
+                raise ColumnError(f"{name}: column {c!r} is not a Parquet list column (sequence from lists)")
+        li = pc.fill_null(pc.list_value_length(it), 0).to_numpy()
+        lt = pc.fill_null(pc.list_value_length(tm), 0).to_numpy()
+        bad = np.flatnonzero(li != lt)
+        if len(bad):
+            i = int(bad[0])
+            raise ColumnError(f"{name}: columns {s['column']!r} and {s['times']!r} differ in length in row {i} "
+                              f"({li[i]} items, {lt[i]} times; {len(bad)} such rows)")
+        rows.append(n0 + np.repeat(np.arange(len(li)), li))
+        raw = pc.list_flatten(it).to_numpy(zero_copy_only=False)
+        items.append(item_encoder(np.asarray(raw).astype(str)) if len(raw) else np.zeros(0, dtype=np.int64))
+        times.append(list_times(tm, f"{name} column {s['times']!r}", _divisor(s)))
+        n0 += len(li)
+    return np.concatenate(rows), np.concatenate(items), np.concatenate(times)
+
+
+def _divisor(s: dict) -> int:
+    from opengem.data.sources.spec import _TIME_UNITS
+
+    return _TIME_UNITS[s.get("time_unit", "s")]
+
+
+def list_histories(frames, spec: dict, c: dict, item_encoder) -> tuple[SequenceStream, Storage, dict | None]:
+    """Rows' own lists → v1 history columns in ``c``, or (if every list is what the v2 join over the
+    union per-user history gives back) that history as event tables per bucket. Returns the stream,
+    the storage decision and ``{bucket: table}`` for v2 (None for v1)."""
+    s = spec["sequence"]
+    name, max_len = s["name"], s["max_len"]
+    row, item, ts = read_lists(frames, spec, item_encoder)
+    user, req = c["user_id"], c["request_ts"]
+    late = ts >= req[row]
+    counts = {"events_at_or_after_the_impression_dropped": int(late.sum())}
+    row, item, ts = row[~late], item[~late], ts[~late]
+    order = np.lexsort((item, ts, row))  # a row's events by time (then item: one canonical order of a second)
+    row, item, ts = row[order], item[order], ts[order]
+    n_rows = len(user)
+    length = np.bincount(row, minlength=n_rows)
+    keep = np.arange(len(row)) >= np.repeat(np.cumsum(length) - np.minimum(length, max_len), length)
+    row, item, ts = row[keep], item[keep], ts[keep]  # the newest max_len of each row, as v1 stores
+    length = np.bincount(row, minlength=n_rows)
+    counts["events_over_max_len_cut"] = int((~keep).sum())
+    stream = SequenceStream(name, item_encoder.vocab_size, 1, max_len)
+    # The union history: every distinct (user, ts, item), sorted; the v2 join over it must give each row back.
+    eu = user[row]
+    o = np.lexsort((item, ts, eu))
+    eu, ets, eit = eu[o], ts[o], item[o]
+    new = np.r_[True, (eu[1:] != eu[:-1]) | (ets[1:] != ets[:-1]) | (eit[1:] != eit[:-1])]
+    eu, ets, eit = eu[new], ets[new], eit[new]
+    joined = history(eu, ets, {"item": eit}, user, req, max_len)
+    same = (np.array_equal(joined["item"][1], length) and np.array_equal(joined["item"][0], item)
+            and np.array_equal(joined["ts"][0], ts))
+    if same:
+        buckets = n_buckets(len(eu), int(user.max(initial=0)) + 1, s.get("buckets"))
+        tables = {}
+        for b in range(buckets):
+            m = eu % buckets == b
+            tables[b] = pa.table({"user_id": pa.array(eu[m]), "ts": pa.array(ets[m]), "item": pa.array(eit[m]),
+                                  "event": pa.array(np.zeros(int(m.sum()), dtype=np.int64))})
+        why = "every row's list is the time-prefix of one per-user history"
+        counts["events_stored"] = len(eu)
+        return stream, Storage(LAYOUT_V2, why, buckets, counts), tables
+    jlen = joined["item"][1]
+    bad_row = jlen != length
+    ok = np.flatnonzero(~bad_row)  # rows of equal length: compare their events one by one
+    a = ranges(np.r_[0, np.cumsum(length)][ok], length[ok])
+    b = ranges(np.r_[0, np.cumsum(jlen)][ok], length[ok])
+    differs = (item[a] != joined["item"][0][b]) | (ts[a] != joined["ts"][0][b])
+    bad_row[ok[np.unique(np.repeat(np.arange(len(ok)), length[ok])[differs])]] = True
+    bad = np.flatnonzero(bad_row)
+    why = (f"{len(bad)} of {n_rows} rows' lists are not the time-prefix of one per-user history (first: row {bad[0]}; "
+           "features logged at serving time?): stored per row with their times")
+    c[f"{name}.item"], c[f"{name}.ts"] = (item, length), (ts, length)
+    c[f"{name}.event"] = (np.zeros(len(item), dtype=np.int64), length)
+    counts["rows_not_prefixes"] = len(bad)
+    return stream, Storage(LAYOUT_V1, why, 1, counts), None
