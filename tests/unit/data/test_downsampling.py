@@ -161,3 +161,17 @@ def test_bad_rates_in_the_config(override, match):
         apply_overrides(recipe("tiny"), [override])
     cfg = apply_overrides(recipe("tiny"), ["data.negative_rate=0.1", 'data.negative_rate_by_domain={"feed": 0.5}'])
     assert cfg.data.negative_rate == 0.1 and cfg.data.negative_rate_by_domain == {"feed": 0.5}
+
+
+def test_layouts_v1_and_v2_keep_the_same_rows(tmp_path):
+    from opengem.data.synthetic import generate
+    from opengem.recipes import world_config
+
+    kept = {}
+    for layout in ("v1", "v2"):
+        generate(world_config("tiny", seed=5), tmp_path / layout, progress=False, layout=layout)
+        loader = ShardLoader(tmp_path / layout, "train", 64, seed=1, negative_rate=0.2)
+        kept[layout] = [(u, y[0], n) for b in loader for u, y, n in
+                        zip(b.user_id.tolist(), b.labels.tolist(), b.sequences["organic.item"].lengths().tolist())]
+        assert len(kept[layout]) == sum(loader.planned_rows(1))
+    assert kept["v1"] == kept["v2"] and len(kept["v1"]) > 100
