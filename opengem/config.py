@@ -30,6 +30,7 @@ import typing
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from opengem.data.downsampling import check_rate
 from opengem.model.foundation import GEMConfig
 from opengem.parallel.dims import ParallelConfig, ParallelConfigError
 
@@ -48,6 +49,12 @@ class DataConfig:
         seed: seed of those permutations.
         train_split / eval_split: manifest splits to train on and to evaluate on.
         prefetch: batches collated ahead in a background thread (0 = synchronous).
+        negative_rate: negative down-sampling of the training split (``opengem.data.downsampling``):
+            every row with a positive label is kept, a row without one with this rate; 1 = off.
+            The run records it (``RUN/downsampling.json``) and every stage that reads the model
+            corrects for it (logit + log r on the base task, ``opengem.run.downsampling_offsets``).
+        negative_rate_by_domain: {domain name: rate} overriding ``negative_rate`` on those domains
+            (JSON on the command line: ``'data.negative_rate_by_domain={"feed": 0.2}'``).
     """
 
     batch_size: int = 512
@@ -56,6 +63,18 @@ class DataConfig:
     train_split: str = "train"
     eval_split: str = "test"
     prefetch: int = 2  # batches collated ahead in a background thread (0 = synchronous)
+    negative_rate: float = 1.0
+    negative_rate_by_domain: dict[str, float] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.batch_size < 1:
+            raise ConfigError(f"data.batch_size must be >= 1, got {self.batch_size}")
+        try:  # the domain names are checked against the data's schema when the loader is built
+            check_rate(self.negative_rate, "data.negative_rate")
+            for name, r in self.negative_rate_by_domain.items():
+                check_rate(r, f"data.negative_rate_by_domain[{name!r}]")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 @dataclass
@@ -170,8 +189,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> "Config":
-        if self.data.batch_size < 1:
-            raise ConfigError(f"data.batch_size must be >= 1, got {self.data.batch_size}")
+        self.data.validate()
         self.optim.validate()
         self.train.validate()
         if (self.train.early_stop_patience or self.train.keep_best) and self.train.eval_split == self.data.eval_split:

@@ -23,6 +23,9 @@ but for ``schema.json`` (the schema's own name) and ``checkpoints/`` (the checkp
                             examples/s, world size, peak RSS per rank (absent while training)
     RUN/recalibration.json  a logit offset per (domain, task), fitted on held-out days
                             (``opengem recalibrate``, ``evaluation.recalibrate``)
+    RUN/downsampling.json   negative down-sampling of the training split (``data.negative_rate``): rate
+                            and weight 1/r per domain, the correcting logit offsets, rows read and kept
+                            (absent when it was off)
     RUN/evaluation.json     a distilled student's evaluation (``opengem demo`` writes one beside its run)
     RUN/transfer.json       a student run: teacher runs, techniques, surfaces, splits, shared tables
     RUN/user_rep.pt         a student reading teacher embeddings: the per-user feature-store snapshot
@@ -30,9 +33,24 @@ but for ``schema.json`` (the schema's own name) and ``checkpoints/`` (the checkp
 
 Training writes config, schema and base rates on rank 0 once its resume checks pass, metrics while
 it trains, checkpoints on every rank, final.json last. ``load_run_model`` is how every stage gets the
-trained model back: rebuilt from config.json and schema.json, the latest checkpoint loaded, and the
-recalibration offsets (if any) added to the heads' output biases, so evaluation, export, serving and
-teachers all read the recalibrated model while the checkpoint itself is never changed.
+trained model back: rebuilt from config.json and schema.json, the latest checkpoint loaded, the
+down-sampling correction (if any) and then the recalibration offsets (if any, fitted on top of the
+corrected model) added to the heads' output biases, so evaluation, export, serving and teachers all
+read the corrected, recalibrated model while the checkpoint itself is never changed.
+
+The down-sampling correction (``downsampling_offsets``). Negatives (rows with no positive label,
+``data.downsampling``) kept at rate r multiply the odds the model learns by 1/r (each kept negative
+stands for 1/r of them: its weight), so the calibrated probability is He et al.'s q = p / (p + (1 − p)/w)
+with w the rate r itself (not 1/r: that would shift the other way), i.e. logit(q) = logit(p) + log r,
+an offset on the output bias. Which heads get it, with the ESMM chain
+p(conv) = p(click) · p(conv | click) (``Heads.chain``):
+a row with conv = 1 has click = 1, so the rows kept with click = 1 are all of them and p(conv | click)
+is learnt unbiased; p(click) alone is inflated. So the offset is log r on each task's *own* logit when
+the task is not chained (the base task, click) and 0 on a chained one (its logit is the conditional);
+chaining the corrected click gives the corrected conversion (tests/unit/evaluation/test_downsampling_correction.py
+checks it numerically). An unchained second task (``model.heads.chain_required=false``) also gets
+log r, which is exact only as its rate → 0; the record says ``exact: false`` then, and a recalibration
+fitted on top corrects the mean.
 
 This module sits above ``model/`` and the checkpoint format (``opengem.checkpoint``), below everything
 that writes or reads a run (``train/trainer.py``, ``evaluation/``, ``transfer/``, ``export/``, ``report/``).
@@ -44,17 +62,21 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from opengem.checkpoint import SNAPSHOT_META, CheckpointError, best_checkpoint, latest_checkpoint, load_checkpoint
 from opengem.config import Config
 from opengem.features.schema import SCHEMA_FILE, FeatureSchema
 from opengem.model.build import build_gem, materialize
-from opengem.model.heads import Heads
+from opengem.model.heads import Heads, chained_logit, log1mexp
 
 __all__ = [
     "BASE_RATES_FILE", "CONFIG_FILE", "EVALUATION_FILE", "FINAL_FILE", "METRICS_FILE",
-    "QUARANTINE_DIR", "RECALIBRATION_FILE", "REPORT_DIR", "SCHEMA_FILE", "TENSORBOARD_DIR", "TRANSFER_FILE",
-    "USER_REP_FILE", "RecalibrationError", "apply_recalibration", "gem_heads", "load_base_rates", "load_config",
+    "DOWNSAMPLING_FILE", "QUARANTINE_DIR", "RECALIBRATION_FILE", "REPORT_DIR", "SCHEMA_FILE", "TENSORBOARD_DIR",
+    "TRANSFER_FILE",
+    "USER_REP_FILE", "LogitShift", "RecalibrationError", "apply_downsampling", "apply_recalibration",
+    "downsampling_offsets", "downsampling_record", "gem_heads", "load_downsampling", "save_downsampling",
+    "shift_logits", "load_base_rates", "load_config",
     "load_final", "load_recalibration", "load_run_model", "load_schema", "offset_groups", "offsets_tensor",
     "save_base_rates", "save_config", "save_final", "save_recalibration", "save_schema", "write_json"
 ]
@@ -67,6 +89,7 @@ TENSORBOARD_DIR = "tensorboard"
 QUARANTINE_DIR = "quarantine"
 FINAL_FILE = "final.json"
 RECALIBRATION_FILE = "recalibration.json"
+DOWNSAMPLING_FILE = "downsampling.json"
 EVALUATION_FILE = "evaluation.json"
 TRANSFER_FILE = "transfer.json"
 USER_REP_FILE = "user_rep.pt"
@@ -142,13 +165,25 @@ def load_recalibration(run_dir: str | Path) -> dict | None:
     return _read_json(Path(run_dir) / RECALIBRATION_FILE)
 
 
+def save_downsampling(run_dir: str | Path, record: dict) -> None:
+    write_json(Path(run_dir) / DOWNSAMPLING_FILE, record, sort_keys=False)
+
+
+def load_downsampling(run_dir: str | Path) -> dict | None:
+    """The record ``downsampling_record`` built for the run (rates, weights, offsets), or None (off)."""
+    return _read_json(Path(run_dir) / DOWNSAMPLING_FILE)
+
+
 # ------------------------------------------------------------------------------------- the model
 def load_run_model(run_dir: str | Path, recalibrated: bool = True, best: bool = False,
-                   snapshot: str | Path | None = None) -> tuple[torch.nn.Module, Config, FeatureSchema]:
+                   snapshot: str | Path | None = None,
+                   corrected: bool = True) -> tuple[torch.nn.Module, Config, FeatureSchema]:
     """The trained model of a run (latest checkpoint; with ``best``, the best held-out evaluation's,
     ``train.keep_best``; with ``snapshot``, that published snapshot of RUN/snapshots), single process,
-    in eval mode; with ``recalibrated``, plus the offsets of ``RUN/recalibration.json`` if the run has
-    been recalibrated (for a snapshot: only if it holds the run's final model, which they were fitted on)."""
+    in eval mode; with ``corrected``, plus the down-sampling correction of ``RUN/downsampling.json`` if
+    negatives were down-sampled (any checkpoint or snapshot of the run: all were trained so); with
+    ``recalibrated``, plus the offsets of ``RUN/recalibration.json`` if the run has been recalibrated
+    (for a snapshot: only if it holds the run's final model, which they were fitted on)."""
     run = Path(run_dir)
     cfg = load_config(run)
     schema = load_schema(run)
@@ -158,6 +193,8 @@ def load_run_model(run_dir: str | Path, recalibrated: bool = True, best: bool = 
                               f"({'was train.keep_best on?' if best else 'did training finish?'})")
     model = materialize(build_gem(schema, cfg.model), "cpu")
     load_checkpoint(ckpt, model, expect={"schema": schema.fingerprint()})
+    if corrected:
+        apply_downsampling(model, run, schema)
     if recalibrated and (snapshot is None or _is_final(run, Path(snapshot))):
         apply_recalibration(model, run, schema)
     return model.eval(), cfg, schema
@@ -205,3 +242,76 @@ def apply_recalibration(model: torch.nn.Module, run_dir: str | Path, schema: Fea
     with torch.no_grad():
         heads.out_b.add_(offsets_tensor(heads, record["offsets"], schema).to(heads.out_b.dtype))
     return record
+
+
+# ------------------------------------------------------------------------------------- down-sampling
+def downsampling_offsets(heads: Heads, schema: FeatureSchema, rates: dict[str, float]) -> torch.Tensor:
+    """[G, T] logit offsets that undo negative down-sampling at ``rates`` ({domain: r}; module docstring):
+    log r_g on each unchained task, 0 on a chained one. With shared heads (one output group) the
+    domains' rates must be equal: one bias cannot carry two corrections."""
+    groups = offset_groups(heads, schema)
+    r_G = torch.tensor([float(rates[d]) for d in schema.domains.names], dtype=torch.float64)
+    if groups == ["all"] and schema.num_domains > 1:
+        if not bool((r_G == r_G[0]).all()):
+            raise RecalibrationError(f"per-domain negative rates {rates} need per-domain output heads "
+                                     "(model.heads.domain_mode=output): shared heads have one bias per task")
+        r_G = r_G[:1]
+    root = torch.tensor([p < 0 for p in heads.parent])
+    return torch.where(root[None, :], torch.log(r_G)[:, None], torch.zeros((), dtype=torch.float64))
+
+
+def downsampling_record(heads: Heads, schema: FeatureSchema, rates: dict[str, float], counts: dict) -> dict:
+    """What ``RUN/downsampling.json`` holds: rate and weight per domain, the offsets, rows read and kept."""
+    delta = downsampling_offsets(heads, schema, rates)
+    groups = offset_groups(heads, schema)
+    return {"negative": "a row with no label equal to 1 (with click -> conversion: click = 0)",
+            "rates": dict(rates), "weights": {d: 1.0 / r for d, r in rates.items()},
+            "offsets": {f"{g}/{t}": float(delta[i, j]) for i, g in enumerate(groups)
+                        for j, t in enumerate(schema.task_names)},
+            "exact": sum(p < 0 for p in heads.parent) == 1, **counts}
+
+
+def apply_downsampling(model: torch.nn.Module, run_dir: str | Path, schema: FeatureSchema) -> dict | None:
+    """Add the run's down-sampling correction (if it down-sampled) to the heads' output biases."""
+    record = load_downsampling(run_dir)
+    if record is None:
+        return None
+    heads = gem_heads(model)
+    with torch.no_grad():
+        heads.out_b.add_(offsets_tensor(heads, record["offsets"], schema).to(heads.out_b.dtype))
+    return record
+
+
+def shift_logits(logits_BT: torch.Tensor, delta_BT: torch.Tensor, parent: list[int]) -> torch.Tensor:
+    """The chained logits the heads would give with ``delta_BT`` added to each task's own logit, from
+    the chained logits alone: a chained task's own log σ is recovered as log σ(z_t) − log σ(z_parent)."""
+    out: list[torch.Tensor] = []
+    for t, p in enumerate(parent):
+        if p < 0:
+            out.append(logits_BT[:, t] + delta_BT[:, t])
+            continue
+        own = F.logsigmoid(logits_BT[:, t]) - F.logsigmoid(logits_BT[:, p])  # log σ(raw_t)
+        raw = own - log1mexp(own)
+        out.append(chained_logit(out[p], raw + delta_BT[:, t]))
+    return torch.stack(out, dim=1)
+
+
+class LogitShift(torch.nn.Module):
+    """``model`` with per-(group, task) offsets on its heads' own logits, without touching its
+    parameters (sharded ones included): what the trainer's held-out evaluations score when negatives
+    are down-sampled, so they read the corrected model as every later stage does."""
+
+    def __init__(self, model: torch.nn.Module, delta_GT: torch.Tensor):
+        super().__init__()
+        heads = gem_heads(model)
+        self.model, self.parent, self.shared = model, list(heads.parent), heads.cfg.domain_mode != "output"
+        self.register_buffer("delta_GT", delta_GT.double(), persistent=False)
+
+    def max_seq_len(self):
+        return self.model.max_seq_len()
+
+    def forward(self, batch) -> torch.Tensor:
+        z = self.model(batch)
+        g = torch.zeros_like(batch.domain) if self.shared else batch.domain
+        delta = self.delta_GT.to(z.device)[g.to(z.device)]
+        return shift_logits(z.double(), delta, self.parent).to(z.dtype)

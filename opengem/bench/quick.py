@@ -6,7 +6,9 @@ The time to quality here is ONE race run (``time_to_dcn_quality_speedup_single_r
 world: three runs of the demo-sized world do not fit in the 5 minutes beside the other figures (one
 of them alone took the bench to 467 s). The reported figure, the median of three with its spread, is
 ``benchmarks/time_to_quality.py`` on the demo-sized world; the speed-up grows with the data, so the
-bench's single run reads lower than it.
+bench's single run reads lower than it. Negative down-sampling's figures (examples/s, NE and calibration
+at rates 1, 0.5, 0.1) are left to ``benchmarks/downsampling.py``: its three trainings and six evaluations
+took ~25 s alone on the tiny world, over the 20 s this bench may grow by.
 """
 
 from __future__ import annotations

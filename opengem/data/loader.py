@@ -15,6 +15,11 @@ Bad rows are quarantined by ``validate_rows`` before collate: counted per reason
 ``quarantine_dir`` is set) written to a Parquet side file with a ``reason`` column. A shard's counts
 join ``quarantined`` with the first batch handed out after it is read (not when a prefetching
 thread reads it), so a checkpointed position and its counts agree and a resume counts nothing twice.
+
+Negative down-sampling (``negative_rate`` < 1, training split only: ``opengem.data.downsampling``)
+drops negatives of a shard right after validation, before the permutation: the kept rows are a pure
+function of (seed, epoch, shard path, row position), so the row cursor of ``state_dict()`` indexes
+the same kept rows on resume, and the permutation is over them.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from opengem.data.batch import Batch, CollateStats, collate, validate_rows
+from opengem.data.downsampling import NegativeSampler
 from opengem.data.events import ShardReader
 from opengem.data.parquet import DatasetManifest, ShardInfo
 from opengem.features.schema import FeatureSchema
@@ -52,6 +58,8 @@ class ShardLoader:
         max_seq_len: stream → history cap (most recent kept), at most the schema's ``max_len``.
         quarantine_dir: where bad rows are written (they are always counted in ``quarantined``).
         prefetch: batches collated ahead on a thread (0: none).
+        negative_rate, negative_rate_by_domain: keep every row with a positive label and a negative
+            with this rate (per domain name where the map says); 1 = off (``opengem.data.downsampling``).
 
     Iterating yields ``Batch`` objects: sparse and sequences as KeyedJaggedTensors (jagged, never
     padded), dense [B, F], labels and mask [B, T], domain [B]. ``state_dict()`` /
@@ -74,6 +82,8 @@ class ShardLoader:
         max_seq_len: dict[str, int] | None = None,
         quarantine_dir: str | Path | None = None,
         prefetch: int = 0,
+        negative_rate: float = 1.0,
+        negative_rate_by_domain: dict[str, float] | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, {world_size})")
@@ -94,6 +104,8 @@ class ShardLoader:
         self.stats = CollateStats()
         self.quarantined: Counter = Counter()
         self._pos = {"epoch": 0, "shard": 0, "row": 0}
+        sampler = NegativeSampler(self.schema, negative_rate, negative_rate_by_domain, seed)
+        self.sampler = sampler if sampler.active else None
 
     # ------------------------------------------------------------------ order
     def shard_order(self, epoch: int) -> list[ShardInfo]:
@@ -116,6 +128,14 @@ class ShardLoader:
     @property
     def rows_per_epoch(self) -> int:
         return sum(f.rows for f in self.shard_order(0))
+
+    def planned_rows(self, epochs: int) -> list[int]:
+        """This rank's rows per epoch: the files' rows, or with down-sampling the kept ones (counted
+        from the label columns; quarantined rows are in both counts)."""
+        if self.sampler is None:
+            return [sum(f.rows for f in self.shard_order(e)) for e in range(epochs)]
+        counts = self.sampler.count(self.data_dir, self.shard_order(0), epochs).kept
+        return [sum(counts[f.path][e] for f in self.shard_order(e)) for e in range(epochs)]
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -142,6 +162,8 @@ class ShardLoader:
                 found[reason] += n
                 log.warning("%s: quarantined %d rows: %s", info.path, n, reason)
             self._write_quarantine(table, keep, row_reason, info)
+        if self.sampler is not None:  # after validation: a bad row is quarantined whatever its draw
+            keep = keep & self.sampler.keep(table, info.path, epoch)
         # Quarantined rows are removed before the permutation, so positions stay deterministic.
         return (table.filter(pa.array(keep)) if not keep.all() else table), found
 

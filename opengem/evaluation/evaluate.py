@@ -1,10 +1,12 @@
 """Evaluate a training run on a split: exact metrics per (domain, task), plus the Bayes limit.
 
 NE is normalised by the *training* base rate of the same slice (He et al. 2014), read from
-``RUN/base_rates.json``. On synthetic data (true probabilities stored next to the labels) every
-slice also reports ``ne_bayes`` and ``captured = (1 − ne) / (1 − ne_bayes)``, and, where the dataset's
-manifest holds the world's oracle for the split (``opengem.evaluation.oracle``), ``oracle_captured`` and
-``captured_over_oracle = captured / oracle_captured``: the figure that compares across worlds.
+``RUN/base_rates.json``: the true rate of the training split, also when its negatives were
+down-sampled (``data.negative_rate``; the model is scored with that corrected, ``opengem.run``).
+On synthetic data (true probabilities stored next to the labels) every slice also reports ``ne_bayes``
+and ``captured = (1 − ne) / (1 − ne_bayes)``, and, where the dataset's manifest holds the world's oracle
+for the split (``opengem.evaluation.oracle``), ``oracle_captured`` and ``captured_over_oracle = captured
+/ oracle_captured``: the figure that compares across worlds.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from opengem.evaluation import EVAL_BATCH
 from opengem.evaluation.accumulator import MetricAccumulator
 from opengem.evaluation.signal import signal_decomposition
 from opengem.features.schema import FeatureSchema, SchemaError
-from opengem.run import load_base_rates, load_recalibration, load_run_model
+from opengem.run import load_base_rates, load_downsampling, load_recalibration, load_run_model
 
 
 @torch.no_grad()
@@ -95,9 +97,11 @@ def evaluate_run(run_dir: str | Path, data_dir: str | Path, split: str = "test",
     add_oracle(out["metrics"], data_dir, split)
     out["run"] = str(run_dir)
     out["recipe"] = cfg.recipe
-    recal = load_recalibration(run_dir)
+    recal, sampled = load_recalibration(run_dir), load_downsampling(run_dir)
     if recal is not None:
         out["recalibration"] = recal
+    if sampled is not None:  # the scores above include its correction (load_run_model)
+        out["downsampling"] = sampled
     if signal:
         out["signal"] = signal_decomposition(model, schema, data_dir, split, batch_size)
     return out

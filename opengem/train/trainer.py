@@ -6,10 +6,11 @@ One loop serves both launches::
     torchrun --nproc-per-node N -m opengem train …     N ranks: TorchRec tables + FSDP2 dense
                                                        (``parallel.*`` overrides; docs/distributed.md)
 
-Files: config, schema, base rates, metrics (one line per logging step, and one per held-out
-evaluation when they are on: ``hooks``, ``train.eval_every`` …), TensorBoard scalars, quarantined
-rows and final.json (written by rank 0) and checkpoints (by every rank; ``best/`` with
-``train.keep_best``), in the run directory laid out in ``opengem.run``.
+Files: config, schema, base rates, the down-sampling record (``data.negative_rate`` < 1), metrics
+(one line per logging step, and one per held-out evaluation when they are on: ``hooks``,
+``train.eval_every`` …), TensorBoard scalars, quarantined rows and final.json (written by rank 0)
+and checkpoints (by every rank; ``best/`` with ``train.keep_best``), in the run directory laid out
+in ``opengem.run``.
 
 Distributed rules (the loop is the same; ``opengem.parallel.train_step`` makes it exact):
 
@@ -58,6 +59,7 @@ from opengem.checkpoint import latest_checkpoint, list_snapshots, save_best, sav
 from opengem.config import Config, ConfigError
 from opengem.data.base_rates import train_base_rates
 from opengem.data.batch import Batch
+from opengem.data.downsampling import NegativeSampler
 from opengem.data.loader import ShardLoader
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, dense_norm_stats, fit_dense_norm, materialize
@@ -66,10 +68,17 @@ from opengem.parallel import train_step as dist_step
 from opengem.parallel.launch import DistInfo, comm_device, destroy_distributed, init_distributed, min_over_ranks
 from opengem.run import (
     QUARANTINE_DIR,
+    LogitShift,
+    RecalibrationError,
+    downsampling_record,
+    gem_heads,
     load_config,
+    load_downsampling,
+    offsets_tensor,
     save_base_rates,
     save_config,
     save_dense_stats,
+    save_downsampling,
     save_final,
     save_schema,
 )
@@ -122,6 +131,7 @@ class _Run:
     evals: EvalHook | None = None
     eval_s: float = 0.0  # seconds this process spent in evaluations (not training time)
     publish_end: bool = False  # publish the final model as a snapshot (a plain run; a stream publishes daily)
+    downsampling: dict | None = None  # RUN/downsampling.json's record when negatives are down-sampled
 
     @property
     def distributed(self) -> bool:
@@ -180,15 +190,21 @@ def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo,
            days: list[int] | None = None, warm: bool = False, publish_end: bool = False) -> dict:
     if days is not None:
         return _train_stream(cfg, data_dir, run, resume, info, evaluator, days, warm)
-    schema, rates, model, optimizers, sparse = _parts(cfg, data_dir, run, info)
+    schema, rates, model, optimizers, sparse, sampling = _parts(cfg, data_dir, run, info)
     loader = ShardLoader(data_dir, cfg.data.train_split, cfg.data.batch_size, schema, rank=info.rank,
                          world_size=info.world_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
                          epochs=cfg.train.epochs, drop_last=info.world_size > 1, max_seq_len=model.max_seq_len(),
-                         quarantine_dir=run / QUARANTINE_DIR, prefetch=cfg.data.prefetch)
+                         quarantine_dir=run / QUARANTINE_DIR, prefetch=cfg.data.prefetch,
+                         negative_rate=cfg.data.negative_rate, negative_rate_by_domain=cfg.data.negative_rate_by_domain)
     total = _planned_steps(cfg, loader, sparse is not None)
     # Built before a checkpoint is loaded: Schedule keeps the config's base lrs.
     schedule = Schedule(optimizers, total, cfg.optim)
     r = _Run(cfg, schema, run, info, model, optimizers, sparse, loader, schedule, total, publish_end=publish_end)
+    if sampling is not None:
+        try:  # before any step: a correction that cannot be served must not cost a training run
+            r.downsampling = downsampling_record(gem_heads(model), schema, sampling[0], sampling[1])
+        except RecalibrationError as e:
+            raise ConfigError(f"data.negative_rate < 1 needs a correction in the heads' biases: {e}") from None
     if cfg.train.evaluates:
         r.evals = EvalHook(cfg.train, evaluator, rates, info)
     if resume:
@@ -197,8 +213,9 @@ def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo,
 
 
 def _parts(cfg: Config, data_dir: Path, run: Path, info: DistInfo):
-    """(schema, base rates, model, optimizers, sparse sharding or None), seeded, in this order (the
-    order every earlier run used: their parameters depend on it)."""
+    """(schema, base rates, model, optimizers, sparse sharding or None, down-sampling or None: see
+    ``_negative_sampling``), seeded, in this order (the order every earlier run used: their parameters
+    depend on it; the down-sampling count draws from numpy, not from torch's generator)."""
     run.mkdir(parents=True, exist_ok=True)
     schema = FeatureSchema.load(data_dir)
     if cfg.train.threads:
@@ -207,9 +224,10 @@ def _parts(cfg: Config, data_dir: Path, run: Path, info: DistInfo):
         torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(cfg.train.seed + info.rank)
     rates = train_base_rates(data_dir, schema, cfg.data.train_split, info.rank, info.world_size)
-    model, optimizers, sparse = _build(cfg, schema, [rates.get(t, 0.5) for t in schema.task_names], info)
+    sampling, init_rates = _negative_sampling(cfg, schema, data_dir, rates)
+    model, optimizers, sparse = _build(cfg, schema, [init_rates.get(t, 0.5) for t in schema.task_names], info)
     fit_dense_norm(model, data_dir, schema, cfg.data.train_split)  # a resume or continuation loads the checkpoint's
-    return schema, rates, model, optimizers, sparse
+    return schema, rates, model, optimizers, sparse, sampling
 
 
 def _run(r: _Run, rates: dict, config: bool = True) -> dict:
@@ -220,11 +238,46 @@ def _run(r: _Run, rates: dict, config: bool = True) -> dict:
             if stats is not None:
                 save_dense_stats(r.run, stats)
         save_schema(r.run, r.schema)
-        save_base_rates(r.run, rates)
+        save_base_rates(r.run, rates)  # the true rates, NE's normaliser, whatever the sampling
+        if r.downsampling is not None:
+            save_downsampling(r.run, r.downsampling)
     t_start = time.perf_counter()
     with SigtermFlag() as r.sigterm:  # held over the final save too: a late SIGTERM lets it finish
         _loop(r)
         return _finish(r, time.perf_counter() - t_start)
+
+
+def _negative_sampling(cfg: Config, schema: FeatureSchema, data_dir: Path,
+                       rates: dict[str, float]) -> tuple[tuple[dict, dict] | None, dict[str, float]]:
+    """With ``data.negative_rate(_by_domain)`` < 1: ((rates by domain, rows read and kept), the rates
+    the heads' biases start at); else (None, ``rates``).
+
+    NE keeps the true rates (``RUN/base_rates.json``: evaluation reads all rows). The biases start
+    at the rates the loss sees on the kept rows instead: a bias started at the true rate would
+    first have to travel log(1/r) (2.3 at r = 0.1), which takes the tiny recipes most of their
+    steps. Counted over all files of the split on every rank (labels only): no collective."""
+    try:
+        sampler = NegativeSampler(schema, cfg.data.negative_rate, cfg.data.negative_rate_by_domain, cfg.data.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not sampler.active:
+        return None, rates
+    counts = sampler.count_split(data_dir, cfg.data.train_split, cfg.train.epochs)
+    kept = [sum(k[e] for k in counts.kept.values()) for e in range(cfg.train.epochs)]
+    sampled = counts.sampled_rates(schema.task_names)
+    record = {"rows_read_per_epoch": sum(counts.read.values()), "rows_kept_per_epoch": kept,
+              "train_base_rates": {t: rates[t] for t in schema.task_names if t in rates},
+              "sampled_base_rates": sampled}
+    return (sampler.rates(), record), {**rates, **sampled}
+
+
+def _refuse_sampled_stream(cfg: Config, run: Path, warm: bool) -> None:
+    """A stream (``DayStream``) reads every row: down-sampling it, or continuing a down-sampled run
+    (whose RUN/downsampling.json would then correct a model trained on all rows), is refused."""
+    by_domain = cfg.data.negative_rate_by_domain.values()
+    if cfg.data.negative_rate < 1 or any(float(r) < 1 for r in by_domain) or (warm and load_downsampling(run)):
+        raise ConfigError("negative down-sampling (data.negative_rate < 1, RUN/downsampling.json) is not supported "
+                          "by continuous training (--continue/--days) yet: its DayStream reads every row")
 
 
 def _train_stream(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo, evaluator: Evaluator | None,
@@ -233,8 +286,9 @@ def _train_stream(cfg: Config, data_dir: Path, run: Path, resume: bool, info: Di
     A warm leg leaves config.json as the run wrote it: its overrides are the leg's (as ``--resume``'s are
     the resumed command's), and a plain run's schedule horizon is recomputed from it."""
     check_stream_config(cfg, info.world_size)
+    _refuse_sampled_stream(cfg, run, warm)
     prev = load_config(run) if warm else cfg
-    schema, rates, model, optimizers, sparse = _parts(cfg, data_dir, run, info)
+    schema, rates, model, optimizers, sparse, _ = _parts(cfg, data_dir, run, info)
     loader = DayStream(data_dir, days, cfg.data.batch_size, schema, [], cfg.data.train_split, shuffle=cfg.data.shuffle,
                        seed=cfg.data.seed, max_seq_len=model.max_seq_len(), quarantine_dir=run / QUARANTINE_DIR,
                        prefetch=cfg.data.prefetch)
@@ -273,7 +327,7 @@ def _planned_steps(cfg: Config, loader: ShardLoader, distributed: bool) -> int:
     Ranks drop their last partial batch (``drop_last``): every step has the same rows on every
     rank, which row-wise sharded sequence tables need (their all-gathers take equal sizes)."""
     B = cfg.data.batch_size
-    rows = [sum(f.rows for f in loader.shard_order(e)) for e in range(cfg.train.epochs)]
+    rows = loader.planned_rows(cfg.train.epochs)  # the kept rows when negatives are down-sampled
     mine = sum(rows) // B if loader.drop_last else sum(math.ceil(n / B) for n in rows)
     return min_over_ranks(min(cfg.train.max_steps or 10**15, mine), distributed)
 
@@ -328,7 +382,10 @@ def _evaluate(r: _Run, mlog, started: float) -> None:
     """A held-out evaluation after this step (``hooks``), and the best checkpoint when it is the best;
     their seconds are not training time: ``train_s`` and every examples/s leave them out."""
     t0 = time.perf_counter()
-    record, best = r.evals.evaluate(r.model, r.step)
+    # Down-sampled negatives: score the corrected model, as every later stage does (run.LogitShift).
+    model = r.model if r.downsampling is None else LogitShift(r.model, offsets_tensor(
+        gem_heads(r.model), r.downsampling["offsets"], r.schema))
+    record, best = r.evals.evaluate(model, r.step)
     if best and r.cfg.train.keep_best:
         save_best(r.run, r.model, {**r.identity(), "step": r.step, "examples": r.examples,
                                    "eval_metric": record["eval_metric"]})
@@ -428,6 +485,8 @@ def _finish(r: _Run, wall: float) -> dict:
     }
     if why:
         final["params_sha256_skipped"] = why
+    if r.downsampling is not None:
+        final["downsampling"] = r.downsampling
     if r.evals:
         final["evaluation"] = {**r.evals.summary(), "eval_s": r.eval_s}
     if r.resumed:
