@@ -11,8 +11,9 @@ embedded once and the candidates are scored together in one forward (``opengem.e
 ``score`` takes several parsed requests (a server's micro-batch) and still runs one forward.
 
 With a history store (``history=``, ``opengem.export.history``) a request with ``user_id`` may leave
-out a stream's history fields; they are read from the store at parse time (in the request's thread,
-so a micro-batch's forward does not wait on lookups), and the response adds
+out a stream's history fields; they are read from the store at parse time (where the server
+validates the request, before it joins a micro-batch, so the scoring thread never waits on a lookup), and
+the response adds
 ``"looked_up": {stream: events}`` and ``"unknown_user": {stream: 1}`` (the store had no events of the
 user there: scored with an empty history). Fields given in the request win, per stream.
 
