@@ -445,7 +445,7 @@ def main() -> None:
             out[f"lookup_{k.split('_')[0]}_ms_{c}"] = round(lk["served"]["looked_up"][k], 3)
             out[f"lookup_given_{k.split('_')[0]}_ms_{c}"] = round(lk["served"]["given"][k], 3)
         for name, key in (("predictor", "predictor"), ("predictor_given", "predictor_given"), ("only", "only")):
-            for m in ("p50_ms", "p99_ms", "cpu_p99_ms"):
+            for m in ("p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms"):
                 out[f"lookup_{name}_{m}_{c}"] = round(lk[key][m], 3)
         out["lookup_max_abs_diff"] = lk["checked"]
         out["errors_lookup"] = lk["served"]["errors"]
