@@ -28,6 +28,16 @@ What is measured, for 1, 64 and 512 candidates per request:
   ``evaluate`` runs it: ``collate`` of the Arrow rows + ``GEM.forward`` + sigmoid, one thread, on the
   server core. Building the Arrow table is not timed.
 
+- lookup (64 candidates, or the candidate count nearest 64): the same requests with their history
+  fields left out, so the server reads them by ``user_id`` from the history store
+  (``opengem history-store``, ``serve --history``) built from the world's event logs: served at
+  concurrency 1 (``lookup_p50_ms_64``, ``lookup_p99_ms_64``), in process (``lookup_predictor_*``)
+  and the store's ``lookup`` alone (``lookup_only_*``). Served and in process, each request is
+  alternated with the same request carrying its histories (``lookup_given_*``,
+  ``lookup_predictor_given_*``), so the pair sees the same machine load; ``lookup_max_abs_diff`` is
+  the largest difference of their probabilities. The world is generated in layout v2 for this
+  (its requests are the same rows as v1's); a given ``--data`` in layout v1 skips these figures.
+
 ``speedup_vs_eager_C`` = eager p50 / served p50 at concurrency 1 (HTTP included, so conservative).
 The machine may be shared (the figures are then upper bounds on latency): ``healthz_p99_ms`` (GET
 /healthz on the same server, no model) is the tail the HTTP stack and the machine add by themselves,
@@ -97,8 +107,8 @@ def _prepare(a, work: Path) -> tuple[Path, Path, dict]:
     if not a.data:
         world = ["--preset", "tiny"] if a.model == "gem" else \
             ["--preset", "demo", f"sizes.num_users={a.users}", f"sizes.users_per_block={min(a.users, 2048)}"]
-        _cli("generate", "--out", str(data), "--seed", "1", *world)
-        built["world"] = " ".join(world[1:])
+        _cli("generate", "--out", str(data), "--seed", "1", "--layout", "v2", *world)
+        built["world"] = " ".join(world[1:]) + " (layout v2)"
     if a.artifact:
         return Path(a.artifact), data, built
     run, art = work / "run", work / "artifact"
@@ -129,8 +139,7 @@ def _requests(schema, data: Path, candidates: int, domains: list[int] | None, n:
     from opengem.export.request import split_row
 
     manifest = DatasetManifest.load(data)
-    reader = ShardReader(data, manifest, schema)  # v2: the histories are joined from the event logs
-    rows = []
+    reader, rows = ShardReader(data, manifest, schema), []  # v2: the histories are joined from the event logs
     for info in manifest.split_files("test"):
         rows += [r for r in reader.read(info, schema.columns()).to_pylist()
                  if domains is None or r[schema.domains.column] in domains]
@@ -168,8 +177,10 @@ def _pct(lat: list[float]) -> dict:
 
 
 # ----------------------------------------------------------------------------- the client
-async def _client(port: int, bodies: list[bytes], stop_at: float, warm_until: float, lat: list, errors: list):
-    """One keep-alive connection sending the next request when the last answer is read (no bodies: GET /healthz)."""
+async def _client(port: int, bodies: list[bytes], stop_at: float, warm_until: float, lat: list, errors: list,
+                  which: list | None = None):
+    """One keep-alive connection sending the next request when the last answer is read (no bodies: GET /healthz);
+    ``which`` gets the index in ``bodies`` of each timed request."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     i = 0
     try:
@@ -188,6 +199,8 @@ async def _client(port: int, bodies: list[bytes], stop_at: float, warm_until: fl
                 errors.append(int(head[9:12]))
             elif t0 >= warm_until:
                 lat.append(dt)
+                if which is not None:
+                    which.append((i - 1) % len(bodies))
     finally:
         writer.close()
 
@@ -205,10 +218,48 @@ def _load(port: int, bodies: list[bytes], concurrency: int, seconds: float) -> d
     return {**_pct(lat), "rps": len(lat) / seconds, "errors": len(errors)}
 
 
+def _load_paired(port: int, given: list[bytes], bare: list[bytes], seconds: float) -> dict:
+    """One client alternating each request with its history and the same request looked up by user id,
+    so both see the same machine: {"looked_up": percentiles, "given": percentiles, "errors"}."""
+    bodies = [b for pair in zip(given, bare) for b in pair]
+
+    async def run():
+        lat, errors, which = [], [], []
+        t0 = time.perf_counter()
+        warm = t0 + min(1.0, seconds / 4)
+        await _client(port, bodies, warm + 2 * seconds, warm, lat, errors, which)
+        return np.asarray(lat), errors, np.asarray(which) % 2
+
+    lat, errors, odd = asyncio.run(run())
+    return {"looked_up": _pct(list(lat[odd == 1])), "given": _pct(list(lat[odd == 0])), "errors": len(errors)}
+
+
 # ----------------------------------------------------------------------------- server + baselines
-def _start_server(artifact: Path, port: int, core: int) -> subprocess.Popen:
+def _history_store(data: Path, work: Path) -> tuple[Path | None, dict]:
+    """(the store of ``data``'s event logs, its figures), or (None, why) for a v1 dataset."""
+    from opengem.data.parquet import LAYOUT_V2, DatasetManifest
+
+    if DatasetManifest.load(data).layout != LAYOUT_V2:
+        return None, {"skipped": f"{data} is layout v1: no event logs to build a history store from"}
+    t0 = time.perf_counter()
+    _cli("history-store", "--data", str(data), "--out", str(work / "history"))
+    meta = json.loads((work / "history" / "history.json").read_text())
+    return work / "history", {"build_s": round(time.perf_counter() - t0, 1),
+                              **{n: {k: st[k] for k in ("events", "users", "bytes")}
+                                 for n, st in meta["streams"].items()}}
+
+
+def _bare(schema, reqs: list[dict]) -> list[dict]:
+    """The requests without history fields: the server reads them by user id."""
+    from opengem.export.request import history_columns
+
+    drop = {c for s in schema.sequences for c in history_columns(s)}
+    return [{k: v for k, v in r.items() if k not in drop} for r in reqs]
+
+
+def _start_server(artifact: Path, port: int, core: int, history: Path | None = None) -> subprocess.Popen:
     cmd = ["taskset", "-c", str(core), sys.executable, "-m", "opengem", "--quiet", "serve", "--artifact",
-           str(artifact), "--port", str(port), "--threads", "1"]
+           str(artifact), "--port", str(port), "--threads", "1"] + (["--history", str(history)] if history else [])
     return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -257,6 +308,36 @@ def _eager(model, schema, reqs: list[dict], n: int) -> dict:
     return _timed(score, n)
 
 
+def _check_lookup(p, lp, reqs: list[dict], bare: list[dict]) -> float:
+    """Max |Δp| between the requests with their histories and the same requests looked up by user id."""
+    diff = 0.0
+    for r, b in zip(reqs, bare):
+        x, y = p.predict(r)["predictions"], lp.predict(b)["predictions"]
+        diff = max(diff, max(float(np.abs(np.subtract(x[t], y[t])).max()) for t in x))
+    return diff
+
+
+def _paired(p, reqs: list[dict], bare: list[dict], n: int) -> dict:
+    """In process, the requests with their histories and without (looked up) alternated, so both see the
+    same machine load: {"predictor": looked up, "predictor_given": histories in the request}."""
+    bodies = [json.dumps(r).encode() for pair in zip(reqs, bare) for r in pair]
+    given, looked = [], []
+
+    def call(i):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        p.predict(bodies[i % len(bodies)])
+        (looked if i % 2 else given).append((time.perf_counter() - t0, time.thread_time() - c0))
+
+    for i in range(2 * n + 4):
+        call(i)
+
+    def pct(x):
+        x = x[2:]
+        c = _pct([b for _, b in x])
+        return {**_pct([a for a, _ in x]), "cpu_p50_ms": c["p50_ms"], "cpu_p99_ms": c["p99_ms"]}
+    return {"predictor": pct(looked), "predictor_given": pct(given)}
+
+
 def _in_process(p, reqs: list[dict], n: int) -> dict:
     bodies = [json.dumps(r).encode() for r in reqs]
     return {**_timed(lambda i: p.predict(bodies[i % len(bodies)]), n), "runtime": p.runtime}
@@ -293,10 +374,31 @@ def main() -> None:
         print(f"C={c:4d}  eager p50 {eager[c]['p50_ms']:8.2f} ms   predictor ({predictor.runtime}) "
               f"p50 {inproc[c]['p50_ms']:8.2f} ms  p99 {inproc[c]['p99_ms']:8.2f} ms  "
               f"(CPU time p50 {inproc[c]['cpu_p50_ms']:.2f}, p99 {inproc[c]['cpu_p99_ms']:.2f} ms)", flush=True)
-    del model, predictor
+    del model
+    store_dir, store_info = _history_store(data, work)
+    lk = {}
+    if store_dir is not None:
+        from opengem.export.history import ArrowHistoryStore
+
+        c = min(cands, key=lambda x: abs(x - 64))
+        store = ArrowHistoryStore(store_dir, schema)
+        lp, bare = Predictor(artifact, history=store), _bare(schema, reqs[c])
+        n = 30 if a.quick else 100
+        lk = {"candidates": c, **_paired(lp, reqs[c], bare, 10 * n),
+              "only": _timed(lambda i: store.lookup(bare[i % len(bare)][schema.user_column],
+                                                    bare[i % len(bare)][schema.time_column],
+                                                    [s.name for s in schema.sequences]), 10 * n),
+              "checked": _check_lookup(predictor, lp, reqs[c], bare)}
+        print(f"C={c:4d}  predictor with lookup p50 {lk['predictor']['p50_ms']:8.2f} ms  p99 "
+              f"{lk['predictor']['p99_ms']:8.2f} ms (histories in the request, alternated: p50 "
+              f"{lk['predictor_given']['p50_ms']:.2f}, p99 {lk['predictor_given']['p99_ms']:.2f})   "
+              f"lookup alone p50 {lk['only']['p50_ms']:.3f} ms  "
+              f"p99 {lk['only']['p99_ms']:.3f} ms  (max |Δp| vs request histories {lk['checked']:.1e})", flush=True)
+        del lp
+    del predictor
 
     port = free_port()
-    server = _start_server(artifact, port, a.server_core)
+    server = _start_server(artifact, port, a.server_core, store_dir)
     served = {}
     try:
         wait_ready(f"http://127.0.0.1:{port}", server, timeout=300)
@@ -310,6 +412,13 @@ def main() -> None:
                 served[(c, k)] = r = _load(port, bodies, k, a.seconds)
                 print(f"C={c:4d} concurrency {k:3d}: p50 {r['p50_ms']:8.2f} ms  p99 {r['p99_ms']:8.2f} ms  "
                       f"{r['rps']:8.1f} req/s  {r['rps'] * c:10.0f} candidates/s  errors {r['errors']}", flush=True)
+        if lk:
+            c = lk["candidates"]
+            lk["served"] = r = _load_paired(port, [json.dumps(x).encode() for x in reqs[c]],
+                                            [json.dumps(x).encode() for x in _bare(schema, reqs[c])], a.seconds)
+            print(f"C={c:4d} concurrency   1, histories looked up by user id: p50 {r['looked_up']['p50_ms']:8.2f} ms  "
+                  f"p99 {r['looked_up']['p99_ms']:8.2f} ms (alternated with the same requests carrying them: "
+                  f"p50 {r['given']['p50_ms']:.2f}, p99 {r['given']['p99_ms']:.2f})  errors {r['errors']}", flush=True)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
@@ -330,6 +439,17 @@ def main() -> None:
         out[f"predictor_p50_ms_{c}"] = round(inproc[c]["p50_ms"], 3)
         out[f"predictor_p99_ms_{c}"] = round(inproc[c]["p99_ms"], 3)
         out[f"predictor_cpu_p99_ms_{c}"] = round(inproc[c]["cpu_p99_ms"], 3)
+    if lk:
+        c = lk["candidates"]
+        for k in ("p50_ms", "p99_ms"):
+            out[f"lookup_{k.split('_')[0]}_ms_{c}"] = round(lk["served"]["looked_up"][k], 3)
+            out[f"lookup_given_{k.split('_')[0]}_ms_{c}"] = round(lk["served"]["given"][k], 3)
+        for name, key in (("predictor", "predictor"), ("predictor_given", "predictor_given"), ("only", "only")):
+            for m in ("p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms"):
+                out[f"lookup_{name}_{m}_{c}"] = round(lk[key][m], 3)
+        out["lookup_max_abs_diff"] = lk["checked"]
+        out["errors_lookup"] = lk["served"]["errors"]
+    out["history_store"] = store_info
     out["healthz_p50_ms"], out["healthz_p99_ms"] = round(floor["p50_ms"], 3), round(floor["p99_ms"], 3)
     out["levels"] = [{"candidates": c, "concurrency": k, **{m: round(v, 3) for m, v in r.items()}}
                      for (c, k), r in served.items()]

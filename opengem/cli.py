@@ -7,7 +7,8 @@
     opengem evaluate --run RUN --data DIR [--split test] [--json FILE] [--signal]
     opengem distill  --teacher RUN --student-recipe R --data DIR --out RUN [--via FM_RUN] [key=value …]
     opengem export   --run RUN --out ARTIFACT [--data DIR] [--no-compile] [--table-dtype fp32|fp16|int8]
-    opengem serve    --artifact ARTIFACT [--host 127.0.0.1] [--port 8000]
+    opengem serve    --artifact ARTIFACT [--host 127.0.0.1] [--port 8000] [--history STORE]
+    opengem history-store --data DATA --out STORE   a v2 dataset's event logs → a memory-mapped history store
     opengem bench    [--recipe R] [--data DIR] [--levers eager,compile,ac,bf16,fp8]
     opengem import   --source S --in PATH --out DIR [--spec FILE]   real data → our Parquet layout + schema
     opengem validate DATA [--strict]      check a dataset's files, columns, ids, times and event logs
@@ -108,6 +109,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-window-ms", type=float, default=2.0, help="longest wait to batch concurrent requests")
     s.add_argument("--max-candidates", type=int, default=1024, help="candidates per request; more is a 413")
     s.add_argument("--no-admin", action="store_true", help="no /admin/reload endpoint")
+    s.add_argument("--history", default=None, help="a history store (opengem history-store): requests with "
+                                                   "user_id may leave histories out")
+
+    h = sub.add_parser("history-store", help="build the serving history store from a v2 dataset's event logs")
+    h.add_argument("--data", required=True)
+    h.add_argument("--out", required=True)
 
     b = sub.add_parser("bench", help="training step time by phase, each speed/memory lever, the loader alone")
     b.add_argument("--recipe", default="demo")
@@ -233,8 +240,18 @@ def cmd_serve(args) -> dict:
         torch.set_num_threads(args.threads)
     serve(args.artifact, args.host, args.port, args.runtime, args.batch_window_ms,
           Limits(max_candidates=args.max_candidates), admin=not args.no_admin,
-          log_level="warning" if args.quiet else args.log_level)
+          log_level="warning" if args.quiet else args.log_level, history=args.history)
     return {}
+
+
+def cmd_history_store(args) -> dict:
+    from opengem.export.history import build_history_store
+
+    meta = build_history_store(args.data, args.out)
+    for name, st in meta["streams"].items():
+        log.info("%s: stream %s, %d events of %d users (%d bytes)", args.out, name, st["events"], st["users"],
+                 st["bytes"])
+    return meta
 
 
 def cmd_bench(args) -> dict:
@@ -300,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         {"generate": cmd_generate, "train": cmd_train, "evaluate": cmd_evaluate, "recalibrate": cmd_recalibrate,
          "distill": cmd_distill,
-         "export": cmd_export, "serve": cmd_serve, "bench": cmd_bench, "demo": cmd_demo,
+         "export": cmd_export, "serve": cmd_serve, "history-store": cmd_history_store,
+         "bench": cmd_bench, "demo": cmd_demo,
          "validate": cmd_validate,
          "import": import_cli.run, "report": report_cli.run}[args.cmd](args)
     except (ConfigError, DataError, SchemaError, CheckpointError, ArtifactError, ValueError) as e:

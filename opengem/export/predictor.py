@@ -10,6 +10,13 @@ One request = one user with many candidates: the user's sparse features and hist
 embedded once and the candidates are scored together in one forward (``opengem.export.program``).
 ``score`` takes several parsed requests (a server's micro-batch) and still runs one forward.
 
+With a history store (``history=``, ``opengem.export.history``) a request with ``user_id`` may leave
+out a stream's history fields; they are read from the store at parse time (where the server
+validates the request, before it joins a micro-batch, so the scoring thread never waits on a lookup), and
+the response adds
+``"looked_up": {stream: events}`` and ``"unknown_user": {stream: 1}`` (the store had no events of the
+user there: scored with an empty history). Fields given in the request win, per stream.
+
 Runtimes, best first (``runtime="auto"`` takes the first that loads): ``aoti`` (the AOTInductor
 package, compiled for the exporting machine's CPU and torch build), ``exported`` (the portable
 ``torch.export`` program), ``eager`` (the model rebuilt from ``weights.pt`` and ``config.json``).
@@ -31,7 +38,16 @@ from pydantic import ValidationError
 
 from opengem.export.artifact import ArtifactError, load_manifest
 from opengem.export.layout import Layout, assemble
-from opengem.export.request import Limits, ParsedRequest, error_from_validation, parse, request_models
+from opengem.export.request import (
+    Limits,
+    ParsedRequest,
+    RequestError,
+    check_history,
+    error_from_validation,
+    history_columns,
+    parse,
+    request_models,
+)
 from opengem.features.schema import SCHEMA_FILE, FeatureSchema
 
 log = logging.getLogger("opengem.export")
@@ -45,9 +61,13 @@ class Predictor:
         artifact_dir: a directory written by ``opengem export``.
         runtime: ``auto`` | ``aoti`` | ``exported`` | ``eager``.
         limits: per-request limits (candidates, history, multi-hot ids).
+        history: a ``HistoryStore`` (``ArrowHistoryStore``, or a feature store's adapter) that fills the
+            histories a request leaves out; its ``check`` runs against the artifact's schema here.
+            Without one, every history field is required (422 otherwise).
     """
 
-    def __init__(self, artifact_dir: str | Path, runtime: str = "auto", limits: Limits | None = None):
+    def __init__(self, artifact_dir: str | Path, runtime: str = "auto", limits: Limits | None = None,
+                 history=None):
         self.root = Path(artifact_dir)
         self.manifest = load_manifest(self.root, verify=(SCHEMA_FILE,))
         self.schema = FeatureSchema.load(self.root / SCHEMA_FILE)
@@ -56,7 +76,10 @@ class Predictor:
         self.version = self.manifest["model_version"]
         self.table_dtype = self.manifest.get("tables", {}).get("dtype", "fp32")  # artifacts before tables: fp32
         self.limits = limits = limits or Limits()
-        self.candidate_model, self.request_model = request_models(self.schema, limits)
+        self.history = history
+        if history is not None:
+            history.check(self.schema)
+        self.candidate_model, self.request_model = request_models(self.schema, limits, history is not None)
         self.program, self.runtime = self._load(runtime)
 
     # ------------------------------------------------------------------ loading
@@ -111,7 +134,29 @@ class Predictor:
                 m = self.request_model.model_validate(request)
         except ValidationError as e:
             raise error_from_validation(e) from None
-        return parse(self.schema, m)
+        p = parse(self.schema, m)
+        if p.missing:
+            self._fill(p)
+        return p
+
+    def _fill(self, p: ParsedRequest) -> None:
+        """The streams ``p`` left out, from the store (a user it has not seen: empty, counted)."""
+        if p.user_id is None:
+            raise RequestError(422, self.schema.user_column, f"required when a history is left out "
+                                                             f"(streams {list(p.missing)})")
+        found = self.history.lookup(p.user_id, p.request_ts, p.missing)
+        looked, unknown = {}, {}
+        for s in self.schema.sequences:
+            if s.name not in p.missing:
+                continue
+            cols = history_columns(s)
+            if s.ts_column in found:
+                p.sequences.update(check_history(self.schema, s, {c: found[c] for c in cols}, p.request_ts))
+                looked[s.name] = len(p.sequences[s.ts_column])
+            else:
+                p.sequences.update({c: np.zeros(0, dtype=np.int64) for c in cols})
+                unknown[s.name] = 1
+        p.lookup = {"looked_up": looked, "unknown_user": unknown}
 
     @torch.inference_mode()
     def score(self, reqs: list[ParsedRequest]) -> list[dict]:
@@ -129,7 +174,7 @@ class Predictor:
             p = probs[start:start + r.num_candidates]
             start += pr.num_candidates
             out.append({"model_version": self.version, "tasks": self.tasks,
-                        "predictions": {t: p[:, j].tolist() for j, t in enumerate(self.tasks)}, **rep})
+                        "predictions": {t: p[:, j].tolist() for j, t in enumerate(self.tasks)}, **rep, **r.lookup})
         return out
 
     def predict(self, request: dict | bytes | str) -> dict:

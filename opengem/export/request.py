@@ -18,13 +18,16 @@ types, required fields and unknown fields (422); non-finite or out-of-float32 de
 history lists of one stream of different lengths, event times not before the request or out of
 order (422, the checks ``validate_rows`` quarantines training rows for); empty candidate lists
 (422); more candidates, longer histories or more multi-hot ids than the limits (413).
+A stream's history fields are required unless the server has a history store
+(``opengem.export.history``): then a request with ``user_id`` may leave out all fields of a stream
+and the store fills them (one field of a stream without the others is still a 422).
 Ids outside a feature's vocabulary are *not* errors: as in training they score through the
 feature's OOV row and each response counts them (``oov``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import numpy as np
@@ -70,6 +73,9 @@ class ParsedRequest:
     cand_sparse: dict[str, tuple[np.ndarray, np.ndarray]]  # ad feature → (ids, lengths [C])
     cand_dense: dict[str, np.ndarray]  # ad dense → [C] float32
     num_candidates: int
+    user_id: int | None = None
+    missing: tuple[str, ...] = ()  # streams whose history the request left out (a store fills them)
+    lookup: dict[str, dict[str, int]] = field(default_factory=dict)  # response report of the store's lookup
 
 
 def _py(name: str) -> str:
@@ -88,8 +94,17 @@ def _fields(schema: FeatureSchema, groups: set[str], limits: Limits) -> dict:
     return out
 
 
-def request_models(schema: FeatureSchema, limits: Limits = Limits()) -> tuple[type[BaseModel], type[BaseModel]]:
-    """(Candidate, ScoreRequest) pydantic models; their JSON schema is the API's."""
+def history_columns(s) -> tuple[str, ...]:
+    """A stream's history fields in a request (and v1 row): item, event, ts, then its attributes."""
+    return (s.item_column, s.event_column, s.ts_column) + tuple(s.attribute_column(a) for a in s.attributes)
+
+
+def request_models(schema: FeatureSchema, limits: Limits = Limits(),
+                   optional_histories: bool = False) -> tuple[type[BaseModel], type[BaseModel]]:
+    """(Candidate, ScoreRequest) pydantic models; their JSON schema is the API's.
+
+    ``optional_histories``: history fields may be left out (a history store fills them by user id).
+    """
     cfg = ConfigDict(extra="forbid", populate_by_name=False)
     cand = create_model("Candidate", __config__=cfg, **_fields(schema, {"ad"}, limits))
     fields = _fields(schema, {"user", "context"}, limits)
@@ -102,10 +117,12 @@ def request_models(schema: FeatureSchema, limits: Limits = Limits()) -> tuple[ty
     fields[_py(schema.day_column)] = (_Id | None, Field(None, alias=schema.day_column, description="ignored"))
     for s in schema.sequences:
         n = limits.history(s)
-        for col in (s.item_column, s.event_column, s.ts_column) + tuple(s.attribute_column(a) for a in s.attributes):
+        for col in history_columns(s):
             item = _Ts if col == s.ts_column else _Id
-            fields[_py(col)] = (Annotated[list[item], Field(max_length=n)],
-                                Field(..., alias=col, description=f"stream {s.name}, oldest → newest, ≤ {n} events"))
+            t = Annotated[list[item], Field(max_length=n)]
+            desc = f"stream {s.name}, oldest → newest, ≤ {n} events"
+            fields[_py(col)] = ((t | None, Field(None, alias=col, description=desc + "; omitted: looked up by user_id"))
+                                if optional_histories else (t, Field(..., alias=col, description=desc)))
     fields["candidates"] = (Annotated[list[cand], Field(min_length=1, max_length=limits.max_candidates)],
                             Field(..., description="ads to score for this request"))
     return cand, create_model("ScoreRequest", __config__=cfg, **fields)
@@ -135,21 +152,17 @@ def parse(schema: FeatureSchema, req: BaseModel) -> ParsedRequest:
     """Arrays of a request model validated by ``request_models``; semantic checks included."""
     get = req.__dict__  # attributes by Python name: cheaper than model_dump for big candidate lists
     ts = get[_py(schema.time_column)]
-    sequences = {}
+    sequences, missing = {}, []
     for s in schema.sequences:
-        cols = (s.item_column, s.event_column, s.ts_column) + tuple(s.attribute_column(a) for a in s.attributes)
-        arrs = {c: np.asarray(get[_py(c)], dtype=np.int64) for c in cols}
-        n = len(arrs[s.ts_column])
-        for c, a in arrs.items():
-            if len(a) != n:
-                raise RequestError(422, c, f"has {len(a)} events but {s.ts_column} has {n}; "
-                                           f"every list of stream {s.name!r} must have one entry per event")
-        t = arrs[s.ts_column]
-        if (t >= ts).any():
-            raise RequestError(422, s.ts_column, f"events must happen before {schema.time_column}={ts}")
-        if n > 1 and (np.diff(t) < 0).any():
-            raise RequestError(422, s.ts_column, "events must be ordered oldest → newest")
-        sequences.update(arrs)
+        given = {c: get.get(_py(c)) for c in history_columns(s)}
+        if all(v is None for v in given.values()):
+            missing.append(s.name)  # only possible with optional_histories
+            continue
+        absent = [c for c, v in given.items() if v is None]
+        if absent:
+            raise RequestError(422, absent[0], f"field required: stream {s.name!r} is given in part "
+                                               "(give all its fields, or none to look it up by user id)")
+        sequences.update(check_history(schema, s, given, ts))
     sparse, dense, cand_sparse, cand_dense = {}, {}, {}, {}
     cands = get["candidates"]
     C = len(cands)
@@ -172,7 +185,27 @@ def parse(schema: FeatureSchema, req: BaseModel) -> ParsedRequest:
             dense[f.name] = float(get[key])
         else:
             cand_dense[f.name] = np.fromiter((c.__dict__[key] for c in cands), np.float32, count=C)
-    return ParsedRequest(ts, get[_py(schema.domains.column)], sparse, dense, sequences, cand_sparse, cand_dense, C)
+    user = get.get(_py(schema.user_column)) if schema.user_column not in {f.name for f in schema.sparse} else \
+        int(sparse[schema.user_column][0])
+    return ParsedRequest(ts, get[_py(schema.domains.column)], sparse, dense, sequences, cand_sparse, cand_dense, C,
+                         user, tuple(missing))
+
+
+def check_history(schema: FeatureSchema, s, fields: dict, ts: int) -> dict[str, np.ndarray]:
+    """One stream's history fields as int64 arrays, checked as ``validate_rows`` checks training rows:
+    one entry per event in every field, events before the request, oldest → newest (422 otherwise)."""
+    arrs = {c: np.asarray(fields[c], dtype=np.int64) for c in history_columns(s)}
+    n = len(arrs[s.ts_column])
+    for c, a in arrs.items():
+        if len(a) != n:
+            raise RequestError(422, c, f"has {len(a)} events but {s.ts_column} has {n}; "
+                                       f"every list of stream {s.name!r} must have one entry per event")
+    t = arrs[s.ts_column]
+    if (t >= ts).any():
+        raise RequestError(422, s.ts_column, f"events must happen before {schema.time_column}={ts}")
+    if n > 1 and (np.diff(t) < 0).any():
+        raise RequestError(422, s.ts_column, "events must be ordered oldest → newest")
+    return arrs
 
 
 def split_row(schema: FeatureSchema, row: dict) -> tuple[dict, dict]:

@@ -19,6 +19,9 @@ machine.
 Errors: every bad request gets a 4xx JSON body ``{"error": {"status", "field", "message"}}``:
 400 malformed JSON, 413 too large (body, candidates, history, multi-hot), 422 wrong or missing
 fields; a hot reload that fails is a 400/409 and leaves the old model serving.
+
+History store (``serve --history STORE``, ``opengem.export.history``): opened once, memory-mapped,
+shared by every model a hot reload swaps in (reload keeps the schema, so the store still fits).
 """
 
 import asyncio
@@ -51,6 +54,10 @@ class ScoreResponse(BaseModel):
     predictions: dict[str, list[float]] = Field(description="task → probability per candidate, in request order")
     oov: dict[str, int] = Field(description="feature → ids outside its vocabulary (scored through its OOV row)")
     truncated: dict[str, int] = Field(description="stream → oldest events dropped past the model's history limit")
+    looked_up: dict[str, int] | None = Field(None, description="with a history store: stream → events read "
+                                                                "for the streams the request left out")
+    unknown_user: dict[str, int] | None = Field(None, description="with a history store: stream → 1 where the "
+                                                                   "store has no events of the user (empty history)")
 
 
 class ErrorDetail(BaseModel):
@@ -142,10 +149,17 @@ def _error_response(e: RequestError) -> JSONResponse:
 
 
 def create_app(artifact: str | Path, runtime: str = "auto", limits: Limits | None = None,
-               window_ms: float = 2.0, max_batch_candidates: int = 2048, max_body_bytes: int = 16 << 20, admin: bool = True) -> FastAPI:
-    """The ASGI app serving ``artifact``; the model loads now, warms up and starts scoring at startup."""
+               window_ms: float = 2.0, max_batch_candidates: int = 2048, max_body_bytes: int = 16 << 20,
+               admin: bool = True, history=None) -> FastAPI:
+    """The ASGI app serving ``artifact``; the model loads now, warms up and starts scoring at startup.
+    ``history``: a ``HistoryStore`` (or a store directory) that fills histories a request leaves out."""
     limits = limits or Limits()
-    predictor = Predictor(artifact, runtime, limits)
+    if isinstance(history, (str, Path)):
+        from opengem.export.history import ArrowHistoryStore
+        from opengem.features.schema import SCHEMA_FILE, FeatureSchema
+
+        history = ArrowHistoryStore(history, FeatureSchema.load(Path(artifact) / SCHEMA_FILE))
+    predictor = Predictor(artifact, runtime, limits, history)
     metrics = Metrics()
     batcher = MicroBatcher(predictor, window_ms / 1e3, max_batch_candidates, metrics.on_batch)
     status = {"ready": False, "draining": False}
@@ -211,7 +225,7 @@ def create_app(artifact: str | Path, runtime: str = "auto", limits: Limits | Non
             async with reload_lock:
                 current, t0 = batcher.predictor, time.perf_counter()
                 try:
-                    new = await asyncio.to_thread(_load_warm, body.artifact, runtime, limits)
+                    new = await asyncio.to_thread(_load_warm, body.artifact, runtime, limits, history)
                 except Exception as e:  # noqa: BLE001 - any failure leaves the old model serving
                     metrics.reloads.labels("failed").inc()
                     msg = str(e) if isinstance(e, ArtifactError) else f"cannot load: {type(e).__name__}: {e}"
@@ -240,18 +254,19 @@ def create_app(artifact: str | Path, runtime: str = "auto", limits: Limits | Non
     return app
 
 
-def _load_warm(artifact: str, runtime: str, limits: Limits) -> Predictor:
-    p = Predictor(artifact, runtime, limits)
+def _load_warm(artifact: str, runtime: str, limits: Limits, history=None) -> Predictor:
+    p = Predictor(artifact, runtime, limits, history)
     p.warmup()
     return p
 
 
 def serve(artifact: str | Path, host: str = "127.0.0.1", port: int = 8000, runtime: str = "auto",
-          window_ms: float = 2.0, limits: Limits | None = None, admin: bool = True, log_level: str = "info") -> None:
+          window_ms: float = 2.0, limits: Limits | None = None, admin: bool = True, log_level: str = "info",
+          history: str | Path | None = None) -> None:
     """Run the server until SIGINT/SIGTERM, then stop taking connections, finish open requests, exit."""
     import uvicorn
 
-    app = create_app(artifact, runtime, limits, window_ms, admin=admin)
+    app = create_app(artifact, runtime, limits, window_ms, admin=admin, history=history)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -2,6 +2,7 @@
 every bad-request class, micro-batching, hot reload under traffic, an OpenAPI fuzz, graceful stop."""
 
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -375,3 +376,51 @@ def test_aoti_artifact_matches_the_training_model(tiny):
     assert p.runtime == "aoti"
     got = np.concatenate([np.stack([p.predict(r)["predictions"][t] for t in schema.task_names], 1) for r in reqs])
     assert np.abs(got - _reference(model, schema, reqs).numpy()).max() < TOL
+
+
+# ------------------------------------------------------------------------------- history store
+@pytest.fixture(scope="module")
+def history_world(tiny):
+    """The tiny world in layout v2 (same preset and seed: the artifact's schema) and its history store."""
+    data, store = tiny.root / "data_v2", tiny.root / "history"
+    assert main(["--quiet", "generate", "--preset", "tiny", "--layout", "v2", "--out", str(data), "--seed", "1"]) == 0
+    assert main(["--quiet", "history-store", "--data", str(data), "--out", str(store)]) == 0
+    return SimpleNamespace(data=data, store=store)
+
+
+def test_server_reads_histories_by_user_id_from_a_store(tiny, history_world):
+    from opengem.data.events import ShardReader
+    from opengem.data.parquet import DatasetManifest
+    from opengem.export.request import history_columns
+
+    schema = Predictor(tiny.artifact, runtime="exported").schema
+    m = DatasetManifest.load(history_world.data)
+    rows = ShardReader(history_world.data, m, schema).read(m.split_files("test")[0], schema.columns()).to_pylist()
+    rows = sorted(rows, key=lambda r: -len(r["organic.ts"]))[:6]
+    app = create_app(tiny.artifact, runtime="exported", history=history_world.store)
+    with live_server(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        for row in rows:
+            full, _ = split_row(schema, row)
+            full["candidates"] = [split_row(schema, r)[1] for r in rows]
+            bare = {k: v for k, v in full.items() if not any(k in history_columns(s) for s in schema.sequences)}
+            a, b = client.post("/v1/score", json=full), client.post("/v1/score", json=bare)
+            assert a.status_code == b.status_code == 200, b.text
+            assert np.abs(np.array(a.json()["predictions"]["click"]) - b.json()["predictions"]["click"]).max() < 1e-6
+            assert b.json()["looked_up"]["organic"] == len(row["organic.ts"]) > 0
+        if schema.user_column not in {f.name for f in schema.sparse}:  # user_id optional: required for a lookup
+            r = client.post("/v1/score", json={k: v for k, v in bare.items() if k != schema.user_column})
+            assert r.status_code == 422 and r.json()["error"]["field"] == schema.user_column
+        spec = client.get("/openapi.json").json()["components"]["schemas"]["ScoreRequest"]
+        assert "organic.item" not in spec.get("required", [])
+
+
+def test_serve_refuses_a_store_of_another_schema(tiny, history_world, tmp_path):
+    from opengem.export.history import META, HistoryStoreError
+
+    store = tmp_path / "store"
+    shutil.copytree(history_world.store, store)
+    meta = json.loads((store / META).read_text())
+    meta["streams"]["organic"]["num_event_types"] += 1
+    (store / META).write_text(json.dumps(meta))
+    with pytest.raises(HistoryStoreError, match="organic.*num_event_types"):
+        create_app(tiny.artifact, runtime="exported", history=store)
