@@ -91,3 +91,17 @@ def test_a_schema_without_embeddings_builds_the_same_parameters():
     with_emb = build_gem(with_embedding(), GEMConfig(embedding_dim=8))
     extra = [n for n, _ in with_emb.named_parameters() if n not in set(names)]
     assert extra and all(n.startswith("embedding_proj.0.") for n in extra)
+
+
+def test_an_embedding_column_of_another_type_is_a_named_error(tmp_path):
+    from opengem.data.loader import ShardLoader
+    from opengem.data.parquet import DataError, ShardWriter
+
+    s = with_embedding(2)
+    t = random_table(s, 4)
+    t = t.set_column(t.column_names.index("content"), "content", pa.array(["0.1 0.2"] * 4))
+    w = ShardWriter(tmp_path / "d", s)
+    w.write(t, "s0", 0)
+    w.close({"train": [0]})
+    with pytest.raises(DataError, match="column 'content' is string, expected a list of 2 numbers"):
+        list(ShardLoader(tmp_path / "d", "train", 4))
