@@ -87,3 +87,14 @@ def test_gem_with_the_vector_beats_gem_without_it(tmp_path):
         ne[name] = m["all/click"]["ne"]
     logging.disable(logging.NOTSET)
     assert ne["with"] < ne["without"] - 0.01, json.dumps(ne)
+
+
+def test_layouts_v1_and_v2_carry_the_same_vectors(tmp_path):
+    from opengem.data.loader import ShardLoader
+
+    cfg = world_config("tiny", seed=0, overrides=["click.content_dim=4"])
+    for layout in ("v1", "v2"):
+        generate(cfg, tmp_path / layout, progress=False, layout=layout)
+    a = next(iter(ShardLoader(tmp_path / "v1", "train", 64)))
+    b = next(iter(ShardLoader(tmp_path / "v2", "train", 64)))
+    assert a.embeddings.shape == (64, 4) and torch.equal(a.embeddings, b.embeddings)
