@@ -24,32 +24,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 
+from opengem.bench.layout import parquet_bytes
 from opengem.data.loader import ShardLoader
-from opengem.data.parquet import stream_columns
 from opengem.data.synthetic import generate
 from opengem.features.schema import FeatureSchema
 from opengem.recipes import world_config
 
 QUICK_USERS = 6144  # 3 user buckets of the demo's 2,048: more than the loader caches (2 per stream)
-
-
-def parquet_bytes(data: Path) -> dict[str, int]:
-    """Bytes on disk of a dataset's Parquet files: total, event logs, and history columns inside shards
-    (compressed column-chunk sizes from the footers)."""
-    files = list(data.rglob("*.parquet"))
-    histories = stream_columns(FeatureSchema.load(data))
-    in_rows = 0
-    for f in (data / "shards").glob("*.parquet"):
-        md = pq.ParquetFile(f).metadata
-        in_rows += sum(md.row_group(g).column(c).total_compressed_size for g in range(md.num_row_groups)
-                       for c in range(md.num_columns) if md.row_group(g).column(c).path_in_schema.split(".list")[0]
-                       in histories)
-    return {"total": sum(f.stat().st_size for f in files),
-            "event_logs": sum(f.stat().st_size for f in files if "events" in f.relative_to(data).parts),
-            "history_columns_in_shards": in_rows}
 
 
 def loader_speed(data: Path, max_len: int) -> tuple[float, int]:

@@ -72,4 +72,7 @@ def random_table(schema: FeatureSchema, n: int, seed: int = 0, lengths: dict[str
         cols[t.label_column] = pa.array(y)
         if t.prob_column:
             cols[t.prob_column] = pa.array(p)
+    for f in schema.embeddings:  # drawn last: tables of schemas without embeddings are as before
+        cols[f.name] = pa.FixedSizeListArray.from_arrays(pa.array(rng.normal(size=n * f.dim).astype(np.float32)),
+                                                         f.dim).cast(pa.list_(pa.float32()))
     return pa.table(cols)

@@ -6,16 +6,35 @@ The time to quality here is ONE race run (``time_to_dcn_quality_speedup_single_r
 world: three runs of the demo-sized world do not fit in the 5 minutes beside the other figures (one
 of them alone took the bench to 467 s). The reported figure, the median of three with its spread, is
 ``benchmarks/time_to_quality.py`` on the demo-sized world; the speed-up grows with the data, so the
-bench's single run reads lower than it. Negative down-sampling's figures (examples/s, NE and calibration
-at rates 1, 0.5, 0.1) are left to ``benchmarks/downsampling.py``: its three trainings and six evaluations
-took ~25 s alone on the tiny world, over the 20 s this bench may grow by.
+bench's single run reads lower than it.
+
+On the levers' ``tiny`` world (seed 0, 3,972 rows) the bench also trains the ``tiny`` recipe for real
+(``opengem.train.trainer.train``, no evaluation hooks, two passes) at negative rates 1 and 0.1:
+
+- ``loader_over_train_eps``: the loader alone (``ShardLoader`` as the trainer builds it: same batch,
+  history caps and ``data.prefetch``), examples/s, over the rate-1 run's final.json ``examples_per_s``
+  (examples trained / (wall − evaluation s) of the whole loop: data wait, step, optimiser, logging,
+  the first steps included). The levers' older figure, the loader over the eager lever's timed step
+  alone (``levers.run_bench``: loader without prefetch, step without the trainer's loop), is
+  ``loader_over_eager_step_eps``.
+- ``downsampling``: rows read/s and trained/s at rates 1 and 0.1 (as ``benchmarks/downsampling.py``
+  counts them), and all/click calibration (Σp/Σy) on valid at 0.1, corrected (what every stage reads)
+  and raw. The full comparison (rate 0.5, NE, equal steps, seeds) stays in ``benchmarks/downsampling.py``.
+
+``dataset_bytes_v1_over_v2``: the demo world's shape at 2,048 users (one user block, 8 days, data
+seed 1000) written in both layouts (``opengem.bench.layout``): all Parquet bytes of v1 over v2's.
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
+import torch
+
+from opengem.bench.layout import layout_bytes
 from opengem.bench.levers import run_bench
 from opengem.bench.ops import attention_case
 from opengem.bench.race import (
@@ -27,14 +46,69 @@ from opengem.bench.race import (
     widen_to_params,
 )
 from opengem.config import apply_overrides
+from opengem.data.loader import ShardLoader
 from opengem.data.synthetic import generate
-from opengem.discipline import held_out_world_seeds
+from opengem.discipline import held_out_world_seeds, require_dev_world, require_tuning_split
+from opengem.evaluation.evaluate import evaluate_model
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, materialize
 from opengem.ops.quantize import quantize_tables, table_bytes
 from opengem.recipes import recipe, world_config
+from opengem.run import load_base_rates, load_run_model
+from opengem.train.trainer import train
 
 QUICK_USERS = 12_000  # the demo's 36,000 took 467 s in all on a lightly loaded 2-core machine: over the 5 minutes
+LAYOUT_USERS = 2048  # one of the demo's user blocks: its histories are the demo's, ~4 s for both layouts
+TRAIN_EPOCHS = 2
+
+
+def loader_examples_per_s(cfg, data: Path, max_seq_len: dict, seconds: float = 2.0) -> float:
+    """Examples/s of the loader alone, built as the trainer builds it (split, batch, shuffle, history
+    caps, ``data.prefetch``), over at most ``seconds`` after its first batch."""
+    it = iter(ShardLoader(data, cfg.data.train_split, cfg.data.batch_size, shuffle=cfg.data.shuffle,
+                          seed=cfg.data.seed, epochs=1000, max_seq_len=max_seq_len, prefetch=cfg.data.prefetch))
+    next(it)  # open files, start the prefetch thread
+    rows, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        rows += next(it).batch_size
+    return rows / (time.perf_counter() - t0)
+
+
+def trained(data: Path, run: Path, rate: float) -> dict:
+    """The ``tiny`` recipe trained for real at negative rate ``rate`` (no evaluation hooks): final.json,
+    with ``rows_read_per_s`` (the split's rows the loader went through per second of the loop) beside
+    ``examples_per_s`` (rows the steps trained on)."""
+    cfg = apply_overrides(recipe("tiny"), [f"data.negative_rate={rate}", f"train.epochs={TRAIN_EPOCHS}",
+                                           f"train.threads={torch.get_num_threads()}", "train.progress=false"])
+    final = train(cfg, data, run)
+    sampled = final.get("downsampling")
+    read = final["examples"] * (sampled["rows_read_per_epoch"] / statistics.fmean(sampled["rows_kept_per_epoch"])
+                                if sampled else 1.0)
+    return final | {"rows_read_per_s": round(read / final["wall_s"], 1)}
+
+
+def click_calibration(run: Path, data: Path, corrected: bool) -> float:
+    model, _, schema = load_run_model(run, recalibrated=False, corrected=corrected)
+    m = evaluate_model(model, schema, data, "valid", load_base_rates(run), progress=False)["metrics"]
+    return round(m["all/click"]["calibration"], 4)
+
+
+def trainer_figures(data: Path, root: Path) -> dict:
+    """``loader_over_train_eps`` and the down-sampling figures on ``data`` (module docstring)."""
+    require_tuning_split("valid", "the down-sampling rate")
+    cfg = recipe("tiny")
+    full = trained(data, root / "rate1", 1.0)
+    loader_eps = loader_examples_per_s(cfg, data, build_gem(FeatureSchema.load(data), cfg.model).max_seq_len())
+    low = trained(data, root / "rate0.1", 0.1)
+    return {"loader_examples_per_s": round(loader_eps, 1), "train_examples_per_s": round(full["examples_per_s"], 1),
+            "loader_over_train_eps": round(loader_eps / full["examples_per_s"], 2),
+            "downsampling": {
+                "epochs": TRAIN_EPOCHS, "rows": full["examples"] // TRAIN_EPOCHS,
+                **{f"{r:g}": {"rows_read_per_s": f["rows_read_per_s"], "steps": f["steps"],
+                              "rows_trained_per_s": round(f["examples_per_s"], 1)}
+                   for r, f in ((1.0, full), (0.1, low))},
+                "click_calibration_valid_at_0.1": {"corrected": click_calibration(root / "rate0.1", data, True),
+                                                   "raw": click_calibration(root / "rate0.1", data, False)}}}
 
 
 def quick_bench(cfg_name: str = "tiny", users: int | None = QUICK_USERS, eval_every_kth_file: int = 4) -> dict:
@@ -46,7 +120,16 @@ def quick_bench(cfg_name: str = "tiny", users: int | None = QUICK_USERS, eval_ev
     of the reported three at another size: GEM trains first, training seed 0; target and budgets read
     on every ``eval_every_kth_file``-th file of ``test``), FP8's NE cost on the budget that crossed,
     int8 tables' memory, examples/s at equal dense parameters."""
-    levers = run_bench(recipe(cfg_name), None, ("eager", "fp8"), warmup=2, steps=4, loader_seconds=2.0)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        small = Path(tmp) / "tiny"
+        generate(world_config(cfg_name, seed=require_dev_world(0, "the bench's levers")), small, progress=False)
+        levers = run_bench(recipe(cfg_name), small, ("eager", "fp8"), warmup=2, steps=4, loader_seconds=2.0)
+        threads = torch.get_num_threads()  # the trainer sets train.threads (the bench's own count)
+        real = trainer_figures(small, Path(tmp))
+        torch.set_num_threads(threads)
+        sizes = layout_bytes(world_config("demo", seed=held_out_world_seeds(1)[0],
+                                          overrides=[f"sizes.num_users={LAYOUT_USERS}"]), Path(tmp) / "layouts")
     att = attention_case(32, 70, 3000, 32, heads=2, reps=2)
     world_seed = held_out_world_seeds(1)[0]
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,7 +163,13 @@ def quick_bench(cfg_name: str = "tiny", users: int | None = QUICK_USERS, eval_ev
     lv, eps = levers["levers"], equal["examples_per_s"]
     return {"padded_over_jagged_time": round(att["padded_over_jagged_time"], 2),
             "max_over_mean_len": round(att["max_len"] / att["mean_len"], 2),
-            "loader_over_train_eps": levers["loader_over_training"],
+            "loader_over_train_eps": real["loader_over_train_eps"],
+            "loader_over_eager_step_eps": levers["loader_over_training"],
+            "dataset_bytes_v1_over_v2": sizes["dataset_bytes_v1_over_v2"],
+            "downsampling_read_speedup_at_0.1": round(real["downsampling"]["0.1"]["rows_read_per_s"]
+                                                      / real["downsampling"]["1"]["rows_read_per_s"], 2),
+            "downsampling_click_calibration_at_0.1":
+                real["downsampling"]["click_calibration_valid_at_0.1"]["corrected"],
             "time_to_dcn_quality_speedup_single_run": ttq["speedup"], "world_seed": world_seed,
             "fp8_act_mem_saved": round(lv["eager"]["saved_activation_mb"] / lv["fp8"]["saved_activation_mb"], 2),
             "int8_table_mem_saved": round(int8_saved, 2),
@@ -91,4 +180,6 @@ def quick_bench(cfg_name: str = "tiny", users: int | None = QUICK_USERS, eval_ev
             "gem_over_dcn_eps_equal_params": round(eps["gem"] / eps["dlrm_dcn"], 3),
             "ttq": ttq, "equal_params": equal,
             "params": {"gem": gem["parameters"]["total"], "dlrm_dcn": peer["parameters"]["total"]}, "attention": att,
+            "trainer": real, "layouts": {k: sizes[k] for k in ("rows", "bytes_v1", "bytes_v2")},
+            "bench_s": round(time.perf_counter() - t0, 1),
             "levers": {k: {kk: v[kk] for kk in ("examples_per_s", "saved_activation_mb")} for k, v in lv.items()}}

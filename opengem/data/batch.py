@@ -1,6 +1,7 @@
 """The typed ``Batch`` and ``collate``: Arrow rows → KeyedJaggedTensors, never padded.
 
-Legend: B rows, F dense features, T tasks, N events of one stream summed over the batch.
+Legend: B rows, F dense features, E the embedding features' dims summed, T tasks, N events of one
+stream summed over the batch.
 
 A batch of 3 rows with an ``organic`` stream holding 2, 0 and 3 events is stored jagged::
 
@@ -41,6 +42,7 @@ class Batch:
     weights: torch.Tensor  # [B] float32
     user_id: torch.Tensor  # [B] int64
     true_probs: torch.Tensor | None = None  # [B, T] float64 (synthetic worlds)
+    embeddings: torch.Tensor | None = None  # [B, E] float32: the schema's embedding features side by side
 
     @property
     def batch_size(self) -> int:
@@ -138,6 +140,11 @@ def collate(
     else:
         dense = np.zeros((B, 0), dtype=np.float32)
 
+    embeddings = None
+    if schema.embeddings:
+        embeddings = torch.from_numpy(np.concatenate(
+            [_vectors(table.column(f.name), f.dim) for f in schema.embeddings], axis=1))
+
     request_ts = table.column(schema.time_column).to_numpy().astype(np.int64)
     seq_keys, seq_vals, seq_lens, age_vals, age_lens = [], [], [], [], []
     for s in schema.sequences:
@@ -191,7 +198,15 @@ def collate(
         weights=torch.ones(B, dtype=torch.float32),
         user_id=torch.from_numpy(table.column(schema.user_column).to_numpy().astype(np.int64)),
         true_probs=true_probs,
+        embeddings=embeddings,
     )
+
+
+def _vectors(col: pa.ChunkedArray | pa.Array, dim: int) -> np.ndarray:
+    """[B, dim] float32 of a list<float> (or fixed_size_list) column whose rows hold ``dim`` values each."""
+    flat = pc.list_flatten(col)
+    flat = flat.combine_chunks() if isinstance(flat, pa.ChunkedArray) else flat
+    return np.array(flat.to_numpy(zero_copy_only=False), dtype=np.float32).reshape(len(col), dim)
 
 
 # ---------------------------------------------------------------------------------- row checks
@@ -202,8 +217,9 @@ def validate_rows(table: pa.Table, schema: FeatureSchema) -> tuple[np.ndarray, l
 
     Quarantined (not repaired) because a model trained on them would learn something false:
     a null in a feature column or inside a list (an empty history is ``[]``, not null); NaN/inf
-    dense values; labels outside {0, 1}; a label set whose ``requires`` task is 0 (conversion
-    without click); a domain index out of range; event timestamps out of order or not before the
+    dense values; an embedding vector of another length than its ``dim``, or holding NaN/inf;
+    labels outside {0, 1}; a label set whose ``requires`` task is 0 (conversion without click); a
+    domain index out of range; event timestamps out of order or not before the
     request time. Missing labels (null) are allowed and masked out of the loss.
     """
     B = table.num_rows
@@ -226,6 +242,14 @@ def validate_rows(table: pa.Table, schema: FeatureSchema) -> tuple[np.ndarray, l
     for f in schema.dense:
         v = table.column(f.name).to_numpy(zero_copy_only=False).astype(np.float64)
         drop(~np.isfinite(v), f"dense {f.name} is NaN/inf")
+    for f in schema.embeddings:
+        col = table.column(f.name)
+        drop(pc.list_value_length(col).to_numpy(zero_copy_only=False) != f.dim, f"embedding {f.name} length != {f.dim}")
+        flat = pc.list_flatten(col)
+        if len(flat):
+            v = flat.to_numpy(zero_copy_only=False).astype(np.float64)
+            parent = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)
+            drop(np.bincount(parent[~np.isfinite(v)], minlength=B) > 0, f"embedding {f.name} is NaN/inf")
     labels = {}
     for t in schema.tasks:
         y = table.column(t.label_column).to_numpy(zero_copy_only=False).astype(np.float64)
@@ -258,7 +282,7 @@ def validate_rows(table: pa.Table, schema: FeatureSchema) -> tuple[np.ndarray, l
 
 def _null_rows(col: pa.ChunkedArray) -> np.ndarray:
     """Rows whose value, or an element of whose list, is null."""
-    is_list = pa.types.is_list(col.type) or pa.types.is_large_list(col.type)
+    is_list = pa.types.is_list(col.type) or pa.types.is_large_list(col.type) or pa.types.is_fixed_size_list(col.type)
     if not col.null_count and not (is_list and pc.list_flatten(col).null_count):
         return np.zeros(len(col), dtype=bool)  # the common case: no copy
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col

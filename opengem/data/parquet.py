@@ -228,12 +228,18 @@ def _is_number(t: pa.DataType) -> bool:
     return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
 
 
+def _is_number_list(t: pa.DataType) -> bool:
+    return (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)) and (
+        pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))
+
+
 def expected_types(schema: FeatureSchema) -> dict[str, tuple[str, Callable[[pa.DataType], bool]]]:
     """Column → (what it must be, a check of its Arrow type), per the layout in ``features.schema``."""
     integer, int_list = ("an integer", pa.types.is_integer), ("a list of integers", _is_int_list)
     out = {c: integer for c in (schema.user_column, schema.time_column, schema.day_column, schema.domains.column)}
     out |= {f.name: int_list if f.multi_hot else integer for f in schema.sparse}
     out |= {f.name: ("a number", _is_number) for f in schema.dense}
+    out |= {f.name: (f"a list of {f.dim} numbers", _is_number_list) for f in schema.embeddings}
     for s in schema.sequences:
         out |= {c: int_list for c in [s.item_column, s.event_column, s.ts_column]
                 + [s.attribute_column(a) for a in s.attributes]}

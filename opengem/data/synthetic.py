@@ -99,7 +99,15 @@ from opengem.data.synthetic_world import (
     solve_intercept,
 )
 from opengem.data.world_structure import WorldStructure
-from opengem.features.schema import DenseFeature, Domains, FeatureSchema, SequenceStream, SparseFeature, Task
+from opengem.features.schema import (
+    DenseFeature,
+    Domains,
+    EmbeddingFeature,
+    FeatureSchema,
+    SequenceStream,
+    SparseFeature,
+    Task,
+)
 
 
 @dataclass
@@ -189,6 +197,11 @@ class ClickModel:
     ads_tau_hours: float = 168.0
     beta_activity: float = 0.1
     beta_device: float = 1.0
+    # Ad content vectors (``synthetic_world.World``): 0 = off (the default world is unchanged); k > 0
+    # writes an ``ad_content`` list<float32> column of k floats per row (an ``EmbeddingFeature``) and
+    # adds content_sigma · ⟨v_ad, ŵ⟩ to the click logit. Kept out of the manifest while 0.
+    content_dim: int = 0
+    content_sigma: float = 1.0
 
 
 @dataclass
@@ -324,8 +337,9 @@ def build_schema(cfg: WorldConfig) -> FeatureSchema:
     seqs = [SequenceStream("organic", sizes.num_content_items, len(ORGANIC_EVENTS), beh.organic_max_len, **org_attrs),
             SequenceStream("ads", n_ads, len(ADS_EVENTS), beh.ads_max_len, **ads_attrs)]
     tasks = [Task("click", "click", "p_click"), Task("conversion", "conversion", "p_conversion", requires="click")]
+    embeddings = (EmbeddingFeature("ad_content", cfg.click.content_dim, "ad"),) if cfg.click.content_dim else ()
     return FeatureSchema(sparse=tuple(sparse), dense=tuple(dense), sequences=tuple(seqs), tasks=tuple(tasks),
-                         domains=Domains(SURFACES, "domain"),
+                         domains=Domains(SURFACES, "domain"), embeddings=embeddings,
                          meta={"source": "synthetic", "seed": cfg.seed, "formats": list(FORMATS),
                                "organic_events": list(ORGANIC_EVENTS), "ads_events": list(ADS_EVENTS)})
 
@@ -403,6 +417,9 @@ def _impressions(world: World, ub: UserBlock, day: int, block: int) -> dict:
             c[k] = (v[0].astype(np.int64, copy=False), v[1].astype(np.int64, copy=False))
         elif k != "day" and v.dtype.kind in "iu":
             c[k] = v.astype(np.int64, copy=False)
+    if world.ad_content is not None:  # after the int64 pass: float vectors, (flat values, lengths) as lists are
+        k = world.ad_content.shape[1]
+        c["ad_content"] = (world.ad_content[ad].reshape(-1), np.full(n, k, dtype=np.int64))
     u = rng.random((2, n))  # label draws, used once the intercepts are known
     c["_u_click"], c["_u_conv"], c["_n_organic"], c["_n_ads"] = u[0], u[1], n_org, n_ads
     return c
@@ -578,8 +595,18 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
     result = stats.result(world)
     if watcher is not None:
         result[watcher.stats_key] = _plain(watcher.result())
-    return writer.close(splits_for(cfg), source={"kind": "synthetic", "config": asdict(cfg),
+    return writer.close(splits_for(cfg), source={"kind": "synthetic", "config": manifest_config(cfg),
                                                  "structure": world.structure.to_dict(), "stats": result})
+
+
+def manifest_config(cfg: WorldConfig) -> dict:
+    """``asdict(cfg)`` as the manifest stores it: without the content-vector keys while they are off, so
+    a world without them writes the manifest it always did (``from_dict`` fills in the defaults)."""
+    d = asdict(cfg)
+    if not cfg.click.content_dim:
+        for k in ("content_dim", "content_sigma"):
+            d["click"].pop(k)
+    return d
 
 
 def _event_logs(world: World, ub: UserBlock) -> dict[str, pa.Table]:

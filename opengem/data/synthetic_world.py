@@ -35,6 +35,7 @@ from opengem.data.world_structure import (
 
 DAY = 86400
 TAG_GLOBAL, TAG_BLOCK, TAG_DAY, TAG_STRUCTURE = 0, 1, 2, 3
+TAG_CONTENT = 5  # the optional ad content vectors (click.content_dim > 0); 4 is the oracle's subsample
 
 SURFACES = ("feed", "video", "messaging")
 FORMATS = ("image", "video", "carousel", "text")
@@ -217,6 +218,18 @@ class World:
             for it in pairs:
                 self.factors[model, it.name] = (_unit_factors(rng, field_size(cfg, it.user), it.rank),
                                                 _unit_factors(rng, field_size(cfg, it.ad), it.rank))
+
+        # Optional ad content vectors (``click.content_dim`` = k > 0; off by default): an observed
+        # k-dim float vector per ad (as a frozen image/text encoder would give), N(0, I_k), from its own
+        # generator so every other draw is unchanged; the click logit gains content_sigma · ⟨v_ad, ŵ⟩
+        # (ŵ a random unit direction): a linear read of the vector, std content_sigma over ads.
+        self.ad_content = self.content_effect = None
+        if click.content_dim > 0:
+            crng = rng_for(cfg.seed, TAG_CONTENT)
+            self.ad_content = crng.normal(0, 1, (n_ads, click.content_dim)).astype(np.float32)
+            w = crng.normal(0, 1, click.content_dim)
+            self.content_weight = click.content_sigma * w / np.linalg.norm(w)
+            self.content_effect = self.ad_content.astype(np.float64) @ self.content_weight
 
         self.live_by_category = LiveAds(self.ad_category, launch, C, self.window_end)
         self.live_by_advertiser = LiveAds(self.ad_advertiser, launch, A, self.window_end)
@@ -456,6 +469,8 @@ def click_terms(world: World, c: dict, stats: dict) -> dict[str, np.ndarray]:
     device = model.beta_device * DEVICE_BIAS[c["device"]]
     terms["user"] = (device if activity.shape == "none"
                      else activity.beta * numeric_transform(activity, c[activity.feature]) + device)
+    if world.content_effect is not None:  # last: without content vectors the sum is the one it always was
+        terms["content"] = world.content_effect[ad]
     return terms
 
 

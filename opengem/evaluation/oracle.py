@@ -11,6 +11,8 @@ and from the world's id attributes, nothing latent):
   one-hot cross of its two fields' values (one weight per cell, not the low-rank factors); the exact
   history statistic of every history effect (true form, τ and match key), the true transform of every
   numeric effect and ``hour_sin`` / ``hour_cos`` (the hour term is linear in them) as scalar columns;
+  with ad content vectors (``click.content_dim`` = k > 0) the k floats of the row's ``ad_content``
+  (the content term is linear in them);
 * conversion given click: one-hot ``advertiser_id`` and ``domain``, the crosses of its pairs and its
   history statistic, fitted on the clicked train rows; p(conversion) = p_click · p_cvr.
 
@@ -94,6 +96,9 @@ class Layout:
         self.num_weights = int(self.offsets[-1])
         self.dense_names = ([f"hour_{k}" for k in ("sin", "cos")] if model == "click" else []) + \
             [e.name for e in self.numeric] + [f"{h.stream}_{h.form}" for h in self.history]
+        self.content = model == "click" and world.ad_content is not None
+        if self.content:
+            self.dense_names += [f"ad_content_{j}" for j in range(world.ad_content.shape[1])]
 
     def rows(self, c: dict, stats: dict) -> tuple[np.ndarray, np.ndarray]:
         """(global group indices [G, n] int64, scalar columns [n, K] float64) of rows ``c``."""
@@ -109,6 +114,9 @@ class Layout:
         cols = [c["hour_sin"], c["hour_cos"]] if self.model == "click" else []
         cols += [numeric_transform(e, c[e.feature]) for e in self.numeric]
         cols += [stats[h.spec()] for h in self.history]
+        if self.content:  # the row's ad_content column: the ad's vector, row-major k floats per row
+            vals, lens = c["ad_content"]
+            cols += list(np.asarray(vals, dtype=np.float64).reshape(n, -1).T)
         x = np.stack([np.asarray(v, dtype=np.float64) for v in cols], 1) if cols else np.zeros((n, 0))
         return idx, x
 

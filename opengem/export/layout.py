@@ -77,6 +77,11 @@ def assemble(schema: FeatureSchema, reqs: list[ParsedRequest], layout: Layout) -
         else:
             dense[:, j] = np.repeat(np.array([r.dense[f.name] for r in reqs], dtype=np.float32), counts)
     x["dense"] = _t(dense)
+    if schema.embeddings:  # [C, E]: every embedding feature's vector side by side, as ``Batch.embeddings``
+        x["embeddings"] = _t(np.concatenate(
+            [np.concatenate([r.cand_embeddings[f.name] for r in reqs]) if f.group == "ad"
+             else np.repeat(np.stack([r.embeddings[f.name] for r in reqs]), counts, axis=0)
+             for f in schema.embeddings], axis=1).astype(np.float32))
     x["domain"] = _t(np.repeat(np.array([r.domain for r in reqs], dtype=np.int64), counts))
     x["cand_user"] = _t(cand_user)
     Cm = int(counts.max())

@@ -215,4 +215,5 @@ class AOTIProgram:
 def _doubled(r: ParsedRequest) -> ParsedRequest:
     return replace(r, num_candidates=2 * r.num_candidates,
                    cand_sparse={k: (np.concatenate([v, v]), np.concatenate([n, n])) for k, (v, n) in r.cand_sparse.items()},
-                   cand_dense={k: np.concatenate([v, v]) for k, v in r.cand_dense.items()})
+                   cand_dense={k: np.concatenate([v, v]) for k, v in r.cand_dense.items()},
+                   cand_embeddings={k: np.concatenate([v, v]) for k, v in r.cand_embeddings.items()})

@@ -20,6 +20,7 @@ Inputs, one dict (``input_spec`` lists it; the predictor fills it, see ``opengem
 
     sparse.<f>.values  [V_f]  int64   ids after OOV mapping; offsets [R_f + 1], R_f = U (user/context) or C (ad)
     dense              [C, F] float32 raw values (user/context values repeated per candidate)
+    embeddings         [C, E] float32 the schema's embedding features side by side (only if it has any)
     domain, cand_user  [C]    int64   domain of each candidate's request; its request index in [0, U)
     cand_pad           [U, Cm] int64  candidate indices of each request, padded (pads repeat a real one)
     cand_pos           [C]    int64   where each candidate sits in the flattened [U·Cm] padding
@@ -38,7 +39,7 @@ import torch
 from torch import nn
 
 from opengem.export.tables import packed_tables, without_tables
-from opengem.model.foundation import GEM
+from opengem.model.foundation import GEM, embedding_tokens
 from opengem.model.student import Student
 
 
@@ -176,6 +177,8 @@ class ServingGEM(nn.Module):
         tokens.append(gem.domain_emb(domain).unsqueeze(1))
         if gem.history_counts is not None:
             tokens.append(gem.history_counts([self.history_counts(x, s) for s in gem.streams]).unsqueeze(1))
+        if gem.embedding_proj is not None:
+            tokens += embedding_tokens(gem.embedding_proj, self.schema, x["embeddings"])
         x_BND = torch.cat(tokens, dim=1)
         x_sum = gem.interformer.cross[0].summarize_x(x_BND)
         states = []

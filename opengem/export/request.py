@@ -8,13 +8,15 @@ A request is one impression opportunity with many candidate ads, in the raw fiel
      "user_activity": 0.4, "hour_sin": 0.2, …,                    user and context dense floats
      "organic.item": [...], "organic.event": [...], "organic.ts": [...], "organic.category": [...],
      "ads.item": [...], …,                                        histories, oldest → newest
-     "candidates": [{"ad_id": 5, "advertiser_id": 2, …, "ad_quality": 0.7}, …]}   ad-group fields
+     "candidates": [{"ad_id": 5, "advertiser_id": 2, …, "ad_quality": 0.7,        ad-group fields
+                     "ad_content": [0.1, -0.3, …]}, …]}                  (embedding features: dim floats)
 
 Feature ``group`` in the schema decides the side: ``ad`` fields belong to each candidate, ``user``
 and ``context`` fields to the request. Everything a log row has except labels is accepted.
 
 Checks, each failing with ``RequestError(status, field, message)``:
 types, required fields and unknown fields (422); non-finite or out-of-float32 dense values (422);
+an embedding vector of another length than its feature's ``dim`` (422);
 history lists of one stream of different lengths, event times not before the request or out of
 order (422, the checks ``validate_rows`` quarantines training rows for); empty candidate lists
 (422); more candidates, longer histories or more multi-hot ids than the limits (413).
@@ -76,6 +78,8 @@ class ParsedRequest:
     user_id: int | None = None
     missing: tuple[str, ...] = ()  # streams whose history the request left out (a store fills them)
     lookup: dict[str, dict[str, int]] = field(default_factory=dict)  # response report of the store's lookup
+    embeddings: dict[str, np.ndarray] = field(default_factory=dict)  # user/context embedding → [dim] float32
+    cand_embeddings: dict[str, np.ndarray] = field(default_factory=dict)  # ad embedding → [C, dim] float32
 
 
 def _py(name: str) -> str:
@@ -91,7 +95,17 @@ def _fields(schema: FeatureSchema, groups: set[str], limits: Limits) -> dict:
     for f in schema.dense:
         if f.group in groups:
             out[_py(f.name)] = (_Float, Field(..., alias=f.name, description=f"{f.group} dense value"))
+    for f in schema.embeddings:  # the length is checked in ``parse`` (a 422, not a limit's 413)
+        if f.group in groups:
+            out[_py(f.name)] = (list[_Float], Field(..., alias=f.name,
+                                                    description=f"{f.group} vector of {f.dim} floats"))
     return out
+
+
+def _vector(v: list, f, where: str) -> np.ndarray:
+    if len(v) != f.dim:
+        raise RequestError(422, where, f"embedding {f.name!r} needs {f.dim} floats, got {len(v)}")
+    return np.asarray(v, dtype=np.float32)
 
 
 def history_columns(s) -> tuple[str, ...]:
@@ -185,10 +199,18 @@ def parse(schema: FeatureSchema, req: BaseModel) -> ParsedRequest:
             dense[f.name] = float(get[key])
         else:
             cand_dense[f.name] = np.fromiter((c.__dict__[key] for c in cands), np.float32, count=C)
+    embeddings, cand_embeddings = {}, {}
+    for f in schema.embeddings:
+        key = _py(f.name)
+        if f.group != "ad":
+            embeddings[f.name] = _vector(get[key], f, f.name)
+        else:
+            cand_embeddings[f.name] = (np.stack([_vector(c.__dict__[key], f, f"candidates.{i}.{f.name}")
+                                                 for i, c in enumerate(cands)]))
     user = get.get(_py(schema.user_column)) if schema.user_column not in {f.name for f in schema.sparse} else \
         int(sparse[schema.user_column][0])
     return ParsedRequest(ts, get[_py(schema.domains.column)], sparse, dense, sequences, cand_sparse, cand_dense, C,
-                         user, tuple(missing))
+                         user, tuple(missing), embeddings=embeddings, cand_embeddings=cand_embeddings)
 
 
 def check_history(schema: FeatureSchema, s, fields: dict, ts: int) -> dict[str, np.ndarray]:
@@ -210,7 +232,7 @@ def check_history(schema: FeatureSchema, s, fields: dict, ts: int) -> dict[str, 
 
 def split_row(schema: FeatureSchema, row: dict) -> tuple[dict, dict]:
     """(request fields, candidate fields) of one log row (labels and probabilities dropped)."""
-    ad = {f.name for f in schema.sparse if f.group == "ad"} | {f.name for f in schema.dense if f.group == "ad"}
+    ad = {f.name for f in (*schema.sparse, *schema.dense, *schema.embeddings) if f.group == "ad"}
     drop = {t.label_column for t in schema.tasks} | {t.prob_column for t in schema.tasks if t.prob_column}
     req = {k: v for k, v in row.items() if k not in ad and k not in drop}
     return req, {k: row[k] for k in ad}
@@ -249,6 +271,9 @@ def synthetic_request(schema: FeatureSchema, num_candidates: int, history: int |
     for f in schema.dense:
         if f.group != "ad":
             req[f.name] = float(rng.normal())
+    for f in schema.embeddings:
+        if f.group != "ad":
+            req[f.name] = rng.normal(size=f.dim).tolist()
     for s in schema.sequences:
         n = history.get(s.name, 0) if isinstance(history, dict) else history
         req[s.item_column] = ids(s.item_vocab_size, n)
@@ -265,6 +290,9 @@ def synthetic_request(schema: FeatureSchema, num_candidates: int, history: int |
         for f in schema.dense:
             if f.group == "ad":
                 c[f.name] = float(rng.normal())
+        for f in schema.embeddings:
+            if f.group == "ad":
+                c[f.name] = rng.normal(size=f.dim).tolist()
         cands.append(c)
     req["candidates"] = cands
     return req

@@ -11,6 +11,8 @@ Column layout of a shard (one impression per row)::
     <domain.column>    int64            domain (surface) index in [0, len(domain.names))
     <sparse.name>      list<int64> or int64   id(s) of a sparse feature; raw ids in [0, vocab_size)
     <dense.name>       float32          one dense float
+    <embedding.name>   list<float32>    a precomputed vector of exactly ``dim`` floats (e.g. an ad's content
+                                        embedding from an image/text encoder); fixed_size_list allowed
     <stream>.item      list<int64>      behaviour sequence item ids, oldest → newest
     <stream>.event     list<int64>      event type per event, in [0, num_event_types)
     <stream>.ts        list<int64>      event timestamps (seconds), non-decreasing, all < request_ts
@@ -59,6 +61,19 @@ class DenseFeature:
 
     name: str
     group: str = "user"
+
+
+@dataclass(frozen=True)
+class EmbeddingFeature:
+    """A precomputed fixed-width float vector per row, e.g. an ad's content (creative) embedding from an
+    image or text encoder: GEM's multimodal input. Stored as a list of exactly ``dim`` floats; a row
+    with another length or a NaN/inf is quarantined. ``group`` as for the other features (serving
+    takes an "ad" one per candidate). Per-event vectors (an attribute of a stream) are not a kind yet.
+    """
+
+    name: str
+    dim: int
+    group: str = "ad"
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,8 @@ class FeatureSchema:
         domains: the surfaces and the column holding each row's index.
         user_column, time_column, day_column: gAUC groups, the request time, the split key.
         version, meta: the format version; free-form provenance (not part of ``fingerprint``).
+        embeddings: precomputed float vectors (``EmbeddingFeature``), one X_0 token each; stored in
+            ``schema.json`` only when there are some (so schemas without any keep their fingerprint).
 
     ``FeatureSchema.load(dir_or_file)`` reads ``schema.json``; ``save``, ``to_dict``/``from_dict``
     round-trip it. A row with 2 ads events and tags ``[3, 5]`` carries ``ads.item = [17, 4]``,
@@ -152,6 +169,7 @@ class FeatureSchema:
     day_column: str = "day"
     version: int = SCHEMA_VERSION
     meta: dict = field(default_factory=dict, compare=False)
+    embeddings: tuple[EmbeddingFeature, ...] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -181,12 +199,18 @@ class FeatureSchema:
         """Every column a shard must hold (probability columns only if asked and declared)."""
         cols = [self.user_column, self.time_column, self.day_column, self.domains.column]
         cols += [f.name for f in self.sparse if f.name != self.user_column] + [f.name for f in self.dense]
+        cols += [f.name for f in self.embeddings]
         for s in self.sequences:
             cols += [s.item_column, s.event_column, s.ts_column] + [s.attribute_column(a) for a in s.attributes]
         cols += [t.label_column for t in self.tasks]
         if with_probs:
             cols += [t.prob_column for t in self.tasks if t.prob_column]
         return cols
+
+    @property
+    def embedding_dim(self) -> int:
+        """Width of ``Batch.embeddings``: every embedding feature's ``dim``, concatenated in schema order."""
+        return sum(f.dim for f in self.embeddings)
 
     @property
     def has_true_probs(self) -> bool:
@@ -216,6 +240,11 @@ class FeatureSchema:
             claim(f.name, "dense feature")
             if f.group not in ("user", "ad", "context"):
                 raise SchemaError(f"dense feature {f.name!r}: group must be user/ad/context, got {f.group!r}")
+        for f in self.embeddings:
+            claim(f.name, "embedding feature")
+            _positive_int(f.dim, f"embedding feature {f.name!r} dim")
+            if f.group not in ("user", "ad", "context"):
+                raise SchemaError(f"embedding feature {f.name!r}: group must be user/ad/context, got {f.group!r}")
         for s in self.sequences:
             claim(s.name, "sequence stream")
             _positive_int(s.item_vocab_size, f"stream {s.name!r} item_vocab_size")
@@ -245,14 +274,17 @@ class FeatureSchema:
             raise SchemaError("schema needs at least one domain")
         if len(set(self.domains.names)) != len(self.domains.names):
             raise SchemaError(f"duplicate domain names {self.domains.names}")
-        if not self.sparse and not self.dense:
-            raise SchemaError("schema needs at least one sparse or dense feature")
+        if not self.sparse and not self.dense and not self.embeddings:
+            raise SchemaError("schema needs at least one sparse, dense or embedding feature")
         if self.version != SCHEMA_VERSION:
             raise SchemaError(f"schema version {self.version} not supported (expected {SCHEMA_VERSION})")
 
     # -------------------------------------------------------------- (de)serialise
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.embeddings:  # schemas without embeddings read (and hash) as they did before the kind
+            d.pop("embeddings")
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -265,7 +297,7 @@ class FeatureSchema:
         if not isinstance(d, dict):
             raise SchemaError(f"schema must be a JSON object, got {type(d).__name__}")
         known = {"sparse", "dense", "sequences", "tasks", "domains", "user_column", "time_column",
-                 "day_column", "version", "meta"}
+                 "day_column", "version", "meta", "embeddings"}
         unknown = set(d) - known
         if unknown:
             raise SchemaError(f"unknown schema keys {sorted(unknown)}")
@@ -279,6 +311,7 @@ class FeatureSchema:
                 sequences=tuple(_stream(x) for x in d["sequences"]),
                 tasks=tuple(_build(Task, x, "tasks") for x in d["tasks"]),
                 domains=_build(Domains, {**d["domains"], "names": tuple(d["domains"]["names"])}, "domains"),
+                embeddings=tuple(_build(EmbeddingFeature, x, "embeddings") for x in d.get("embeddings", ())),
                 **{k: d[k] for k in ("user_column", "time_column", "day_column", "version", "meta") if k in d},
             )
         except (TypeError, KeyError) as e:

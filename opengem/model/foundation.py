@@ -5,7 +5,8 @@ Legend: B rows, n sparse features, F dense features, D dim, T tasks.
     batch.sparse ─► SparseArch (EBC) ─► [B, n, D] ┐
     batch.dense  ─► DenseArch        ─► [B, k, D] │
     batch.domain ─► domain embedding ─► [B, 1, D] ├─ X_0 [B, n+k+2, D] ─┐
-    batch.sequences ─► HistoryCounts ─► [B, 1, D] ┘                      ├─► InterFormer ─► Heads ─► logits [B, T]
+    batch.sequences ─► HistoryCounts ─► [B, 1, D] │                      ├─► InterFormer ─► Heads ─► logits [B, T]
+    batch.embeddings ─► Linear dim→D each ─► [B, e, D] ┘ (precomputed vectors, e.g. ad content; e may be 0)
     batch.sequences ─► SparseArch (EC) + ages ─► per stream jagged [N, D] ┘   (Wukong ⇄ pyramid towers)
 
 Both sequence paths read the target match (event attribute == the candidate's id of that name).
@@ -86,6 +87,18 @@ def match_attributes(schema: FeatureSchema, stream: str) -> list[tuple[str, str,
         f = feats.get(a.name)
         if f is not None and not f.multi_hot and f.vocab_size == a.vocab_size:
             out.append((schema.stream(stream).attribute_column(a), f.name, f.vocab_size))
+    return out
+
+
+def embedding_tokens(proj: nn.ModuleList, schema: FeatureSchema, emb_BE: torch.Tensor | None) -> list[torch.Tensor]:
+    """One [B, 1, D] X_0 token per embedding feature: its slice of ``Batch.embeddings`` through its Linear."""
+    if emb_BE is None:
+        raise ValueError(f"the schema has embedding features {[f.name for f in schema.embeddings]} "
+                         "but the batch carries no embeddings")
+    out, start = [], 0
+    for f, lin in zip(schema.embeddings, proj):
+        out.append(lin(emb_BE[:, start:start + f.dim].to(lin.weight.dtype)).unsqueeze(1))
+        start += f.dim
     return out
 
 
@@ -196,7 +209,8 @@ class GEM(TableModel):
                                 for name in self.streams}
             self.history_counts = (HistoryCounts(schema, self.streams, self.match_pairs, cfg.count_decay_hours, D)
                                    if cfg.count_decay_hours and self.streams else None)
-            n_x = len(schema.sparse) + (cfg.dense_tokens if F else 0) + 1 + (self.history_counts is not None)
+            n_x = (len(schema.sparse) + (cfg.dense_tokens if F else 0) + 1 + (self.history_counts is not None)
+                   + len(schema.embeddings))
             self.target_match = nn.ModuleDict({name: nn.Linear(len(cols), D, bias=False)
                                                for name, cols in self.match_pairs.items() if cols})
             self.interformer = InterFormer(n_x, D, len(self.streams), cfg.wukong, cfg.sequence, cfg.interformer)
@@ -205,6 +219,10 @@ class GEM(TableModel):
             self.heads = Heads(feat, schema, cfg.heads)
             self.shortcut = (LowOrderShortcut(n_x, D, len(schema.tasks), cfg.shortcut)
                              if cfg.shortcut != "none" else None)
+            # Last, and only when the schema has embedding features: a schema without any builds (and
+            # seeds) exactly the modules it did before the kind existed.
+            self.embedding_proj = (nn.ModuleList([nn.Linear(f.dim, D) for f in schema.embeddings])
+                                   if schema.embeddings else None)
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
@@ -228,7 +246,8 @@ class GEM(TableModel):
 
     # ------------------------------------------------------------------ forward
     def inputs(self, batch: Batch) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """X_0 [B, n_x, D] (sparse, dense and domain tokens) and per stream (tokens [N, D], lengths [B])."""
+        """X_0 [B, n_x, D] (sparse, dense, domain, history-count and embedding tokens) and per stream
+        (tokens [N, D], lengths [B])."""
         B = batch.batch_size
         tokens = [self.sparse_arch.forward_sparse(batch.sparse, B)]
         if self.dense_arch is not None:
@@ -251,6 +270,8 @@ class GEM(TableModel):
                         name, seq[self.schema.stream(name).event_column].values(), age, flags, lengths))
         if counts:
             tokens.append(self.history_counts(counts).unsqueeze(1))
+        if self.embedding_proj is not None:
+            tokens += embedding_tokens(self.embedding_proj, self.schema, batch.embeddings)
         return torch.cat(tokens, dim=1), seqs
 
     def _match_flags(self, batch: Batch, stream: str, lengths: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,10 @@ dispatches; ``gem`` is GEM). The parts are torchrec.models.dlrm's own ``DenseArc
   (``opengem.model.din``: the query is GEM's target-match rule), then every token and the dense
   vector concatenated into the OverArch, as DIN feeds its MLP.
 - Domain: one more sparse token (GEM's ``heads.domain_mode=shared`` reading of the surface).
-- Dense: torchrec's ``DenseArch`` [F → 4D → D] on GEM's ``DenseNormalizer`` of the values; with no
-  dense features it reads a constant 1 (a learned vector), since DLRM's interaction needs one.
+- Dense: torchrec's ``DenseArch`` [F + E → 4D → D] on GEM's ``DenseNormalizer`` of the values, the
+  schema's embedding features (E floats, e.g. an ad's content vector) concatenated raw after them, so
+  the peers read what GEM reads; with neither it reads a constant 1 (a learned vector), since DLRM's
+  interaction needs one.
 - Tasks: one ``OverArch`` [in → heads.trunk_dims → heads.task_dims → T] (GEM's head widths) with
   one output per task; a task that ``requires`` another is chained as GEM's heads chain it
   (``heads.chain_required``): p(conversion) = p(click) · σ(own logit) ≤ p(click), trained on all
@@ -95,7 +97,7 @@ class PeerModel(TableModel):
         with torch.device(device) if device is not None else nullcontext():
             self.sparse_arch = SparseArch(schema, cfg.sparse, D, device)
             self.domain_emb = nn.Embedding(schema.num_domains, D)
-            self.dense_arch = DenseArch(max(len(schema.dense), 1), [4 * D, D])
+            self.dense_arch = DenseArch(max(len(schema.dense) + schema.embedding_dim, 1), [4 * D, D])
             self.dense_norm = DenseNormalizer(len(schema.dense), cfg.dense_norm)  # GEM's, so peers see the same inputs
             self.pool = DINPooling(schema, self.streams, D) if cfg.arch == "din" and self.streams else None
             self.inter_arch, self.feature_dim = self._interaction(cfg.arch, n, D)
@@ -163,7 +165,10 @@ class PeerModel(TableModel):
             else:
                 tokens += [mean_pool(*emb[name]).unsqueeze(1) for name in self.streams]
         tokens.append(self.domain_emb(batch.domain).unsqueeze(1))
-        dense = self.dense_norm(batch.dense) if self.schema.dense else batch.dense.new_ones(B, 1)
+        parts = [self.dense_norm(batch.dense)] if self.schema.dense else []
+        if self.schema.embeddings:
+            parts.append(batch.embeddings.to(batch.dense.dtype))
+        dense = torch.cat(parts, dim=1) if parts else batch.dense.new_ones(B, 1)
         return self.inter_arch(self.dense_arch(dense), torch.cat(tokens, dim=1))
 
     def forward(self, batch: Batch) -> torch.Tensor:

@@ -93,6 +93,20 @@ def test_nan_inf_dense(tmp_path):
     assert np.isnan(side.column("activity")[0].as_py()) and side.column("activity")[1].as_py() == -np.inf
 
 
+@pytest.mark.parametrize("bad, reason", [([0.1, float("nan"), 0.0], "embedding content is NaN/inf"),
+                                         ([0.1, 0.2], "embedding content length != 3")])
+def test_bad_embedding_vector(tmp_path, bad, reason):
+    """Quarantine: a NaN vector poisons the loss like a NaN dense value; a vector of another length
+    is not the encoder's output the feature names (padding or cutting it would invent one)."""
+    from opengem.features.schema import EmbeddingFeature
+
+    schema = dataclasses.replace(tiny_schema(), embeddings=(EmbeddingFeature("content", 3, "ad"),))
+    t = random_table(schema, ROWS)
+    v = t.column("content").to_pylist()
+    v[1] = v[4] = bad
+    _quarantined(tmp_path, _write(tmp_path, _set(t, "content", v, pa.list_(pa.float32())), schema), reason, [1, 4])
+
+
 def test_negative_or_out_of_vocab_ids(tmp_path, caplog):
     """Repair, counted and logged once: ids unseen when the vocabulary was fixed (new ads, -1 for
     "unknown") are normal in ads logs; they share the OOV row, as at serving time."""

@@ -6,8 +6,8 @@ Rows keep their input order as the tie-break of equal times; with no ``time`` co
 (across files, in order) is the time, so "earlier" means "above".
 
 Errors: a bad spec is a ``SpecError`` (file and key); a missing column, a cell that is not a number
-where one is needed, a label outside {0, 1} or a domain value not in ``domain.names`` is a
-``ColumnError`` (file, column and value); both are ``ValueError``s.
+where one is needed, a label outside {0, 1}, a domain value not in ``domain.names`` or an embedding
+vector of another length is a ``ColumnError`` (file, column and value or row); both are ``ValueError``s.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from opengem.data.sources.spec import _TIME_UNITS, check_spec, load_spec, time_d
 from opengem.features.schema import (
     DenseFeature,
     Domains,
+    EmbeddingFeature,
     EventAttribute,
     FeatureSchema,
     SequenceStream,
@@ -99,6 +100,7 @@ def convert(in_path: str | Path, out_dir: str | Path, spec: dict | str | Path, s
     dense = {f["column"] for f in spec["dense"]}
     seq = spec.get("sequence", {})
     lists = (seq["column"], seq["times"]) if seq.get("from") == "lists" else ()
+    lists += tuple(f["column"] for f in spec["embeddings"])  # Parquet list<float> columns stay Arrow
     only = set(referenced_columns(spec))
     frames = [(str(f), day, read_table(f, spec.get("sep", ","), dense.__contains__, lists, only))
               for f, day in input_files(in_path, spec)]
@@ -107,7 +109,8 @@ def convert(in_path: str | Path, out_dir: str | Path, spec: dict | str | Path, s
 
 
 def referenced_columns(spec: dict) -> list[str]:
-    cols = [t["column"] for t in spec["tasks"]] + [f["column"] for f in spec["sparse"] + spec["dense"]]
+    cols = [t["column"] for t in spec["tasks"]]
+    cols += [f["column"] for f in spec["sparse"] + spec["dense"] + spec.get("embeddings", [])]
     cols += [spec[k] for k in ("user", "time") if k in spec]
     cols += [spec["domain"]["column"]] if "domain" in spec else []
     seq = spec.get("sequence", {})
@@ -132,6 +135,10 @@ def convert_frames(frames: list[tuple[str, int | None, dict]], spec: dict, out_d
         else:
             c[f["name"]] = enc(raw[f["column"]])
         sparse.append(SparseFeature(f["name"], enc.vocab_size, f["group"], multi_hot=bool(f.get("multi_hot"))))
+    embeddings = []
+    for f in spec.get("embeddings", []):
+        c[f["name"]], dim = _vectors(frames, f)
+        embeddings.append(EmbeddingFeature(f["name"], dim, f["group"]))
     names = _domains(spec, raw, frames)
     if "domain" in spec:
         vocab = Vocab(np.array(names))  # sorted; map its positions back to the order of ``names``
@@ -156,9 +163,71 @@ def convert_frames(frames: list[tuple[str, int | None, dict]], spec: dict, out_d
     schema = FeatureSchema(
         sparse=tuple(sparse), dense=tuple(DenseFeature(f["name"], f["group"]) for f in spec["dense"]),
         sequences=seqs, tasks=tuple(Task(t["name"], t["name"], requires=t.get("requires")) for t in spec["tasks"]),
-        domains=Domains(tuple(names)), meta={"source": (source or {}).get("kind", "generic"), "spec": spec})
+        domains=Domains(tuple(names)), meta={"source": (source or {}).get("kind", "generic"), "spec": spec},
+        embeddings=tuple(embeddings))
     splits = {s: [d] for d, s in enumerate(SPLITS)}
     return write_dataset(out_dir, schema, c, day, splits=splits, source=info, **write)
+
+
+def _vectors(frames, f: dict) -> tuple[tuple[np.ndarray, np.ndarray], int]:
+    """((flat float32 values, lengths), dim) of embedding column ``f`` over every frame, in row order:
+    Parquet list<number> columns as they are, strings split by ``f["sep"]``. Every row must hold
+    ``dim`` finite numbers (``f["dim"]``, else the first row's count); anything else is a ColumnError."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    col, dim, flats, lens = f["column"], f.get("dim"), [], []
+    for name, _, table in frames:
+        where = f"{name} column {col!r}"
+        v = table[col]
+        if isinstance(v, (pa.ChunkedArray, pa.Array)) and pa.types.is_nested(v.type):
+            t = v.type
+            if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)) or not (
+                    pa.types.is_floating(t.value_type) or pa.types.is_integer(t.value_type)):
+                raise ColumnError(f"{where}: an embedding column must be a list of numbers, got {t}")
+            if v.null_count:
+                row = int(np.flatnonzero(v.is_null().to_numpy(zero_copy_only=False))[0])
+                raise ColumnError(f"{where}: row {row} is null")
+            flat = pc.list_flatten(v)
+            if flat.null_count:
+                row = int(pc.list_parent_indices(v).to_numpy()[np.flatnonzero(flat.is_null().to_numpy(
+                    zero_copy_only=False))[0]])
+                raise ColumnError(f"{where}: row {row} holds a null value")
+            n = pc.list_value_length(v).to_numpy(zero_copy_only=False).astype(np.int64)
+            vals = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.float64)
+        else:
+            if isinstance(v, (pa.ChunkedArray, pa.Array)):
+                v = v.to_numpy(zero_copy_only=False)
+            cells = np.asarray(v).astype(str)
+            parts = [[x for x in str(cell).strip().split(f["sep"]) if x.strip()] for cell in cells]
+            n = np.array([len(p) for p in parts], dtype=np.int64)
+            try:
+                vals = np.array([float(x) for p in parts for x in p], dtype=np.float64)
+            except ValueError:
+                bad = next((i, x) for i, p in enumerate(parts) for x in p if not _is_number(x))
+                raise ColumnError(f"{where}: row {bad[0]}: {bad[1]!r} is not a number") from None
+        if dim is None and len(n):
+            dim = int(n[0])
+        off = np.flatnonzero(n != dim)
+        if len(off):
+            raise ColumnError(f"{where}: row {int(off[0])} has {int(n[off[0]])} values, expected {dim} "
+                              "(every vector of an embedding column has one length)")
+        if not np.isfinite(vals).all():
+            row = int(np.repeat(np.arange(len(n)), n)[np.flatnonzero(~np.isfinite(vals))[0]])
+            raise ColumnError(f"{where}: row {row} holds NaN/inf")
+        flats.append(vals.astype(np.float32))
+        lens.append(n)
+    if not dim:
+        raise ColumnError(f"column {col!r}: an embedding needs at least one value per row")
+    return (np.concatenate(flats), np.concatenate(lens)), dim
+
+
+def _is_number(x: str) -> bool:
+    try:
+        float(x)
+        return True
+    except ValueError:
+        return False
 
 
 def _event_table(spec: dict, c: dict, raw: dict, encoders: dict, base: Path,

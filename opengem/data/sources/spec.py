@@ -15,6 +15,7 @@ Every key is checked; an unknown key, a missing one or a value of the wrong type
                  {"column": "tags", "group": "user", "multi_hot": "|", "hash_size": 1000},
                  {"column": "slot", "name": "slot_id", "group": "context", "vocab_size": 8}],
       "dense": [{"column": "price", "group": "ad", "transform": "log1p", "fill": 0.0}],
+      "embeddings": [{"column": "image_emb", "name": "ad_content", "group": "ad", "dim": 16, "sep": " "}],
       "domain": {"column": "pid", "names": ["feed", "search"]},
       "user": "user_id",
       "time": "ts", "time_unit": "s",
@@ -32,6 +33,13 @@ Dense: ``transform`` none | log1p (of max(x, 0), the Criteo convention); empty c
 (default: an error). Domain: a column whose values are the surfaces (``names`` fixes their order and
 makes other values an error; default: the sorted values seen; ``all`` is reserved for the pooled
 evaluation slice); absent → one domain ``default``.
+
+Embeddings: precomputed fixed-width float vectors (``EmbeddingFeature``: one X_0 token each), e.g. an
+ad's image or text encoding. The column is a Parquet ``list<float>`` (or fixed-size list), or in CSV
+(or a Parquet string column) a string of numbers split by ``sep`` (default ``|``). ``dim`` (default:
+the first row's length) must hold for every row: a row of another length, an empty or null cell or a
+value that is not a finite number is a ``ColumnError`` naming the file, column and row. ``group``
+defaults to ``ad`` (serving then takes the vector per candidate).
 
 Time: unix seconds (``time_unit`` ms / us for numbers in those units) or ISO-8601 datetimes.
 
@@ -69,12 +77,13 @@ _GROUPS = ("user", "ad", "context")
 _TIME_UNITS = {"s": 1, "ms": 1000, "us": 1_000_000}
 _KEYS = {
     "": ({"files": dict, "sep": str, "tasks": list, "sparse": list, "dense": list, "domain": dict, "user": str,
-          "time": str, "time_unit": str, "sequence": dict, "split": dict, "name": str}, {"tasks"}),
+          "time": str, "time_unit": str, "sequence": dict, "split": dict, "name": str, "embeddings": list}, {"tasks"}),
     "files": ({"train": list, "valid": list, "test": list}, {"train", "test"}),
     "tasks": ({"name": str, "column": str, "requires": str, "positive_at": float}, {"name", "column"}),
     "sparse": ({"column": str, "name": str, "group": str, "hash_size": int, "vocab_size": int, "multi_hot": str},
                {"column"}),
     "dense": ({"column": str, "name": str, "group": str, "transform": str, "fill": float}, {"column"}),
+    "embeddings": ({"column": str, "name": str, "group": str, "dim": int, "sep": str}, {"column"}),
     "domain": ({"column": str, "names": list}, {"column"}),
     "sequence": ({"name": str, "from": str, "item": str, "event": str, "only": str, "max_len": int, "attributes": list,
                   "column": str, "sep": str, "files": list, "user": str, "time": str, "time_unit": str,
@@ -98,13 +107,18 @@ def check_spec(d: object, where: str = "spec") -> dict:
         for k, v in d["files"].items():
             if not all(isinstance(x, str) for x in v):
                 raise SpecError(f"{where}: files.{k} must be a list of file names, got {v!r}")
-    for key in ("tasks", "sparse", "dense"):
+    for key in ("tasks", "sparse", "dense", "embeddings"):
         out[key] = [_obj(x, key, where, f"{key}[{i}]") for i, x in enumerate(d.get(key, []))]
     if not out["tasks"]:
         raise SpecError(f"{where}: tasks must list at least one label column")
-    if not out["sparse"] and not out["dense"]:
-        raise SpecError(f"{where}: needs at least one feature under sparse or dense")
-    for i, f in enumerate(out["sparse"] + out["dense"]):
+    if not out["sparse"] and not out["dense"] and not out["embeddings"]:
+        raise SpecError(f"{where}: needs at least one feature under sparse, dense or embeddings")
+    for f in out["embeddings"]:
+        f.setdefault("group", "ad")
+        f.setdefault("sep", "|")
+        if "dim" in f and f["dim"] <= 0:
+            raise SpecError(f"{where}: embedding {f['column']!r}: dim must be > 0, got {f['dim']}")
+    for i, f in enumerate(out["sparse"] + out["dense"] + out["embeddings"]):
         f.setdefault("name", feature_name(f["column"]))
         f.setdefault("group", "user")
         if f["group"] not in _GROUPS:

@@ -186,3 +186,61 @@ def test_exported_program_runs_every_size(kw):
     for specs in ([(2, 0)], [(2, 1)], [(1, 3), (1, 0)], [(7, -1), (2, 2), (1, 0)], [(40, 5)]):
         diff, _ = _compare(model, schema, _requests(schema, specs, seed=1), fn=program)
         assert diff < TOL, specs
+
+
+@pytest.mark.parametrize("specs", [[(3, -1), (2, 0), (5, 7)], [(1, 4)]])
+def test_serving_module_with_embedding_features(specs):
+    """Precomputed vectors, one per candidate (ad) and one per request (user), serve as they train."""
+    import dataclasses
+
+    from opengem.features.schema import EmbeddingFeature
+
+    schema = dataclasses.replace(tiny_schema(), embeddings=(EmbeddingFeature("content", 5, "ad"),
+                                                            EmbeddingFeature("profile", 3, "user")))
+    model = _model(schema, count_decay_hours=(1.0,))
+    reqs = _requests(schema, specs, seed=17)
+    diff, _ = _compare(model, schema, reqs)
+    assert diff < TOL
+    # the vectors matter: another candidate vector changes that candidate's score
+    layout = Layout(model.max_seq_len(), model.cfg.sequence.recent_len)
+    _, req_model = request_models(schema)
+    x, _ = assemble(schema, [parse(schema, req_model.model_validate(r)) for r in reqs], layout)
+    assert x["embeddings"].shape == (sum(c for c, _ in specs), 8)
+    with torch.no_grad():
+        before = serving_module(model)(x)
+        x["embeddings"][0, :5] += 1.0
+        after = serving_module(model)(x)
+    assert not torch.allclose(before[0], after[0]) and torch.equal(before[1:], after[1:])
+
+
+def test_a_vector_of_the_wrong_length_is_a_422():
+    import dataclasses
+
+    from opengem.export.request import RequestError
+    from opengem.features.schema import EmbeddingFeature
+
+    schema = dataclasses.replace(tiny_schema(), embeddings=(EmbeddingFeature("content", 5, "ad"),))
+    req = synthetic_request(schema, 2, 3)
+    req["candidates"][1]["content"] = [0.0] * 4
+    _, req_model = request_models(schema)
+    with pytest.raises(RequestError, match="needs 5 floats, got 4") as e:
+        parse(schema, req_model.model_validate(req))
+    assert e.value.status == 422 and e.value.field == "candidates.1.content"
+
+
+def test_exported_program_with_an_embedding_feature():
+    """torch.export of a GEM with an ad vector: one graph for any number of candidates."""
+    import dataclasses
+
+    from opengem.features.schema import EmbeddingFeature
+
+    schema = dataclasses.replace(tiny_schema(), embeddings=(EmbeddingFeature("content", 5, "ad"),))
+    model = _model(schema)
+    layout = Layout(model.max_seq_len(), model.cfg.sequence.recent_len)
+    _, req_model = request_models(schema)
+    x = assemble(schema, [parse(schema, req_model.model_validate(r))
+                          for r in _requests(schema, [(3, 23), (5, 11)], seed=7)], layout)[0]
+    program = export_program(serving_module(model), x).module()
+    for specs in ([(2, 3)], [(7, -1), (1, 0)]):  # C = 1 fails the graph's guard with or without vectors (main too)
+        diff, _ = _compare(model, schema, _requests(schema, specs, seed=2), fn=program)
+        assert diff < TOL, specs
