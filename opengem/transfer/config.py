@@ -31,6 +31,7 @@ class KDConfig:
     enabled: bool = True
     weight: float = 3.0  # loss weight of the soft-label term (3 beat 1 by a third of R, benchmarks/transfer.py)
     temperature: float = 1.0  # τ: τ² BCE(s/τ, σ(t/τ)), t the teacher's or adapter's logit
+    heads: tuple[str, ...] = ()  # "student_task:teacher_task" for a task the FM lacks (default: its first head)
 
 
 @dataclass

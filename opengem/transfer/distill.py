@@ -53,6 +53,7 @@ from opengem.run import (
 )
 from opengem.train.trainer import params_sha256
 from opengem.transfer.config import TransferConfig, techniques_config
+from opengem.transfer.objectives import check_teacher_schema, head_map
 from opengem.transfer.share import share_parameters
 from opengem.transfer.stream import SliceStream, domain_ids, slice_rates
 from opengem.transfer.teacher import TeacherService, teacher_snapshot
@@ -77,6 +78,9 @@ def make_trainer(name: str, cfg: Config, tcfg: TransferConfig, data_schema: Feat
     shared = share_parameters(student.backbone, teacher.model, tcfg.share) if tcfg.share.enabled else []
     tr = StudentTrainer(name, student, cfg, tcfg, data_schema, total_steps)  # after sharing: frozen tables stay out
     tr.shared = shared
+    teacher_tasks = teacher.model.schema.task_names
+    if teacher_tasks != data_schema.task_names:
+        tr.head_idx = torch.tensor(head_map(data_schema.task_names, teacher_tasks, tcfg.kd.heads))
     return tr
 
 
@@ -98,8 +102,10 @@ def load_teachers(teacher_run: str | Path, via: str | Path | None, data_schema: 
     """(GEM service, the student's teacher service: GEM itself, or the domain FM fed by GEM); GEM from
     ``snapshot`` if given (else as ``TeacherService.from_run`` picks)."""
     gem = TeacherService.from_run(teacher_run, snapshot=snapshot)
-    if gem.schema.fingerprint() != data_schema.fingerprint():
-        raise SchemaError(f"teacher {teacher_run} was trained on another schema than this data's")
+    try:
+        check_teacher_schema(gem.schema, data_schema)
+    except SchemaError as e:
+        raise SchemaError(f"teacher {teacher_run}: {e}") from None
     return gem, (TeacherService.from_run(via, upstream=gem) if via else gem)
 
 
