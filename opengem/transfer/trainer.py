@@ -74,7 +74,7 @@ class StudentTrainer:
         if self.head_idx is not None:  # a task the teacher lacks reads its closest head (transfer.objectives)
             tout = dataclasses.replace(tout, logits=tout.logits[:, self.head_idx])
         if self.tcfg.rep.enabled:
-            rep = tout.user_rep if self.tcfg.rep.source == "user" else tout.embeddings
+            rep = {"user": tout.user_rep, "row": tout.embeddings, "days": tout.user_hist}[self.tcfg.rep.source]
             if rep is None:
                 raise ValueError(f"student {self.name!r} needs teacher embeddings ({self.tcfg.rep.source}) "
                                  "that the teacher service does not provide")
