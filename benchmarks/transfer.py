@@ -1,8 +1,32 @@
-"""The knowledge-transfer table: transfer ratio R per technique, alone and combined, over seeds;
-the technique set chosen on a valid day, graded once on the test day.
+"""The knowledge-transfer sweep (issue 24) and, with ``--table``, the technique table (issue 21).
 
-    python benchmarks/transfer.py --quick      # a few minutes on 2 CPU cores (no hierarchical rows)
-    python benchmarks/transfer.py              # the fuller table (docs/transfer.md)
+    python benchmarks/transfer.py --quick      # the sweep, reduced grid: ~10 min on 2 CPU cores
+    python benchmarks/transfer.py              # the sweep, whole grid
+    python benchmarks/transfer.py --table [--quick]   # issue 21's table (docs/transfer.md)
+
+**The sweep**: lag {0, 1, 3, 7} days × student data {1, 3} days × objective {matched, mismatched}
+(``--quick``: lag {0, 3} × data {1, 3}, 3,000 users, 3 seeds). Per seed: one world with the surface
+task on (``engage`` on video, ``opengem.data.synthetic_world.SurfaceTask``), one FM (``tiny``)
+trained *continuously* on a view of it without the task (``opengem.transfer.objectives.fm_view``)
+over days 0..V−1, a snapshot published per day; V is the valid day, V+1 the test day. Per (lag,
+data) one pass trains every technique set on video's ``data`` days before V, from the snapshot that
+has seen up to (V − data) − 1 − lag; the same students are graded on click ("matched") and on engage
+("mismatched": KD reads the FM's click head). The set is chosen per cell on valid NE
+(``opengem.transfer.sweep.select_on_valid``, ``require_tuning_split``; development seeds only) and
+the test day grades KD and it once. R's reference: the teacher's head for click; for engage, its
+click head Platt-recalibrated on the students' days (the most the FM alone knows about it). Each
+cell also reports R measured on AUC (ranking) and what the adapter adds to KD's R (calibration).
+The last line is one JSON object: per cell R(KD), R(best), their ratio and the set chosen on valid;
+``ratio_best_vs_kd_stale`` (the mean ratio over cells with R(KD) <= 0.5), ``ratio_best_vs_kd_all``;
+the teacher's inference seconds and rows scored per student training row (``passes``); and the
+table's headline keys (``r_kd``, ``r_best``, ``best``, ``ratio_best_vs_kd``, ``teacher.ne``) as
+means over cells, for ``opengem report``. Hierarchical rows are in ``--table`` only.
+
+**The table** (``--table``): transfer ratio R per technique, alone and combined, over seeds; the
+technique set chosen on a valid day, graded once on the test day.
+
+    python benchmarks/transfer.py --table --quick      # a few minutes on 2 CPU cores (no hierarchical rows)
+    python benchmarks/transfer.py --table              # the fuller table
 
 Per seed: generate a synthetic world (its drift knobs set the staleness), train a GEM teacher on
 the ``train`` days, then in ONE pass over the students' ``distill`` days of one surface (the teacher

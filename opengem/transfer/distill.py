@@ -11,6 +11,7 @@ A student run directory is an ordinary run directory (the served backbone is a `
     RUN/transfer.json     teacher (and --via) runs, techniques, surfaces, splits, shared tables
     RUN/user_rep.pt       the per-user teacher embeddings the student reads (rep.source=user): the
                           feature-store snapshot that serving looks its ``teacher_rep_*`` features up in
+                          (rep.source=days: the daily tables and their projection, ``UserRepHistory``)
     RUN/evaluation.json   the student, the same student alone, its teacher (and GEM) on the same
                           held-out slice, and the transfer ratio R per task
 
@@ -21,6 +22,9 @@ Staleness as a knob (``transfer.snapshot_lag``): when GEM is trained continuousl
 (``opengem train --continue``), its teacher is the snapshot that has seen days up to d − 1 − lag,
 d the first day of the student's split (one teacher for the whole split in this version); the
 snapshot read is recorded in transfer.json (``teacher_snapshot``).
+
+A student's tasks are the data's; a task the teacher lacks (its schema a task view of the data's,
+``opengem.transfer.objectives``) reads the teacher's closest head (``transfer.kd.heads``).
 """
 
 from __future__ import annotations

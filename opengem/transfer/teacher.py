@@ -21,6 +21,8 @@ a feature-store table that the teacher fills as it scores traffic and that is *p
 end of day d − 1 (zeros for a user not seen before); at serving the same vector is one key-value
 lookup by user id, passed as the student's ``teacher_rep_*`` dense user features, so training and
 serving see the same thing. ``rep.source=row`` (the row's own features) is the offline upper bound.
+``rep.source=days`` (LoopFM's representations over time) keeps one table per published day instead
+(``UserRepHistory``): a row of day d reads its user's vectors of the last k published days < d.
 
 The teacher is built and loaded as in training and evaluation (``opengem.run.load_run_model``: meta →
 materialise → load the DCP checkpoint), from a published snapshot when the run has any (a run still
