@@ -469,7 +469,7 @@ def sweep_main(args) -> None:
           f"{head['ratio_best_vs_kd_mismatched']:.2f}, all {head['ratio_best_vs_kd_all']:.2f}")
     per_pass = {p: {k: statistics.fmean(r["passes"][p][k] for r in results)
                     for k in ("teacher_s_per_student_row", "teacher_rows_per_student_row",
-                              "teacher_warmup_rows_per_student_row", "wall_s")}
+                              "teacher_warmup_rows_per_student_row", "wall_s", "student_rows")}
                 for p in results[0]["passes"]}
     votes = collections.Counter(v["best"] for v in cells.values())
     r_kd = statistics.fmean(v["r_kd"] for v in cells.values() if not math.isnan(v["r_kd"]))
