@@ -88,8 +88,10 @@ from opengem.data.synthetic_world import (
     NUM_HOURS,
     NUM_POSITIONS,
     ORGANIC_EVENTS,
+    SURFACE_TASK,
     SURFACES,
     TAG_DAY,
+    SurfaceTask,
     UserBlock,
     World,
     probabilities,
@@ -97,6 +99,8 @@ from opengem.data.synthetic_world import (
     rng_for,
     sigmoid,
     solve_intercept,
+    solve_surface_intercept,
+    surface_task_columns,
 )
 from opengem.data.world_structure import WorldStructure
 from opengem.features.schema import (
@@ -229,6 +233,7 @@ class WorldConfig:
         conversion: the true conversion-given-click model (``ConversionModel``).
         structure_seed: the functional form of the true models (``opengem.data.world_structure``):
             0 is today's demo world; another seed draws which terms exist and how each acts.
+        surface_task: a surface's own objective the FM does not train on (``SurfaceTask``; off).
     """
 
     seed: int = 0
@@ -238,6 +243,7 @@ class WorldConfig:
     click: ClickModel = field(default_factory=ClickModel)
     conversion: ConversionModel = field(default_factory=ConversionModel)
     structure_seed: int = 0
+    surface_task: SurfaceTask = field(default_factory=SurfaceTask)  # off: not in the manifest (``source_config``)
 
     def leaves(self) -> dict[str, tuple[str, object]]:
         """Dotted key → (declared type, value), for every knob."""
@@ -301,6 +307,8 @@ class WorldConfig:
         s, imp = self.sizes, self.impressions
         if imp.target_frac + imp.retarget_frac > 1:
             bad("impressions.retarget_frac", f"+ impressions.target_frac ({imp.target_frac}) must be <= 1")
+        if not self.surface_task.surface < len(SURFACES) or not 0 < self.surface_task.target_rate < 1:
+            bad("surface_task.surface", f"must be < {len(SURFACES)} with surface_task.target_rate in (0, 1)")
         if s.num_campaigns < s.num_advertisers:
             bad("sizes.num_campaigns", f"must be >= sizes.num_advertisers ({s.num_advertisers})")
         if s.num_content_items < s.num_categories:
@@ -338,6 +346,8 @@ def build_schema(cfg: WorldConfig) -> FeatureSchema:
             SequenceStream("ads", n_ads, len(ADS_EVENTS), beh.ads_max_len, **ads_attrs)]
     tasks = [Task("click", "click", "p_click"), Task("conversion", "conversion", "p_conversion", requires="click")]
     embeddings = (EmbeddingFeature("ad_content", cfg.click.content_dim, "ad"),) if cfg.click.content_dim else ()
+    if cfg.surface_task.enabled:
+        tasks.append(Task(SURFACE_TASK, SURFACE_TASK, f"p_{SURFACE_TASK}"))
     return FeatureSchema(sparse=tuple(sparse), dense=tuple(dense), sequences=tuple(seqs), tasks=tuple(tasks),
                          domains=Domains(SURFACES, "domain"), embeddings=embeddings,
                          meta={"source": "synthetic", "seed": cfg.seed, "formats": list(FORMATS),
@@ -435,6 +445,7 @@ def _table(schema: FeatureSchema, c: dict, p_click, p_cvr) -> pa.Table:
         out[name] = list_array(*v) if isinstance(v, tuple) else pa.array(v)
     out.update(click=pa.array(click.astype(np.int8)), conversion=pa.array(conv.astype(np.int8)),
                p_click=pa.array(p_click), p_conversion=pa.array(p_click * p_cvr))
+    out.update({k: pa.array(v) for k, v in c.get("_surface_task", {}).items()})
     return pa.table(out)
 
 
@@ -552,18 +563,22 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
 
     # Calibrate the intercepts on all rows of block 0 (its rows are regenerated, bit-identical, below).
     ub = UserBlock(world, 0)
-    z, zc = [], []
+    z, zc, surf = [], [], []
     for d in range(cfg.sizes.num_days):
-        _, _, ct, vt = probabilities(world, _impressions(world, ub, d, 0), b0=0.0, c0=0.0)
+        c = _impressions(world, ub, d, 0)
+        _, _, ct, vt = probabilities(world, c, b0=0.0, c0=0.0)
         z.append(sum(ct.values()))
         zc.append(sum(vt.values()))
+        if cfg.surface_task.enabled:
+            surf.append((c, ct))
     z, zc = np.concatenate(z), np.concatenate(zc)
     if len(z) == 0:
         raise ValueError("block 0 has no impressions to calibrate on; raise sizes.num_users or "
                          "impressions.impressions_per_day")
     world.b0 = solve_intercept(z, cfg.click.target_ctr)
     world.c0 = solve_intercept(zc, cfg.conversion.target_cvr, weights=sigmoid(world.b0 + z))
-    del z, zc
+    world.e0 = solve_surface_intercept(world, surf) if cfg.surface_task.enabled else None
+    del z, zc, surf
 
     writer = ShardWriter(out_dir, schema, layout=LAYOUTS[layout])
     histories = sorted(stream_columns(schema))
@@ -583,6 +598,8 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
         for d in range(cfg.sizes.num_days):
             c = _impressions(world, ub, d, b)
             p_click, p_cvr, ct, vt = probabilities(world, c)
+            if cfg.surface_task.enabled:
+                c["_surface_task"] = surface_task_columns(world, c, ct, b, d)
             table = _table(schema, c, p_click, p_cvr)
             stats.add(d, c, table, ct, vt)
             if writer.layout == LAYOUT_V2:
@@ -593,6 +610,8 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
                 watcher.add(d, columns_from_table(table))  # what the shard holds, nothing more
         del ub
     result = stats.result(world)
+    if world.e0 is not None:
+        result["calibration"]["e0"] = float(world.e0)
     if watcher is not None:
         result[watcher.stats_key] = _plain(watcher.result())
     return writer.close(splits_for(cfg), source={"kind": "synthetic", "config": manifest_config(cfg),
@@ -600,12 +619,15 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
 
 
 def manifest_config(cfg: WorldConfig) -> dict:
-    """``asdict(cfg)`` as the manifest stores it: without the content-vector keys while they are off, so
-    a world without them writes the manifest it always did (``from_dict`` fills in the defaults)."""
+    """``asdict(cfg)`` as the manifest stores it: the content-vector keys and the surface task only when
+    they are on, so a world without them writes the manifest it always did (``from_dict`` fills in the
+    defaults)."""
     d = asdict(cfg)
     if not cfg.click.content_dim:
         for k in ("content_dim", "content_sigma"):
             d["click"].pop(k)
+    if not cfg.surface_task.enabled:
+        del d["surface_task"]
     return d
 
 

@@ -21,6 +21,8 @@ Times inside this module are seconds relative to the start of day 0 ("rel"); the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from opengem.data.world_structure import (
@@ -508,3 +510,72 @@ def solve_intercept(z: np.ndarray, target: float, weights: np.ndarray | None = N
         m = np.average(sigmoid(mid + z), weights=weights)
         lo, hi = (mid, hi) if m < target else (lo, mid)
     return 0.5 * (lo + hi)
+
+
+# ------------------------------------------------------------------------------ a surface's own objective
+TAG_SURFACE_TASK = 4
+SURFACE_TASK = "engage"  # the task, label column; its true probability is ``p_engage``
+
+
+@dataclass
+class SurfaceTask:
+    """A surface-specific objective the FM does not train on (issue 24, mismatched objectives); off by default.
+
+    On the rows of surface ``surface`` (an index into ``SURFACES``; NaN elsewhere: only that surface
+    logs it) a label ``engage`` ~ Bernoulli(p_engage) is drawn, with
+
+        logit = e0 + click_share · (click logit − b0) + beta_own · own,
+        own   = (⟨segment, category⟩ own factors + advertiser own effect + format own effect) / √3
+
+    the own factors drawn once from ``rng_for(seed, TAG_SURFACE_TASK)`` (no draw of the default world
+    moves) and e0 solved on block 0's rows of the surface so its mean is ``target_rate``. The label's
+    uniforms come from ``rng_for(seed, TAG_SURFACE_TASK, block, day)``. ``click_share`` is how much of
+    click's drivers it shares: what a click FM's head can transfer."""
+
+    enabled: bool = False
+    surface: int = 1  # video
+    click_share: float = 0.6
+    beta_own: float = 1.0
+    target_rate: float = 0.05
+
+
+def _surface_factors(world) -> dict:
+    own = getattr(world, "_surface_task_factors", None)
+    if own is None:
+        cfg = world.cfg
+        rng = rng_for(cfg.seed, TAG_SURFACE_TASK)
+        s = cfg.sizes
+        own = {"seg_cat": rng.standard_normal((s.num_segments, s.num_categories)),
+               "advertiser": rng.standard_normal(s.num_advertisers),
+               "format": rng.standard_normal(len(FORMATS))}
+        world._surface_task_factors = own
+    return own
+
+
+def surface_task_logit(world, c: dict, click_terms: dict) -> np.ndarray:
+    """The surface task's logit without its intercept e0, for every row of ``c`` (module docstring)."""
+    st = world.cfg.surface_task
+    f = _surface_factors(world)
+    own = (f["seg_cat"][c["segment"], c["category"]] + f["advertiser"][c["advertiser_id"]]
+           + f["format"][c["format"]]) / np.sqrt(3.0)
+    return st.click_share * sum(click_terms.values()) + st.beta_own * own
+
+
+def solve_surface_intercept(world, rows: list[tuple[dict, dict]]) -> float:
+    """e0 over block 0's rows of the surface: ``rows`` are (columns, click terms) pairs."""
+    st = world.cfg.surface_task
+    z = [surface_task_logit(world, c, ct)[np.asarray(c["domain"]) == st.surface] for c, ct in rows]
+    z = np.concatenate(z) if z else np.zeros(0)
+    if len(z) == 0:
+        raise ValueError("block 0 has no rows of surface_task.surface to calibrate the surface task on")
+    return solve_intercept(z, st.target_rate)
+
+
+def surface_task_columns(world, c: dict, click_terms: dict, block: int, day: int) -> dict[str, np.ndarray]:
+    """{``engage``: float32 labels (NaN off the surface), ``p_engage``: float64 (NaN off the surface)}."""
+    st = world.cfg.surface_task
+    on = np.asarray(c["domain"]) == st.surface
+    p = sigmoid(world.e0 + surface_task_logit(world, c, click_terms))
+    u = rng_for(world.cfg.seed, TAG_SURFACE_TASK, block, day).random(len(p))
+    label = np.where(on, (u < p).astype(np.float32), np.float32(np.nan)).astype(np.float32)
+    return {SURFACE_TASK: label, f"p_{SURFACE_TASK}": np.where(on, p, np.nan)}

@@ -8,6 +8,7 @@ Every technique is a switch and they combine freely (ExFM, Li et al. 2025; GEM's
     transfer.adapter   ExFM student adapter: the soft label is the adapter's recalibration of the
                        stale teacher, fitted on the freshest labels each step before the student
     transfer.rep       representation transfer: the teacher's embedding as student input features
+                       (source=days: the user's daily published representations over time, LoopFM)
     transfer.share     parameter sharing: the student's tables start from (or reuse) the teacher's
 
 Staleness is a knob too: ``transfer.snapshot_lag=k`` makes a student of day d read the teacher run's
@@ -31,6 +32,7 @@ class KDConfig:
     enabled: bool = True
     weight: float = 3.0  # loss weight of the soft-label term (3 beat 1 by a third of R, benchmarks/transfer.py)
     temperature: float = 1.0  # τ: τ² BCE(s/τ, σ(t/τ)), t the teacher's or adapter's logit
+    heads: tuple[str, ...] = ()  # "student_task:teacher_task" for a task the FM lacks (default: its first head)
 
 
 @dataclass
@@ -56,6 +58,9 @@ class AdapterConfig:
 class RepConfig:
     enabled: bool = False
     source: str = "user"  # user: the user's cached teacher embedding (free at serving) | row: this row's
+    # | days: the user's teacher representations of the last ``days`` published days, PCA'd to ``dim`` each
+    days: int = 3
+    dim: int = 16
 
 
 @dataclass
@@ -94,8 +99,10 @@ class TransferConfig:
         if self.aux.enabled and self.kd.temperature != 1.0:
             raise ConfigError("transfer.kd.temperature tempers the serving head's KD term; with transfer.aux the "
                               "soft label goes to the auxiliary head untempered: set transfer.kd.temperature=1")
-        if self.rep.source not in ("user", "row"):
-            raise ConfigError(f"transfer.rep.source must be user|row, got {self.rep.source!r}")
+        if self.rep.source not in ("user", "row", "days"):
+            raise ConfigError(f"transfer.rep.source must be user|row|days, got {self.rep.source!r}")
+        if self.rep.days < 1 or self.rep.dim < 1:
+            raise ConfigError("transfer.rep.days and transfer.rep.dim must be >= 1")
         if self.adapter.hidden < 0 or self.adapter.steps < 1 or self.adapter.lr <= 0:
             raise ConfigError("transfer.adapter.hidden must be >= 0, steps >= 1, lr > 0")
         return self

@@ -11,6 +11,7 @@ A student run directory is an ordinary run directory (the served backbone is a `
     RUN/transfer.json     teacher (and --via) runs, techniques, surfaces, splits, shared tables
     RUN/user_rep.pt       the per-user teacher embeddings the student reads (rep.source=user): the
                           feature-store snapshot that serving looks its ``teacher_rep_*`` features up in
+                          (rep.source=days: the daily tables and their projection, ``UserRepHistory``)
     RUN/evaluation.json   the student, the same student alone, its teacher (and GEM) on the same
                           held-out slice, and the transfer ratio R per task
 
@@ -21,6 +22,9 @@ Staleness as a knob (``transfer.snapshot_lag``): when GEM is trained continuousl
 (``opengem train --continue``), its teacher is the snapshot that has seen days up to d − 1 − lag,
 d the first day of the student's split (one teacher for the whole split in this version); the
 snapshot read is recorded in transfer.json (``teacher_snapshot``).
+
+A student's tasks are the data's; a task the teacher lacks (its schema a task view of the data's,
+``opengem.transfer.objectives``) reads the teacher's closest head (``transfer.kd.heads``).
 """
 
 from __future__ import annotations
@@ -53,9 +57,10 @@ from opengem.run import (
 )
 from opengem.train.trainer import params_sha256
 from opengem.transfer.config import TransferConfig, techniques_config
+from opengem.transfer.objectives import check_teacher_schema, head_map
 from opengem.transfer.share import share_parameters
 from opengem.transfer.stream import SliceStream, domain_ids, slice_rates
-from opengem.transfer.teacher import TeacherService, teacher_snapshot
+from opengem.transfer.teacher import TeacherService, UserRepHistory, teacher_snapshot
 from opengem.transfer.trainer import StudentTrainer, evaluate_students, train_students, transfer_ratio
 
 log = logging.getLogger(__name__)
@@ -66,7 +71,7 @@ def make_trainer(name: str, cfg: Config, tcfg: TransferConfig, data_schema: Feat
     """A student for ``tcfg``'s techniques: its schema (+ rep features), aux head, shared tables.
     ``teacher`` needs ``model`` (tables to share) and ``feature_dim`` (rep width) only: a service, or a
     domain FM that is still learning (benchmarks/transfer.py's online hierarchy)."""
-    schema = student_schema(data_schema, teacher.feature_dim if tcfg.rep.enabled else 0)
+    schema = student_schema(data_schema, rep_width(tcfg, teacher.feature_dim))
     aux = None
     if tcfg.kd.enabled and tcfg.aux.enabled:
         h = cfg.model.heads
@@ -77,7 +82,26 @@ def make_trainer(name: str, cfg: Config, tcfg: TransferConfig, data_schema: Feat
     shared = share_parameters(student.backbone, teacher.model, tcfg.share) if tcfg.share.enabled else []
     tr = StudentTrainer(name, student, cfg, tcfg, data_schema, total_steps)  # after sharing: frozen tables stay out
     tr.shared = shared
+    teacher_tasks = teacher.model.schema.task_names
+    if teacher_tasks != data_schema.task_names:
+        tr.head_idx = torch.tensor(head_map(data_schema.task_names, teacher_tasks, tcfg.kd.heads))
     return tr
+
+
+def rep_width(tcfg: TransferConfig, feature_dim: int) -> int:
+    """How many ``teacher_rep_*`` features the student reads (0 without ``rep``)."""
+    if not tcfg.rep.enabled:
+        return 0
+    return tcfg.rep.days * tcfg.rep.dim if tcfg.rep.source == "days" else feature_dim
+
+
+def keep_history(tcfg: TransferConfig, teacher: TeacherService) -> bool:
+    """Give ``teacher`` a daily representation table if the student reads one (rep.source=days); True if so."""
+    if not (tcfg.rep.enabled and tcfg.rep.source == "days"):
+        return False
+    if teacher.history is None:
+        teacher.history = UserRepHistory(teacher.feature_dim, tcfg.rep.days, tcfg.rep.dim)
+    return True
 
 
 def reads_user_cache(tcfg: TransferConfig, teacher: TeacherService) -> bool:
@@ -98,8 +122,10 @@ def load_teachers(teacher_run: str | Path, via: str | Path | None, data_schema: 
     """(GEM service, the student's teacher service: GEM itself, or the domain FM fed by GEM); GEM from
     ``snapshot`` if given (else as ``TeacherService.from_run`` picks)."""
     gem = TeacherService.from_run(teacher_run, snapshot=snapshot)
-    if gem.schema.fingerprint() != data_schema.fingerprint():
-        raise SchemaError(f"teacher {teacher_run} was trained on another schema than this data's")
+    try:
+        check_teacher_schema(gem.schema, data_schema)
+    except SchemaError as e:
+        raise SchemaError(f"teacher {teacher_run}: {e}") from None
     return gem, (TeacherService.from_run(via, upstream=gem) if via else gem)
 
 
@@ -121,9 +147,11 @@ def distill(teacher_run: str | Path, recipe_name: str, data_dir: str | Path, out
     gem, teacher = load_teachers(teacher_run, via, data_schema, snap[0] if snap else None)
     domains = domain_ids(data_schema, tcfg.domains)
     rates, n_slice, n_all = slice_rates(data_dir, data_schema, tcfg.train_split, domains)
+    days = keep_history(tcfg, teacher)
     stream = SliceStream(data_dir, tcfg.train_split, data_schema, domains, teacher, cfg.data.batch_size,
                          seed=cfg.data.seed, slice_rows=n_slice, all_rows=n_all,
-                         warmup_days=int(reads_user_cache(tcfg, teacher)))
+                         warmup_days=tcfg.rep.days if days else int(reads_user_cache(tcfg, teacher)),
+                         exact_days=days)
     trainers = [make_trainer("student", cfg, tcfg, data_schema, teacher, rates, stream.steps)]
     if tcfg.baseline:
         alone = techniques_config([], domains=tcfg.domains)
@@ -133,7 +161,7 @@ def distill(teacher_run: str | Path, recipe_name: str, data_dir: str | Path, out
     scored = {"teacher_calls": teacher.calls - stream.warm_calls, "teacher_rows": teacher.rows - stream.warm_rows,
               "teacher_warmup_rows": stream.warm_rows}
     test = SliceStream(data_dir, tcfg.eval_split, data_schema, domains, teacher, EVAL_BATCH, shuffle=False,
-                       update_cache=False)
+                       update_cache=False, exact_days=days)
     ev = evaluate_students(trainers, test, data_schema, rates, {"gem": gem} if via else None)
     out = report(ev, tcfg, via is not None, test.rows)
     out["times"] = {"train_s": t_train, "total_s": time.perf_counter() - t0}
@@ -172,6 +200,8 @@ def save_run(run: Path, tr: StudentTrainer, cfg: Config, tcfg: TransferConfig, r
                                      "shared": tr.shared, "rep_dim": rep_dim_of(schema)})
     if tcfg.rep.enabled and tcfg.rep.source == "user":
         torch.save(teacher.cache.state_dict(), run / USER_REP_FILE)
+    if tcfg.rep.enabled and tcfg.rep.source == "days":  # the daily tables serving looks the stream up in
+        torch.save(teacher.history.state_dict(), run / USER_REP_FILE)
     ckpt = save_checkpoint(run, tr.step_n, backbone, [], {"schema": schema.fingerprint(), "step": tr.step_n,
                                                           "examples": tr.examples})
     evaluation = {**evaluation, "run": str(run)}

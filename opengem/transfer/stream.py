@@ -140,7 +140,7 @@ class SliceStream:
     def __init__(self, data_dir: str | Path, split: str, schema: FeatureSchema, domains: list[int], teacher,
                  batch_size: int, *, shuffle: bool = True, seed: int = 0, update_cache: bool = True,
                  slice_rows: int | None = None, all_rows: int | None = None, warmup_days: int = 0,
-                 teacher_batch: int = 2048):
+                 teacher_batch: int = 2048, exact_days: bool = False):
         if slice_rows is None or all_rows is None:
             _, slice_rows, all_rows = slice_rates(data_dir, schema, split, domains)
         self.rows, self.batch_size = slice_rows, batch_size
@@ -154,10 +154,20 @@ class SliceStream:
         self.warm_calls = self.warm_rows = 0
         # student steps per pass (for the lr schedules): every chunk ends in a partial piece
         self.steps = math.ceil(slice_rows / batch_size) + math.ceil(all_rows / read)
-        first = min(DatasetManifest.load(data_dir).splits[split])
+        split_days = sorted(DatasetManifest.load(data_dir).splits[split])
+        first = split_days[0]
         days = list(range(max(0, first - warmup_days), first))
         self.warmup = day_loader(data_dir, days, read, schema, shuffle=False, max_seq_len=teacher.max_seq_len(),
                                  prefetch=2) if days else None
+        # exact_days: one loader per day, so that no chunk straddles two days and every row's day is its
+        # chunk's (a teacher keeping daily representations publishes by it: rows must not read their own day)
+        self.exact_days = exact_days
+        if exact_days:
+            self.steps += len(split_days)
+            kw = {"max_seq_len": teacher.max_seq_len(), "prefetch": 2, "epochs": 1}
+            self._day_loaders = lambda ds, shuf: [day_loader(data_dir, [d], read, schema, shuffle=shuf, seed=seed,
+                                                             **kw) for d in ds]
+            self._split_days, self._shuffle, self._warm_days = split_days, shuffle, days
 
     def _slice(self, loader: ShardLoader) -> Iterator[tuple[Batch, int]]:
         for batch, day in _with_days(loader):
@@ -168,14 +178,23 @@ class SliceStream:
                 batch = select_rows(batch, rows)
             yield batch, day
 
+    def _exact(self, days: list[int], shuffle: bool) -> Iterator[tuple[Batch, int]]:
+        for d, loader in zip(days, self._day_loaders(days, shuffle)):
+            for batch, _ in self._slice(loader):
+                yield batch, d
+
     def batches(self) -> Iterator[tuple[Batch, int]]:
         """(chunk, day): the students' rows before the teacher (what ``cache_to_parquet`` consumes)."""
+        if self.exact_days:
+            yield from self._exact(self._split_days, self._shuffle)
+            return
         yield from self._slice(self.loader)
 
     def __iter__(self):
         calls, rows = self.teacher.calls, self.teacher.rows
         if self.warmup is not None:
-            for batch, day in self._slice(self.warmup):
+            warm = self._exact(self._warm_days, False) if self.exact_days else self._slice(self.warmup)
+            for batch, day in warm:
                 self.teacher.predict(batch, True, day)
         self.warm_calls, self.warm_rows = self.teacher.calls - calls, self.teacher.rows - rows
         for chunk, day in self.batches():

@@ -21,6 +21,8 @@ a feature-store table that the teacher fills as it scores traffic and that is *p
 end of day d − 1 (zeros for a user not seen before); at serving the same vector is one key-value
 lookup by user id, passed as the student's ``teacher_rep_*`` dense user features, so training and
 serving see the same thing. ``rep.source=row`` (the row's own features) is the offline upper bound.
+``rep.source=days`` (LoopFM's representations over time) keeps one table per published day instead
+(``UserRepHistory``): a row of day d reads its user's vectors of the last k published days < d.
 
 The teacher is built and loaded as in training and evaluation (``opengem.run.load_run_model``: meta →
 materialise → load the DCP checkpoint), from a published snapshot when the run has any (a run still
@@ -54,11 +56,13 @@ class TeacherOutput:
     logits: torch.Tensor  # [B, T]
     embeddings: torch.Tensor | None = None  # [B, E]
     user_rep: torch.Tensor | None = None  # [B, E]
+    user_hist: torch.Tensor | None = None  # [B, k·r]: the user's last k published daily representations
 
     def select(self, rows: torch.Tensor | None) -> TeacherOutput:
         if rows is None:
             return self
-        return TeacherOutput(*(None if x is None else x[rows] for x in (self.logits, self.embeddings, self.user_rep)))
+        return TeacherOutput(*(None if x is None else x[rows]
+                               for x in (self.logits, self.embeddings, self.user_rep, self.user_hist)))
 
 
 class UserRepCache:
@@ -121,6 +125,97 @@ class UserRepCache:
         return c
 
 
+class UserRepHistory:
+    """Per user, the teacher's daily published representations (LoopFM's historical embeddings).
+
+    Each day the teacher scores closes into one table: user id → the mean of that day's embeddings
+    of the user's rows, projected to ``dim`` by a fixed PCA (fitted on the first day published, then
+    frozen, so every day's vectors live in one space). A row of day d reads its user's vectors of the
+    ``days`` latest *published* days before d, newest first, as k·r dense features (zeros for a day
+    the user was not seen): never its own day or later (``lookup`` refuses them by construction: a day
+    is published only once the teacher has moved past it, and only days < d are read).
+
+    Why dense features of the last k days, projected, rather than a pooled stream inside the model:
+    the served backbone stays a plain GEM (no new module, nothing run at serving but a key-value
+    lookup of k·r floats), and the projection keeps the input small (3 × 16 against the 320 of the
+    per-user mean, which over-fit a student with ≈1,400 clicks); the student's dense arch learns the
+    weighting over days that pooling would have fixed."""
+
+    def __init__(self, dim_in: int, days: int = 3, dim: int = 16):
+        self.dim_in, self.days, self.dim = dim_in, days, dim
+        self.tables: dict[int, tuple[dict[int, int], torch.Tensor]] = {}  # day → (user → row, [U, r])
+        self.proj: tuple[torch.Tensor, torch.Tensor] | None = None  # (mean [E], basis [E, r])
+        self.live: tuple[int, dict[int, int], list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def update(self, day: int, user_ids: torch.Tensor, emb_BE: torch.Tensor) -> None:
+        if self.live is not None and self.live[0] != day:
+            self.publish()
+        if self.live is None:
+            self.live = (day, {}, [], [])
+        _, slot, sums, counts = self.live
+        rows = []
+        for u in user_ids.tolist():
+            s = slot.get(u)
+            if s is None:
+                s = slot[u] = len(slot)
+            rows.append(s)
+        idx = torch.tensor(rows, dtype=torch.long)
+        n = len(slot)
+        acc = torch.zeros(n, self.dim_in)
+        cnt = torch.zeros(n)
+        acc.index_add_(0, idx, emb_BE.float())
+        cnt.index_add_(0, idx, torch.ones(len(idx)))
+        sums.append(acc)
+        counts.append(cnt)
+
+    def publish(self) -> None:
+        """Close the live day into its published table (the teacher has moved on to a later day)."""
+        if self.live is None:
+            return
+        day, slot, sums, counts = self.live
+        self.live = None
+        n = len(slot)
+        total, cnt = torch.zeros(n, self.dim_in), torch.zeros(n)
+        for a, c in zip(sums, counts):
+            total[: len(a)] += a
+            cnt[: len(c)] += c
+        mean = total / cnt.clamp(min=1).unsqueeze(1)
+        if self.proj is None:
+            mu = mean.mean(0)
+            x = mean - mu
+            r = min(self.dim, n, self.dim_in)
+            _, _, v = torch.linalg.svd(x, full_matrices=False)
+            basis = torch.zeros(self.dim_in, self.dim)
+            basis[:, :r] = v[:r].T
+            scale = (x @ basis).std(0).clamp(min=1e-6)  # unit variance per component on the fitting day
+            self.proj = (mu, basis / scale)
+        mu, basis = self.proj
+        self.tables[day] = (slot, (mean - mu) @ basis)
+
+    def lookup(self, user_ids: torch.Tensor, day: int) -> torch.Tensor:
+        """[B, days·dim]: each user's vectors of the ``days`` latest published days before ``day``."""
+        past = sorted((d for d in self.tables if d < day), reverse=True)[: self.days]
+        out = torch.zeros(len(user_ids), self.days, self.dim)
+        ids = user_ids.tolist()
+        for j, d in enumerate(past):
+            slot, table = self.tables[d]
+            rows = [(i, slot[u]) for i, u in enumerate(ids) if u in slot]
+            if rows:
+                i, s = map(torch.tensor, zip(*rows))
+                out[i, j] = table[s]
+        return out.reshape(len(ids), -1)
+
+    def state_dict(self) -> dict:
+        """The published tables and the projection (what serving reads, keyed by user id and day)."""
+        return {"days": self.days, "dim": self.dim, "proj": self.proj,
+                "tables": {d: {"user_ids": torch.tensor(sorted(slot, key=slot.get), dtype=torch.long), "reps": t}
+                           for d, (slot, t) in self.tables.items()}}
+
+    def days_read(self, day: int) -> list[int]:
+        """The published days a row of ``day`` reads (for tests and reports)."""
+        return sorted((d for d in self.tables if d < day), reverse=True)[: self.days]
+
+
 class TeacherService:
     """A frozen teacher, called once per batch; every student reads the same ``TeacherOutput``.
 
@@ -132,7 +227,8 @@ class TeacherService:
     """
 
     def __init__(self, model: torch.nn.Module, user_cache: bool = True, upstream: TeacherService | None = None,
-                 upstream_source: str = "user", embedding: str = "features"):
+                 upstream_source: str = "user", embedding: str = "features",
+                 history: tuple[int, int] | None = None):
         if embedding not in ("trunk", "features"):
             raise ValueError(f"teacher embedding must be trunk|features, got {embedding!r}")
         self.model = model.eval().requires_grad_(False)
@@ -142,6 +238,8 @@ class TeacherService:
             raise ValueError("this teacher reads teacher embeddings (teacher_rep_* features): pass its upstream teacher")
         self.upstream, self.upstream_source = upstream, upstream_source
         self.cache = UserRepCache(self.feature_dim) if user_cache else None
+        # (days, dim): also keep the daily published representations (rep.source=days students)
+        self.history = UserRepHistory(self.feature_dim, *history) if history else None
         self.calls, self.rows, self.day = 0, 0, None
 
     @classmethod
@@ -191,14 +289,22 @@ class TeacherService:
         logits, feats = forward_with_features(self.model, batch)
         if self.embedding == "trunk":
             feats = self.model.heads.trunk(feats)
-        user_rep = None
+        user_rep = user_hist = None
         if self.cache is not None:
             user_rep = self.cache.lookup(batch.user_id)
             if update_cache:
                 self.cache.update(batch.user_id, feats)
+        if self.history is not None:
+            if day is None:
+                raise ValueError("a teacher keeping daily representations needs each batch's day")
+            if self.history.live is not None and self.history.live[0] != day:
+                self.history.publish()  # the teacher moved on: the day's table is published
+            user_hist = self.history.lookup(batch.user_id, day)
+            if update_cache:
+                self.history.update(day, batch.user_id, feats)
         self.calls += 1
         self.rows += batch.batch_size
-        return TeacherOutput(logits.float(), feats.float(), user_rep)
+        return TeacherOutput(logits.float(), feats.float(), user_rep, user_hist)
 
     def cache_to_parquet(self, batches, path: str | Path, update_cache: bool = True, meta: dict | None = None) -> int:
         """Score ``batches`` ((batch, day) pairs, e.g. ``SliceStream.batches()``) once and write the

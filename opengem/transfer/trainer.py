@@ -11,6 +11,7 @@ small by construction).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -55,6 +56,7 @@ class StudentTrainer:
         self.data_schema = data_schema
         self.caps = dict(student.max_seq_len())
         self.shared: list[str] = []  # tables shared from the teacher (set by whoever built the student)
+        self.head_idx: torch.Tensor | None = None  # teacher head per student task, when their tasks differ
         self.step_n = self.examples = 0
         self.sums = {"loss_true": 0.0, "loss_distill": 0.0, "loss_adapter": 0.0}
         self.wall = 0.0
@@ -69,8 +71,10 @@ class StudentTrainer:
             idx = rows.nonzero().squeeze(1)
             batch, tout = select_rows(batch, idx), tout.select(idx)
         batch = cap_history(batch, self.data_schema, self.caps)
+        if self.head_idx is not None:  # a task the teacher lacks reads its closest head (transfer.objectives)
+            tout = dataclasses.replace(tout, logits=tout.logits[:, self.head_idx])
         if self.tcfg.rep.enabled:
-            rep = tout.user_rep if self.tcfg.rep.source == "user" else tout.embeddings
+            rep = {"user": tout.user_rep, "row": tout.embeddings, "days": tout.user_hist}[self.tcfg.rep.source]
             if rep is None:
                 raise ValueError(f"student {self.name!r} needs teacher embeddings ({self.tcfg.rep.source}) "
                                  "that the teacher service does not provide")

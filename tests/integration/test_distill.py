@@ -134,3 +134,41 @@ def test_distill_demo_returns_the_student_and_its_teacher_on_one_slice(gem_run, 
     assert out["metrics"]["all/click"]["n"] == out["teacher"]["all/click"]["n"] == _slice_rows(data, "test", "video")
     assert "student NE" in distill_line(out) and "teacher NE" in distill_line(out)
     assert (tmp_path / "vm" / EVALUATION_FILE).exists()
+
+
+@pytest.fixture(scope="module")
+def mismatched_run(tmp_path_factory):
+    """A tiny world with the surface task (``engage`` on video) and a GEM trained on a view without it."""
+    from opengem.data.synthetic import generate
+    from opengem.recipes import recipe, world_config
+    from opengem.train.trainer import train
+    from opengem.transfer.objectives import fm_view
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("kt_mismatched")
+    data, run = root / "data", root / "gem"
+    generate(world_config("tiny", seed=3, overrides=["surface_task.enabled=true"]), data, progress=False)
+    cfg = recipe("tiny")
+    cfg.train.progress, cfg.train.threads = False, 1
+    train(cfg, fm_view(data, root / "fm_view", ["engage"]), run)
+    yield data, run
+    torch.set_num_threads(n)
+
+
+def test_a_student_of_a_task_the_fm_lacks_distils_from_its_closest_head(mismatched_run, tmp_path):
+    data, gem = mismatched_run
+    assert json.loads((gem / SCHEMA_FILE).read_text())["tasks"][-1]["name"] == "conversion"  # the FM lacks it
+    vm = tmp_path / "vm"
+    assert _distill(data, gem, vm, "vm_xs", "transfer.domains=video", "data.batch_size=64",
+                    "transfer.rep.enabled=true", "transfer.rep.source=days", "transfer.rep.days=2",
+                    "transfer.rep.dim=4") == 0
+    ev = json.loads((vm / EVALUATION_FILE).read_text())
+    assert set(ev["transfer_ratio"]) == {"click", "conversion", "engage"}
+    m = ev["metrics"]["all/engage"]
+    assert m["n"] == ev["rows"] == _slice_rows(data, "test", "video") and m["ne_bayes"] is not None
+    schema = json.loads((vm / SCHEMA_FILE).read_text())
+    assert [t["name"] for t in schema["tasks"]] == ["click", "conversion", "engage"]
+    assert sum(f["name"].startswith("teacher_rep_") for f in schema["dense"]) == 8  # 2 days × 4
+    hist = torch.load(vm / USER_REP_FILE, weights_only=False)
+    assert max(hist["tables"]) < min(json.loads((data / "dataset.json").read_text())["splits"]["test"])

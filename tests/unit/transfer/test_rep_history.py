@@ -1,0 +1,106 @@
+"""Representation transfer over time (rep.source=days): a row of day d reads its user's daily
+published teacher representations of days < d only, never its own day or later."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from _transfer import make_gem
+
+from opengem.data.parquet import ShardWriter
+from opengem.testing import random_table
+from opengem.transfer.config import techniques_config
+from opengem.transfer.distill import keep_history, rep_width
+from opengem.transfer.stream import SliceStream, domain_ids
+from opengem.transfer.teacher import TeacherService, UserRepHistory
+
+USERS_PER_DAY = 12  # day d's rows belong to users d·12 … d·12 + 11, so a row's day is its user's …
+LOYAL = 48  # … but for every tenth row, user 48's, who comes back every day
+
+
+def test_a_day_is_read_only_by_later_days_and_in_one_fixed_space():
+    h = UserRepHistory(dim_in=6, days=2, dim=3)
+    g = torch.Generator().manual_seed(0)
+    emb = {d: torch.randn(4, 6, generator=g) for d in range(4)}
+    users = torch.tensor([1, 2, 3, 1])
+    h.update(0, users, emb[0])
+    assert h.days_read(1) == [] and not h.lookup(users, 1).any()  # day 0 is live, not published
+    h.update(1, users, emb[1])  # moving to day 1 publishes day 0
+    assert h.days_read(1) == [0] and h.days_read(0) == []
+    out = h.lookup(users, 1)
+    assert out.shape == (4, 6) and not out[:, 3:].any()  # one published day: the second slot is empty
+    mu, basis = h.proj
+    mean1 = (emb[0][0] + emb[0][3]) / 2  # user 1's mean over its two rows of day 0
+    assert torch.allclose(out[0, :3], (mean1 - mu) @ basis, atol=1e-5)
+    h.update(2, torch.tensor([7]), emb[2][:1])
+    h.update(3, torch.tensor([7]), emb[3][:1])
+    assert h.days_read(3) == [2, 1] and h.days_read(2) == [1, 0] and h.days_read(99) == [2, 1]
+    got = h.lookup(torch.tensor([7, 1]), 3)
+    assert got[0, :3].any() and not got[0, 3:].any()  # user 7: day 2 yes, day 1 not seen
+    assert not got[1, :3].any() and got[1, 3:].any()  # user 1: not on day 2, on day 1
+    assert torch.equal(h.proj[1], basis)  # the projection is fitted once and frozen
+
+
+def _days_dataset(out, schema, days=4, n=80):
+    w = ShardWriter(out, schema)
+    for d in range(days):
+        t = random_table(schema, n, seed=d)
+        u = np.where(np.arange(n) % 10 == 0, LOYAL, d * USERS_PER_DAY + np.arange(n) % USERS_PER_DAY)
+        t = t.set_column(t.column_names.index(schema.user_column), schema.user_column, pa.array(u))
+        t = t.set_column(t.column_names.index(schema.day_column), schema.day_column,
+                         pa.array(np.full(n, d, dtype=np.int32)))
+        for part in range(2):  # two shards a day: a chunk straddling shards would straddle days at the boundary
+            w.write(t.slice(part * n // 2, n // 2), f"d{d:03d}-b{part}", d)
+    w.close({"train": [0, 1], "valid": [2, 3], "test": [3]})
+    return out
+
+
+class _Spy(TeacherService):
+    """Records, for every call, the rows' true days and the published days they could read."""
+
+    seen: list
+
+    def predict(self, batch, update_cache=True, day=None):
+        u = batch.user_id
+        true_days = set((u[u != LOYAL] // USERS_PER_DAY).tolist())
+        out = super().predict(batch, update_cache, day)
+        want = torch.zeros(len(u), 2, 4)  # what a row may read: its user's rows of the published days < day
+        for j, d in enumerate(self.history.days_read(day)):
+            slot, table = self.history.tables[d]
+            for i, user in enumerate(u.tolist()):
+                if user in slot:
+                    want[i, j] = table[slot[user]]
+        self.seen.append((day, true_days, self.history.days_read(day), out.user_hist, u, want.reshape(len(u), -1)))
+        return out
+
+
+def test_the_student_stream_never_reads_its_own_day_or_later(schema, tmp_path):
+    data = _days_dataset(tmp_path / "data", schema)
+    tcfg = techniques_config("kd+rep", **{})
+    tcfg.rep.source, tcfg.rep.days, tcfg.rep.dim = "days", 2, 4
+    tcfg.validate()
+    gem = _Spy(make_gem(schema))
+    gem.seen = []
+    assert keep_history(tcfg, gem) and rep_width(tcfg, gem.feature_dim) == 8
+    doms = domain_ids(schema, schema.domains.names)
+    s = SliceStream(data, "valid", schema, doms, gem, 16, seed=0, warmup_days=2, exact_days=True, teacher_batch=16)
+    n = sum(tout.user_hist.shape[0] for _, tout in s)
+    assert n == 160
+    assert {d for d, *_ in gem.seen} == {0, 1, 2, 3}  # the warm-up scored the teacher's days 0 and 1
+    for day, true_days, read, hist, users, want in gem.seen:
+        assert true_days == {day}  # no chunk mixes days
+        assert all(r < day for r in read), (day, read)  # never its own day or later
+        assert read == sorted(range(max(0, day - 2), day), reverse=True)
+        assert hist.shape[1] == 8 and torch.equal(hist, want)
+        # users of day d were never seen before d: their stream is empty; the loyal user's is not (day ≥ 1)
+        assert not hist[users != LOYAL].any()
+        assert bool(hist[users == LOYAL].any()) == (day >= 1)
+
+
+def test_rep_days_validates():
+    tcfg = techniques_config("kd+rep")
+    tcfg.rep.source = "days"
+    tcfg.validate()
+    tcfg.rep.days = 0
+    with pytest.raises(Exception, match="rep.days"):
+        tcfg.validate()
