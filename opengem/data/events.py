@@ -29,26 +29,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from opengem.data.parquet import (
+from opengem.data.parquet import (  # noqa: F401 (TS, event_columns: re-exported, their home is the layout's)
     LAYOUT_V2,
+    TS,
     DataError,
     DatasetManifest,
     EventFileInfo,
     ShardInfo,
+    event_columns,
     read_shard,
     stream_columns,
 )
 from opengem.features.schema import FeatureSchema, SequenceStream
-
-TS = "ts"  # the event time column of an event log (seconds, like request_ts)
-
-
-def event_columns(schema: FeatureSchema, stream: SequenceStream) -> list[str]:
-    """An event log's columns: the user, the time, then what each event carries."""
-    cols = [schema.user_column, TS, "item", "event"] + [a.name for a in stream.attributes]
-    if len(set(cols)) != len(cols):
-        raise DataError(f"stream {stream.name!r}: attribute names clash with the event log's columns {cols[:4]}")
-    return cols
 
 
 def history_column(stream: SequenceStream, col: str) -> str:

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from opengem.features.schema import SCHEMA_FILE, FeatureSchema, SchemaError
+from opengem.features.schema import SCHEMA_FILE, FeatureSchema, SchemaError, SequenceStream
 
 MANIFEST = "dataset.json"
 LAYOUT_V1, LAYOUT_V2 = 1, 2  # the manifest's "layout": v1 copies histories into rows, v2 joins event logs
@@ -109,6 +109,17 @@ class DatasetManifest:
         return cls(files=files, splits=splits, source=d.get("source", {}), layout=layout, events=events)
 
 
+TS = "ts"  # the event time column of an event log (seconds, like request_ts)
+
+
+def event_columns(schema: FeatureSchema, stream: SequenceStream) -> list[str]:
+    """An event log's columns: the user, the time, then what each event carries."""
+    cols = [schema.user_column, TS, "item", "event"] + [a.name for a in stream.attributes]
+    if len(set(cols)) != len(cols):
+        raise DataError(f"stream {stream.name!r}: attribute names clash with the event log's columns {cols[:4]}")
+    return cols
+
+
 def stream_columns(schema: FeatureSchema) -> set[str]:
     """The history list columns of every stream (what v2 impression shards do not hold)."""
     return {c for s in schema.sequences
@@ -154,12 +165,10 @@ class ShardWriter:
         return info
 
     def write_events(self, stream: str, bucket: int, table: pa.Table) -> EventFileInfo:
-        """One bucket's event log of ``stream`` (columns: ``opengem.data.events.event_columns``),
+        """One bucket's event log of ``stream`` (columns: ``event_columns``),
         already sorted by user then time; v2 only."""
         if self.layout != LAYOUT_V2:
             raise ValueError("event logs are written in layout 2 only")
-        from opengem.data.events import event_columns  # events builds on this module
-
         missing = [c for c in event_columns(self.schema, self.schema.stream(stream)) if c not in table.column_names]
         if missing:
             raise SchemaError(f"event log {stream} bucket {bucket}: missing columns {missing}")
