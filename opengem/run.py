@@ -235,7 +235,11 @@ def offsets_tensor(heads: Heads, offsets: dict[str, float], schema: FeatureSchem
 
 def apply_recalibration(model: torch.nn.Module, run_dir: str | Path, schema: FeatureSchema) -> dict | None:
     """Add the run's fitted offsets (if any) to the heads' output biases; returns the file's record."""
-    record = load_recalibration(run_dir)
+    return _add_offsets(model, load_recalibration(run_dir), schema)
+
+
+def _add_offsets(model: torch.nn.Module, record: dict | None, schema: FeatureSchema) -> dict | None:
+    """Add a record's per-(group, task) ``offsets`` to the heads' output biases; returns the record."""
     if record is None:
         return None
     heads = gem_heads(model)
@@ -273,13 +277,7 @@ def downsampling_record(heads: Heads, schema: FeatureSchema, rates: dict[str, fl
 
 def apply_downsampling(model: torch.nn.Module, run_dir: str | Path, schema: FeatureSchema) -> dict | None:
     """Add the run's down-sampling correction (if it down-sampled) to the heads' output biases."""
-    record = load_downsampling(run_dir)
-    if record is None:
-        return None
-    heads = gem_heads(model)
-    with torch.no_grad():
-        heads.out_b.add_(offsets_tensor(heads, record["offsets"], schema).to(heads.out_b.dtype))
-    return record
+    return _add_offsets(model, load_downsampling(run_dir), schema)
 
 
 def shift_logits(logits_BT: torch.Tensor, delta_BT: torch.Tensor, parent: list[int]) -> torch.Tensor:
