@@ -25,7 +25,7 @@ $(VENV)/.test-installed: $(VENV)/.installed requirements-test.txt
 	touch $@
 
 test: $(VENV)/.test-installed
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=25
 
 test-fast: $(VENV)/.test-installed
 	$(VENV)/bin/python -m pytest -q -m "not slow and not distributed"

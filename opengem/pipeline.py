@@ -51,10 +51,11 @@ DEMO_RECIPE, DEMO_OVERRIDES = "vm_s", ("transfer.domains=video",)
 
 def demo(out: str | Path, preset: str = "demo", seed: int = 0, overrides: Sequence[str] = (), *,
          recalibrate: bool = True, distil: bool = True, serve: bool = True, progress: bool = True,
-         layout: str = "v2") -> dict:
+         layout: str = "v2", world_overrides: Sequence[str] = ()) -> dict:
     """generate → train → recalibrate → evaluate → distil → export, serve, score one request, into
     ``out`` (see the module docstring). ``preset`` names both the world and the training recipe;
-    ``overrides`` (``key=value``) go to the recipe. Returns ``evaluation`` (what
+    ``overrides`` (``key=value``) go to the recipe, ``world_overrides`` to the world (e.g.
+    ``structure_seed=1000``: a world of another form, ``benchmarks/heldout_demo.py``). Returns ``evaluation`` (what
     OUT/evaluation.json holds), ``recalibration`` and ``served`` (None when skipped) and ``out``.
     The data is written in ``layout`` (v2 by default: ~12x smaller, the same batches as v1)."""
     out = Path(out)
@@ -62,7 +63,7 @@ def demo(out: str | Path, preset: str = "demo", seed: int = 0, overrides: Sequen
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     with _timed(times, "generate_s"):
-        generate(world_config(preset, seed=seed), data, progress=progress, observer=OracleCollector, layout=layout)
+        generate(world_config(preset, seed=seed, overrides=world_overrides), data, progress=progress, observer=OracleCollector, layout=layout)
     cfg = apply_overrides(recipe(preset), list(overrides))
     cfg.train.progress = progress
     with _timed(times, "train_s"):
