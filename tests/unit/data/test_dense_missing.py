@@ -109,3 +109,18 @@ def test_the_indicator_is_isnan_and_the_value_is_the_transformed_median(mode):
     fresh.load_state_dict(m.state_dict())  # the median travels in the checkpoint
     torch.testing.assert_close(fresh(x), y)
     assert "fill" not in plain.state_dict() and "missing_idx" not in m.state_dict()
+
+
+def test_validate_counts_missing_values_of_the_option_and_flags_the_others(tmp_path):
+    from opengem.data.validate import validate_dataset
+
+    _dataset(tmp_path / "ok")
+    report = validate_dataset(tmp_path / "ok")
+    assert not report.errors and not report.warnings and report.counts["missing.quality"] == 60
+    schema = tiny_schema()  # the same shards under a schema without the option: the NaN rows are flagged
+    w = ShardWriter(tmp_path / "bad", schema)
+    w.write(_with_nan(random_table(schema, 20), "quality", [3, 4]), "d0", 0)
+    w.close({"train": [0]})
+    report = validate_dataset(tmp_path / "bad")
+    assert any("2 rows would be quarantined by the loader: dense quality is NaN/inf" in x for x in report.warnings)
+    assert "missing.quality" not in report.counts
