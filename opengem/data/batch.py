@@ -33,7 +33,7 @@ from opengem.features.schema import FeatureSchema
 @dataclass
 class Batch:
     sparse: KeyedJaggedTensor  # keys = schema sparse names; ids in [0, vocab] (vocab = OOV row)
-    dense: torch.Tensor  # [B, F] float32
+    dense: torch.Tensor  # [B, F] float32; NaN = missing (only in ``missing="indicator"`` features)
     sequences: KeyedJaggedTensor  # keys "<stream>.item", "<stream>.event", "<stream>.<attribute>"…
     seq_age: KeyedJaggedTensor  # keys "<stream>"; float32 seconds since each event
     domain: torch.Tensor  # [B] int64
@@ -217,7 +217,8 @@ def validate_rows(table: pa.Table, schema: FeatureSchema) -> tuple[np.ndarray, l
 
     Quarantined (not repaired) because a model trained on them would learn something false:
     a null in a feature column or inside a list (an empty history is ``[]``, not null); NaN/inf
-    dense values; an embedding vector of another length than its ``dim``, or holding NaN/inf;
+    dense values (a dense feature with ``missing="indicator"`` keeps null/NaN as missing; inf is still
+    dropped); an embedding vector of another length than its ``dim``, or holding NaN/inf;
     labels outside {0, 1}; a label set whose ``requires`` task is 0 (conversion without click); a
     domain index out of range; event timestamps out of order or not before the
     request time. Missing labels (null) are allowed and masked out of the loss.
@@ -236,12 +237,16 @@ def validate_rows(table: pa.Table, schema: FeatureSchema) -> tuple[np.ndarray, l
             reasons.append((reason, n))
 
     label_columns = {t.label_column for t in schema.tasks}  # null labels are allowed (masked)
+    kept_missing = {f.name for f in schema.dense if f.missing == "indicator"}  # null/NaN = missing, kept
     for c in schema.columns():
-        if c in table.column_names and c not in label_columns:
+        if c in table.column_names and c not in label_columns | kept_missing:
             drop(_null_rows(table.column(c)), f"{c} is null")
     for f in schema.dense:
         v = table.column(f.name).to_numpy(zero_copy_only=False).astype(np.float64)
-        drop(~np.isfinite(v), f"dense {f.name} is NaN/inf")
+        if f.name in kept_missing:
+            drop(np.isinf(v), f"dense {f.name} is inf")
+        else:
+            drop(~np.isfinite(v), f"dense {f.name} is NaN/inf")
     for f in schema.embeddings:
         col = table.column(f.name)
         drop(pc.list_value_length(col).to_numpy(zero_copy_only=False) != f.dim, f"embedding {f.name} length != {f.dim}")

@@ -81,6 +81,7 @@ from opengem.data.synthetic_world import (
     ADS_EVENTS,
     DAY,
     FORMATS,
+    MISSING_FEATURES,
     NUM_AGES,
     NUM_COUNTRIES,
     NUM_DEVICES,
@@ -91,9 +92,11 @@ from opengem.data.synthetic_world import (
     SURFACE_TASK,
     SURFACES,
     TAG_DAY,
+    DenseMissing,
     SurfaceTask,
     UserBlock,
     World,
+    blank_dense,
     probabilities,
     ranges,
     rng_for,
@@ -234,6 +237,7 @@ class WorldConfig:
         structure_seed: the functional form of the true models (``opengem.data.world_structure``):
             0 is today's demo world; another seed draws which terms exist and how each acts.
         surface_task: a surface's own objective the FM does not train on (``SurfaceTask``; off).
+        dense_missing: missing-not-at-random dense values (``DenseMissing``; off).
     """
 
     seed: int = 0
@@ -244,6 +248,7 @@ class WorldConfig:
     conversion: ConversionModel = field(default_factory=ConversionModel)
     structure_seed: int = 0
     surface_task: SurfaceTask = field(default_factory=SurfaceTask)  # off: not in the manifest (``source_config``)
+    dense_missing: DenseMissing = field(default_factory=DenseMissing)  # off: not in the manifest either
 
     def leaves(self) -> dict[str, tuple[str, object]]:
         """Dotted key → (declared type, value), for every knob."""
@@ -300,6 +305,8 @@ class WorldConfig:
         for n in ("click.target_ctr", "conversion.target_cvr"):
             if not 0 < leaves[n][1] < 1:
                 bad(n, "must be in (0, 1)")
+        if not 0 <= leaves["dense_missing.rate"][1] < 1:
+            bad("dense_missing.rate", "must be in [0, 1)")
         for n in ("behaviour.conversion_event_prob", "impressions.campaign_main_category_prob",
                   "impressions.target_frac", "impressions.retarget_frac"):
             if not 0 <= leaves[n][1] <= 1:
@@ -336,6 +343,8 @@ def build_schema(cfg: WorldConfig) -> FeatureSchema:
               SparseFeature("position", NUM_POSITIONS, "context"), SparseFeature("hour", NUM_HOURS, "context")]
     dense = [DenseFeature("user_activity", "user"), DenseFeature("ad_age", "ad"), DenseFeature("ad_quality", "ad"),
              DenseFeature("hour_sin", "context"), DenseFeature("hour_cos", "context")]
+    if cfg.dense_missing.rate > 0:
+        dense = [dataclasses.replace(f, missing="indicator") if f.name in MISSING_FEATURES else f for f in dense]
     org_attrs, ads_attrs = {}, {}
     if beh.event_attributes:
         from opengem.features.schema import EventAttribute
@@ -602,6 +611,7 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
                 c["_surface_task"] = surface_task_columns(world, c, ct, b, d)
             table = _table(schema, c, p_click, p_cvr)
             stats.add(d, c, table, ct, vt)
+            table = blank_dense(world, table, b, d)  # after the statistics: they describe the world, not the log
             if writer.layout == LAYOUT_V2:
                 writer.write(table.drop_columns(histories), f"d{d:03d}-b{b:05d}", d, bucket=b)
             else:
@@ -628,6 +638,8 @@ def manifest_config(cfg: WorldConfig) -> dict:
             d["click"].pop(k)
     if not cfg.surface_task.enabled:
         del d["surface_task"]
+    if not cfg.dense_missing.rate > 0:
+        del d["dense_missing"]
     return d
 
 

@@ -579,3 +579,41 @@ def surface_task_columns(world, c: dict, click_terms: dict, block: int, day: int
     u = rng_for(world.cfg.seed, TAG_SURFACE_TASK, block, day).random(len(p))
     label = np.where(on, (u < p).astype(np.float32), np.float32(np.nan)).astype(np.float32)
     return {SURFACE_TASK: label, f"p_{SURFACE_TASK}": np.where(on, p, np.nan)}
+
+
+TAG_DENSE_MISSING = 8
+MISSING_FEATURES = ("ad_quality", "user_activity")  # the dense features ``dense_missing`` blanks
+
+
+@dataclass
+class DenseMissing:
+    """Missing-not-at-random dense values (issue 22); off by default (``rate = 0``).
+
+    Each of ``MISSING_FEATURES`` is blanked (NaN) in a row with probability
+    sigmoid(logit(rate) + label_beta · z), z the row's true click logit standardised over the shard,
+    so rows with a missing value click more (``label_beta > 0``) or less: the missing indicator has
+    signal, as in logs where a counter is absent for new or unusual traffic. The schema then declares
+    those features ``missing="indicator"``. Draws come from ``rng_for(seed, TAG_DENSE_MISSING, block,
+    day)``, after the labels: no other draw of the world moves, labels and probabilities are unchanged."""
+
+    rate: float = 0.0
+    label_beta: float = 1.0
+
+
+def blank_dense(world, table, block: int, day: int):
+    """``table`` with ``MISSING_FEATURES`` blanked as ``DenseMissing`` says (the table itself when off)."""
+    import pyarrow as pa
+
+    dm = world.cfg.dense_missing
+    if not dm.rate > 0:
+        return table
+    rng = rng_for(world.cfg.seed, TAG_DENSE_MISSING, block, day)
+    p = table.column("p_click").to_numpy().astype(np.float64).clip(1e-9, 1 - 1e-9)
+    z = np.log(p / (1 - p))
+    z = (z - z.mean()) / max(z.std(), 1e-9)
+    p_miss = sigmoid(np.log(dm.rate / (1 - dm.rate)) + dm.label_beta * z)
+    for name in MISSING_FEATURES:
+        v = table.column(name).to_numpy().copy()
+        v[rng.random(len(v)) < p_miss] = np.nan
+        table = table.set_column(table.schema.get_field_index(name), name, pa.array(v))
+    return table

@@ -16,6 +16,9 @@ off is not: the count and an example say which); v1 rows the loader would quaran
 logging but the synthetic world also draws, and which v1 rows hold, so the loader keeps them and
 v1 = v2 stays exact; a stream with no event files at all.
 
+Counted only: missing values (NaN/null) of a dense feature declared ``missing="indicator"``, which
+the loader keeps (``counts["missing.<feature>"]``); in any other dense feature they are quarantined rows.
+
 Duplicate (user, ts) events that differ are valid (a view and a like in one second): they keep
 their log order, and are only counted. Users with no events have empty histories
 (valid, counted). Events after a user's last impression are allowed and unused.
@@ -84,6 +87,9 @@ def _check_shard(data_dir: Path, info: ShardInfo, schema: FeatureSchema, layout:
     report.counts["rows"] += table.num_rows
     for f in schema.sparse:
         _ids_in_range(path, f.name, table.column(f.name), f.vocab_size, report)
+    for i in schema.dense_missing:  # kept by the loader (imputed, flagged): counted, neither error nor warning
+        v = table.column(schema.dense[i].name).to_numpy(zero_copy_only=False).astype(np.float64)
+        report.counts[f"missing.{schema.dense[i].name}"] += int(np.isnan(v).sum())
     req = table.column(schema.time_column).to_numpy(zero_copy_only=False)
     if table.column(schema.time_column).null_count:
         report.errors.append(f"{path}: column {schema.time_column!r} has nulls")

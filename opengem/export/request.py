@@ -16,6 +16,7 @@ and ``context`` fields to the request. Everything a log row has except labels is
 
 Checks, each failing with ``RequestError(status, field, message)``:
 types, required fields and unknown fields (422); non-finite or out-of-float32 dense values (422);
+a null dense value (422) unless its feature is ``missing="indicator"``: then null or left out is missing;
 an embedding vector of another length than its feature's ``dim`` (422);
 history lists of one stream of different lengths, event times not before the request or out of
 order (422, the checks ``validate_rows`` quarantines training rows for); empty candidate lists
@@ -93,7 +94,10 @@ def _fields(schema: FeatureSchema, groups: set[str], limits: Limits) -> dict:
             t = Annotated[list[_Id], Field(max_length=limits.max_multi_hot)] if f.multi_hot else _Id
             out[_py(f.name)] = (t, Field(..., alias=f.name, description=f"{f.group} id, vocabulary {f.vocab_size}"))
     for f in schema.dense:
-        if f.group in groups:
+        if f.group in groups and f.missing == "indicator":  # null or left out: missing, as in the logs
+            out[_py(f.name)] = (_Float | None, Field(None, alias=f.name,
+                                                     description=f"{f.group} dense value; null/omitted: missing"))
+        elif f.group in groups:
             out[_py(f.name)] = (_Float, Field(..., alias=f.name, description=f"{f.group} dense value"))
     for f in schema.embeddings:  # the length is checked in ``parse`` (a 422, not a limit's 413)
         if f.group in groups:
@@ -152,6 +156,9 @@ def error_from_validation(e: ValidationError | list[dict]) -> RequestError:
         return RequestError(400, "body", f"malformed JSON: {err.get('msg')}")
     if kind in ("missing", "extra_forbidden"):
         return RequestError(422, loc, ("field required" if kind == "missing" else "unknown field") + more)
+    if kind == "float_type" and err.get("input", ...) is None:
+        return RequestError(422, loc, f"null: {loc.rsplit('.', 1)[-1]!r} needs a number (only a dense feature "
+                                      f"declared missing=\"indicator\" takes null as missing){more}")
     if kind == "too_long":
         return RequestError(413, loc, err.get("msg", "too long") + more)
     return RequestError(422, loc or "body", f"{err.get('msg')}, got {_short(err.get('input'))}{more}")
@@ -193,12 +200,14 @@ def parse(schema: FeatureSchema, req: BaseModel) -> ParsedRequest:
             key = _py(f.name)
             cand_sparse[f.name] = (np.fromiter((c.__dict__[key] for c in cands), np.int64, count=C),
                                    np.ones(C, dtype=np.int64))
+    nan = float("nan")  # a missing value of a ``missing="indicator"`` feature (the only ones that may be None)
     for f in schema.dense:
         key = _py(f.name)
         if f.group != "ad":
-            dense[f.name] = float(get[key])
+            dense[f.name] = nan if get[key] is None else float(get[key])
         else:
-            cand_dense[f.name] = np.fromiter((c.__dict__[key] for c in cands), np.float32, count=C)
+            cand_dense[f.name] = np.fromiter((nan if c.__dict__[key] is None else c.__dict__[key] for c in cands),
+                                             np.float32, count=C)
     embeddings, cand_embeddings = {}, {}
     for f in schema.embeddings:
         key = _py(f.name)
@@ -240,12 +249,15 @@ def split_row(schema: FeatureSchema, row: dict) -> tuple[dict, dict]:
 
 def rows_of(schema: FeatureSchema, request: dict) -> list[dict]:
     """The log rows a request stands for: one per candidate (labels NaN = missing), for ``collate``."""
-    base = {k: v for k, v in request.items() if k != "candidates"}
+    left_out = [f for f in schema.dense if f.missing == "indicator"]  # a value left out is a null in a row
+    base = {f.name: None for f in left_out if f.group != "ad"}
+    base.update({k: v for k, v in request.items() if k != "candidates"})
     base.update({t.label_column: float("nan") for t in schema.tasks})
     for col in (schema.day_column, schema.user_column):  # optional in a request, required in a row
         if base.get(col) is None:
             base[col] = 0
-    return [{**base, **c} for c in request["candidates"]]
+    cand = {f.name: None for f in left_out if f.group == "ad"}
+    return [{**base, **cand, **c} for c in request["candidates"]]
 
 
 def synthetic_request(schema: FeatureSchema, num_candidates: int, history: int | dict[str, int] = 8,

@@ -55,12 +55,20 @@ class SparseFeature:
     multi_hot: bool = False
 
 
+MISSING = ("quarantine", "indicator")  # what a NaN/null dense value means (``DenseFeature.missing``)
+
+
 @dataclass(frozen=True)
 class DenseFeature:
-    """A float feature. NaN/inf are invalid (rejected or quarantined by the reader)."""
+    """A float feature. By default (``missing="quarantine"``) NaN/inf are invalid (rejected or
+    quarantined by the reader). ``missing="indicator"``: a NaN or null is a missing value, kept; the
+    model sees the train median in its place plus a 0/1 "was missing" input (``opengem.model.dense_norm``),
+    because in logs a missing counter or price is often informative. ±inf stays invalid.
+    """
 
     name: str
     group: str = "user"
+    missing: str = "quarantine"
 
 
 @dataclass(frozen=True)
@@ -208,6 +216,11 @@ class FeatureSchema:
         return cols
 
     @property
+    def dense_missing(self) -> list[int]:
+        """Indices (into ``dense``) of the features whose missing values are kept (``missing="indicator"``)."""
+        return [i for i, f in enumerate(self.dense) if f.missing == "indicator"]
+
+    @property
     def embedding_dim(self) -> int:
         """Width of ``Batch.embeddings``: every embedding feature's ``dim``, concatenated in schema order."""
         return sum(f.dim for f in self.embeddings)
@@ -240,6 +253,9 @@ class FeatureSchema:
             claim(f.name, "dense feature")
             if f.group not in ("user", "ad", "context"):
                 raise SchemaError(f"dense feature {f.name!r}: group must be user/ad/context, got {f.group!r}")
+            if f.missing not in MISSING:
+                raise SchemaError(f"dense feature {f.name!r}: missing must be one of {'/'.join(MISSING)}, "
+                                  f"got {f.missing!r}")
         for f in self.embeddings:
             claim(f.name, "embedding feature")
             _positive_int(f.dim, f"embedding feature {f.name!r} dim")
@@ -284,6 +300,9 @@ class FeatureSchema:
         d = asdict(self)
         if not self.embeddings:  # schemas without embeddings read (and hash) as they did before the kind
             d.pop("embeddings")
+        for f in d["dense"]:  # the default is not written: schemas without the option keep their fingerprint
+            if f["missing"] == "quarantine":
+                f.pop("missing")
         return d
 
     def to_json(self) -> str:

@@ -38,7 +38,7 @@ def materialize(model: GEM | PeerModel, device: str | torch.device = "cpu", seed
 def fit_dense_norm(model: torch.nn.Module, data_dir: str | Path, schema: FeatureSchema, split: str) -> dict | None:
     """Fit the model's dense normaliser (``model.dense_norm``) on ``split`` (the training split; every
     rank computes the same figures). Returns the statistics, or None when the mode fits nothing."""
-    norms = [m for m in model.modules() if isinstance(m, DenseNormalizer) and m.mode != "signed_log"]
+    norms = [m for m in model.modules() if isinstance(m, DenseNormalizer) and m.needs_fit]
     if not norms:
         return None
     stats = train_dense_stats(data_dir, schema, split)

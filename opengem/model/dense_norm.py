@@ -10,6 +10,12 @@ Real logs hold counters, rates and prices on any scale. Three choices, measured 
   ``DENSE_QUANTILES`` knots), mapped to [−√3, √3] (unit variance): any monotone scale or unit gives
   the same input, outliers are bounded.
 
+Features declared ``missing="indicator"`` (``opengem.features.schema.DenseFeature``) may hold NaN:
+each NaN is replaced by the feature's train-split median before the transform, and a 0/1 "was
+missing" column per such feature is appended, so the output is [B, F + M]. The median, not the mean:
+counters and prices are heavy-tailed, and the median is a value the feature actually takes (the
+centre of ``quantile``'s range). With no such feature the module is exactly what it was.
+
 The fitted statistics are buffers of this module, so they travel in every checkpoint and in the
 serving artifact, and serving applies exactly the training transform. ``fit(stats)`` takes what
 ``opengem.data.dense_stats.train_dense_stats`` returns; a fitted mode used before ``fit`` (or a
@@ -33,20 +39,32 @@ def signed_log(x: torch.Tensor) -> torch.Tensor:
 
 
 class DenseNormalizer(nn.Module):
-    """[B, F] raw dense values → [B, F] model inputs; see the module docstring."""
+    """[B, F] raw dense values (NaN = missing in the ``missing`` columns) → [B, F + M] model inputs:
+    the transformed values, then one 0/1 missing indicator per ``missing`` column (module docstring).
 
-    def __init__(self, num_features: int, mode: str = "signed_log", num_quantiles: int = 33):
+    Args:
+        num_features: F. mode: one of ``MODES``. num_quantiles: the quantile knots (``quantile`` mode).
+        missing: indices of the features whose NaNs are imputed and flagged (``schema.dense_missing``).
+    """
+
+    def __init__(self, num_features: int, mode: str = "signed_log", num_quantiles: int = 33,
+                 missing: tuple[int, ...] | list[int] = ()):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"model.dense_norm must be one of {'|'.join(MODES)}, got {mode!r}")
-        self.mode, self.num_features = mode, num_features
-        self.fitted = mode == "signed_log"
+        self.mode, self.num_features, self.missing = mode, num_features, tuple(missing)
+        self.out_features = num_features + len(self.missing)
+        self.needs_fit = mode != "signed_log" or bool(self.missing)
+        self.fitted = not self.needs_fit
         self.stats: dict | None = None  # what ``fit`` was given (the trainer writes it to RUN/dense_stats.json)
         if mode == "standardize":
             self.register_buffer("mean", torch.zeros(num_features))
             self.register_buffer("inv_std", torch.ones(num_features))
         elif mode == "quantile":
             self.register_buffer("knots", torch.zeros(num_features, num_quantiles))
+        if self.missing:  # only then: models without missing features keep their state dict
+            self.register_buffer("fill", torch.zeros(len(self.missing)))  # train median, raw scale
+            self.register_buffer("missing_idx", torch.tensor(self.missing, dtype=torch.int64), persistent=False)
 
     def reset_parameters(self) -> None:
         """``init_weights`` leaves a fitted state alone only by refitting: the buffers go back to
@@ -56,12 +74,15 @@ class DenseNormalizer(nn.Module):
             self.inv_std.fill_(1.0)
         elif self.mode == "quantile":
             self.knots.copy_(torch.linspace(0, 1, self.knots.shape[1]).expand_as(self.knots))
-        self.fitted = self.mode == "signed_log"
+        if self.missing:
+            self.fill.zero_()
+            self.missing_idx.copy_(torch.tensor(self.missing, dtype=torch.int64))
+        self.fitted = not self.needs_fit
 
     @torch.no_grad()
     def fit(self, stats: dict, names: list[str]) -> None:
         """Set the buffers from ``train_dense_stats``'s figures; ``names`` = the schema's dense features, in order."""
-        if self.mode == "signed_log":
+        if not self.needs_fit:
             return
         if list(stats.get("names", [])) != list(names):
             raise ValueError(f"dense statistics are for features {stats.get('names')}, the model has {names}")
@@ -69,11 +90,13 @@ class DenseNormalizer(nn.Module):
             std = torch.tensor(stats["std"], dtype=torch.float64)
             self.mean.copy_(torch.tensor(stats["mean"], dtype=torch.float64))
             self.inv_std.copy_(torch.where(std > 1e-12, 1.0 / std.clamp(min=1e-12), torch.ones_like(std)))
-        else:
+        elif self.mode == "quantile":
             knots = torch.tensor(stats["quantiles"], dtype=torch.float64)
             if knots.shape != self.knots.shape:
                 raise ValueError(f"dense quantiles have shape {tuple(knots.shape)}, expected {tuple(self.knots.shape)}")
             self.knots.copy_(knots)
+        if self.missing:
+            self.fill.copy_(torch.tensor([stats["median"][i] for i in self.missing], dtype=torch.float64))
         self.fitted, self.stats = True, stats
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -81,14 +104,21 @@ class DenseNormalizer(nn.Module):
         self.fitted = True  # a checkpoint holds the statistics it was trained with
 
     def forward(self, x_BF: torch.Tensor) -> torch.Tensor:
-        if self.mode == "signed_log":
-            return signed_log(x_BF)
         if not self.fitted:
             raise RuntimeError(f"model.dense_norm={self.mode} is not fitted: call fit(train_dense_stats(...)) "
                                "or load a checkpoint first")
-        if self.mode == "standardize":
-            return ((x_BF - self.mean) * self.inv_std).clamp(-_CLIP, _CLIP)
-        return self._cdf(x_BF)
+        miss_BM = None
+        if self.missing:
+            cols_BM = x_BF.index_select(1, self.missing_idx)
+            miss_BM = torch.isnan(cols_BM)
+            x_BF = x_BF.index_copy(1, self.missing_idx, torch.where(miss_BM, self.fill.to(x_BF.dtype), cols_BM))
+        if self.mode == "signed_log":
+            y_BF = signed_log(x_BF)
+        elif self.mode == "standardize":
+            y_BF = ((x_BF - self.mean) * self.inv_std).clamp(-_CLIP, _CLIP)
+        else:
+            y_BF = self._cdf(x_BF)
+        return y_BF if miss_BM is None else torch.cat([y_BF, miss_BM.to(y_BF.dtype)], dim=1)
 
     def _cdf(self, x_BF: torch.Tensor) -> torch.Tensor:
         """Piecewise-linear empirical CDF per feature (ties: the middle of the tied knots), centred and scaled."""

@@ -201,8 +201,9 @@ class GEM(TableModel):
         with torch.device(device) if device is not None else nullcontext():
             self.sparse_arch = SparseArch(schema, cfg.sparse, D, device)
             F = len(schema.dense)
-            self.dense_arch = mlp([F, 4 * D, cfg.dense_tokens * D]) if F else None
-            self.dense_norm = DenseNormalizer(F, cfg.dense_norm)
+            norm = DenseNormalizer(F, cfg.dense_norm, missing=schema.dense_missing)  # + M missing indicators
+            self.dense_arch = mlp([norm.out_features, 4 * D, cfg.dense_tokens * D]) if F else None
+            self.dense_norm = norm
             self.domain_emb = nn.Embedding(schema.num_domains, D)
             self.streams = [s.name for s in schema.sequences] if cfg.use_sequences else []
             self.match_pairs = {name: match_attributes(schema, name) if cfg.target_match else []

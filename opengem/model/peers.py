@@ -97,8 +97,9 @@ class PeerModel(TableModel):
         with torch.device(device) if device is not None else nullcontext():
             self.sparse_arch = SparseArch(schema, cfg.sparse, D, device)
             self.domain_emb = nn.Embedding(schema.num_domains, D)
-            self.dense_arch = DenseArch(max(len(schema.dense) + schema.embedding_dim, 1), [4 * D, D])
-            self.dense_norm = DenseNormalizer(len(schema.dense), cfg.dense_norm)  # GEM's, so peers see the same inputs
+            norm = DenseNormalizer(len(schema.dense), cfg.dense_norm, missing=schema.dense_missing)
+            self.dense_arch = DenseArch(max(norm.out_features + schema.embedding_dim, 1), [4 * D, D])
+            self.dense_norm = norm  # GEM's, so peers see the same inputs
             self.pool = DINPooling(schema, self.streams, D) if cfg.arch == "din" and self.streams else None
             self.inter_arch, self.feature_dim = self._interaction(cfg.arch, n, D)
             hidden = [*cfg.heads.trunk_dims, *cfg.heads.task_dims] or [4 * D]

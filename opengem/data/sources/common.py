@@ -296,8 +296,9 @@ def need(cols: dict, names: list[str], where: str) -> None:
         raise ColumnError(f"{where}: missing columns {missing}; it has {sorted(cols)}")
 
 
-def to_float(values: np.ndarray, where: str, fill: float | None = None) -> np.ndarray:
-    """Strings (or numbers) → float64; empty cells / nulls become ``fill`` (an error if ``fill`` is None)."""
+def to_float(values: np.ndarray, where: str, fill: float | None = None, keep_missing: bool = False) -> np.ndarray:
+    """Strings (or numbers) → float64; empty cells / nulls become ``fill`` (an error if ``fill`` is None),
+    or stay NaN with ``keep_missing`` (a ``missing="indicator"`` feature: the model flags them)."""
     v = np.asarray(values)
     if v.dtype.kind not in "iufb":
         v = v.astype(str)
@@ -310,6 +311,10 @@ def to_float(values: np.ndarray, where: str, fill: float | None = None) -> np.nd
     else:
         out = v.astype(np.float64)
     missing = np.isnan(out)
+    if keep_missing:
+        if np.isinf(out).any():
+            raise ColumnError(f"{where}: {float(out[np.isinf(out)][0])!r} is not a finite number")
+        return out
     if missing.any():
         if fill is None:
             raise ColumnError(f"{where}: empty value in row {int(np.flatnonzero(missing)[0])} (no fill given)")

@@ -161,10 +161,14 @@ def convert_frames(frames: list[tuple[str, int | None, dict]], spec: dict, out_d
     else:
         seqs = (_sequence(spec, c, raw, encoders, train),) if "sequence" in spec else ()
     schema = FeatureSchema(
-        sparse=tuple(sparse), dense=tuple(DenseFeature(f["name"], f["group"]) for f in spec["dense"]),
+        sparse=tuple(sparse), dense=tuple(DenseFeature(f["name"], f["group"], f.get("missing", "quarantine"))
+                                          for f in spec["dense"]),
         sequences=seqs, tasks=tuple(Task(t["name"], t["name"], requires=t.get("requires")) for t in spec["tasks"]),
         domains=Domains(tuple(names)), meta={"source": (source or {}).get("kind", "generic"), "spec": spec},
         embeddings=tuple(embeddings))
+    if schema.dense_missing:  # the import report: missing values kept per feature
+        info["missing"] = {schema.dense[i].name: int(np.isnan(c[schema.dense[i].name]).sum())
+                           for i in schema.dense_missing}
     splits = {s: [d] for d, s in enumerate(SPLITS)}
     return write_dataset(out_dir, schema, c, day, splits=splits, source=info, **write)
 
@@ -266,7 +270,8 @@ def _parse(frames, spec: dict, seed: int) -> tuple[dict, dict, np.ndarray]:
             where = f"{name} column {t['column']!r}"
             parts.setdefault(t["name"], []).append(to_label(table[t["column"]], where, t.get("positive_at")))
         for f in spec["dense"]:
-            v = to_float(table[f["column"]], f"{name} column {f['column']!r}", f.get("fill"))
+            v = to_float(table[f["column"]], f"{name} column {f['column']!r}", f.get("fill"),
+                         keep_missing=f.get("missing") == "indicator")
             v = np.log1p(np.maximum(v, 0)) if f["transform"] == "log1p" else v
             parts.setdefault(f["name"], []).append(v.astype(np.float32))
         if "time" in spec:

@@ -30,7 +30,9 @@ as ids already in [0, N) (others → the OOV row); neither: contiguous ids fitte
 defaults to its column with characters other than letters, digits and ``_`` replaced by ``_``.
 
 Dense: ``transform`` none | log1p (of max(x, 0), the Criteo convention); empty cells → ``fill``
-(default: an error). Domain: a column whose values are the surfaces (``names`` fixes their order and
+(default: an error), or with ``"missing": "indicator"`` kept as missing (NaN; the schema's
+``DenseFeature.missing``: the model gets a missing indicator; the manifest's ``source.missing`` counts
+them). Domain: a column whose values are the surfaces (``names`` fixes their order and
 makes other values an error; default: the sorted values seen; ``all`` is reserved for the pooled
 evaluation slice); absent → one domain ``default``.
 
@@ -71,7 +73,7 @@ import re
 from pathlib import Path
 
 from opengem.data.sources.common import SpecError
-from opengem.features.schema import read_json
+from opengem.features.schema import MISSING, read_json
 
 _GROUPS = ("user", "ad", "context")
 _TIME_UNITS = {"s": 1, "ms": 1000, "us": 1_000_000}
@@ -82,7 +84,8 @@ _KEYS = {
     "tasks": ({"name": str, "column": str, "requires": str, "positive_at": float}, {"name", "column"}),
     "sparse": ({"column": str, "name": str, "group": str, "hash_size": int, "vocab_size": int, "multi_hot": str},
                {"column"}),
-    "dense": ({"column": str, "name": str, "group": str, "transform": str, "fill": float}, {"column"}),
+    "dense": ({"column": str, "name": str, "group": str, "transform": str, "fill": float, "missing": str},
+              {"column"}),
     "embeddings": ({"column": str, "name": str, "group": str, "dim": int, "sep": str}, {"column"}),
     "domain": ({"column": str, "names": list}, {"column"}),
     "sequence": ({"name": str, "from": str, "item": str, "event": str, "only": str, "max_len": int, "attributes": list,
@@ -133,6 +136,11 @@ def check_spec(d: object, where: str = "spec") -> dict:
         f.setdefault("transform", "none")
         if f["transform"] not in ("none", "log1p"):
             raise SpecError(f"{where}: dense {f['column']!r}: transform must be none or log1p, got {f['transform']!r}")
+        if f.get("missing", "quarantine") not in MISSING:
+            raise SpecError(f"{where}: dense {f['column']!r}: missing must be one of {'/'.join(MISSING)}, "
+                            f"got {f['missing']!r}")
+        if f.get("missing") == "indicator" and "fill" in f:
+            raise SpecError(f"{where}: dense {f['column']!r}: give fill or missing=indicator, not both")
     if "domain" in d:
         out["domain"] = _obj(d["domain"], "domain", where)
     if "split" in d:

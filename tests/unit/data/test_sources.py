@@ -249,6 +249,8 @@ def _spec(**changes) -> dict:
     ({"sequence": {"item": "page", "max_len": 4}}, "sequence.item 'page' must be a single-valued column"),
     ({"sequence": {"item": "ad", "max_len": 4, "only": "buy"}}, "sequence.only 'buy' is not a task"),
     ({"tasks": []}, "tasks must list at least one label column"),
+    ({"dense": [{"column": "price", "missing": "zero"}]}, "missing must be one of quarantine/indicator"),
+    ({"dense": [{"column": "price", "missing": "indicator", "fill": 0.0}]}, "fill or missing=indicator, not both"),
 ])
 def test_generic_spec_errors_name_the_key(changes, message, tmp_path):
     path = tmp_path / "spec.json"
@@ -280,6 +282,25 @@ def test_generic_data_errors_name_file_column_and_value(edit, message, tmp_path)
         convert("generic", data, tmp_path / "out", spec=FIX / "generic" / "spec.json")
     assert message in str(e.value) and "events.csv" in str(e.value)
     assert isinstance(e.value, ValueError) and isinstance(e.value, DataError)
+
+
+def test_generic_keeps_missing_values_of_a_missing_indicator_feature(tmp_path):
+    """``missing: indicator``: empty cells stay NaN (not the fill), the rows load, the manifest counts them."""
+    data = tmp_path / "events.csv"
+    lines = (FIX / "generic" / "events.csv").read_text().splitlines()
+    lines[1], lines[3] = lines[1].replace(",9.5,", ",,"), lines[3].replace(",3,", ",,")
+    data.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ColumnError, match="empty value in row 0"):  # without the option or a fill: an error
+        convert("generic", data, tmp_path / "err", spec=_spec(dense=[{"column": "price", "group": "ad"}]))
+    spec = _spec(dense=[{"column": "price", "group": "ad", "transform": "log1p", "missing": "indicator"}])
+    m = convert("generic", data, tmp_path / "out", spec=spec)
+    schema = FeatureSchema.load(tmp_path / "out")
+    empty = sum(x.split(",")[4] == "" for x in lines[1:])  # the two made here and the fixture's own
+    assert empty == 3 and schema.dense[0].missing == "indicator" and m.source["missing"] == {"price": empty}
+    price = [r["price"] for r in _rows(tmp_path / "out")]
+    assert sum(np.isnan(p) for p in price) == empty and sum(p == 0.0 for p in price) == 0
+    for split in ("train", "valid", "test"):
+        _loads(tmp_path / "out", split)
 
 
 def test_generic_domain_all_is_reserved(tmp_path):

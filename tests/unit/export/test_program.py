@@ -31,11 +31,11 @@ def _model(schema, max_rows=0, max_seq_len=12, interleave=True, count_decay_hour
                                         cross_layer_span=span),
                     sequence=SequenceConfig(num_heads=2, recent_len=8, min_recent=2, num_pooled=2, **(seq or {})), **kw)
     model = materialize(build_gem(schema, cfg), base_rates=[0.1, 0.01])
-    if cfg.dense_norm != "signed_log":  # statistics of a made-up training split
+    if model.dense_norm.needs_fit:  # statistics of a made-up training split
         F = len(schema.dense)
         knots = np.sort(np.random.default_rng(3).normal(size=(F, 33)), axis=1)
         model.dense_norm.fit({"names": [f.name for f in schema.dense], "mean": [0.3] * F, "std": [2.0] * F,
-                              "quantiles": knots.tolist()}, [f.name for f in schema.dense])
+                              "quantiles": knots.tolist(), "median": [0.7] * F}, [f.name for f in schema.dense])
     with torch.no_grad(), torch.random.fork_rng():  # zero-initialised parts (shortcut, sinks) must matter too
         torch.manual_seed(0)
         for p in model.parameters():
@@ -244,3 +244,72 @@ def test_exported_program_with_an_embedding_feature():
     for specs in ([(2, 3)], [(7, -1), (1, 0)]):  # C = 1 fails the graph's guard with or without vectors (main too)
         diff, _ = _compare(model, schema, _requests(schema, specs, seed=2), fn=program)
         assert diff < TOL, specs
+
+
+def _missing_schema():
+    import dataclasses
+
+    from opengem.features.schema import DenseFeature
+
+    return dataclasses.replace(tiny_schema(), dense=(DenseFeature("activity", "user", missing="indicator"),
+                                                     DenseFeature("quality", "ad", missing="indicator")))
+
+
+def _with_missing(reqs):
+    """Null a user value, leave out an ad value, keep the rest: every way a request says "missing"."""
+    reqs[0]["activity"] = None
+    reqs[0]["candidates"][0].pop("quality")
+    reqs[-1]["candidates"][-1]["quality"] = None
+    return reqs
+
+
+@pytest.mark.parametrize("norm", ["signed_log", "standardize", "quantile"])
+def test_serving_module_equals_gem_with_missing_values(norm):
+    """A null or left-out value of a ``missing="indicator"`` feature scores as the eager model scores
+    its NaN row: imputed with the fitted median, flagged by the indicator (within 1e-5)."""
+    schema = _missing_schema()
+    model = _model(schema, dense_norm=norm)
+    reqs = _with_missing(_requests(schema, [(3, -1), (2, 0), (4, 5)], seed=23))
+    diff, _ = _compare(model, schema, reqs)
+    assert diff < TOL
+    layout = Layout(model.max_seq_len(), model.cfg.sequence.recent_len)
+    _, req_model = request_models(schema)
+    x, _ = assemble(schema, [parse(schema, req_model.model_validate(r)) for r in reqs], layout)
+    assert torch.isnan(x["dense"][:3, 0]).all() and torch.isnan(x["dense"][0, 1]) and torch.isnan(x["dense"][-1, 1])
+    with torch.no_grad():  # the indicator matters: the fill value itself, given as a value, scores differently
+        filled = dict(x, dense=torch.nan_to_num(x["dense"], nan=0.7))
+        assert not torch.allclose(serving_module(model)(x)[0], serving_module(model)(filled)[0])
+
+
+def test_exported_program_with_missing_values():
+    """torch.export of a GEM with missing-indicator features: NaN inputs, one graph, equal to eager."""
+    schema = _missing_schema()
+    model = _model(schema, dense_norm="quantile")
+    layout = Layout(model.max_seq_len(), model.cfg.sequence.recent_len)
+    _, req_model = request_models(schema)
+    x = assemble(schema, [parse(schema, req_model.model_validate(r))
+                          for r in _with_missing(_requests(schema, [(3, 23), (5, 11)], seed=7))], layout)[0]
+    program = export_program(serving_module(model), x).module()
+    for specs in ([(2, 3)], [(7, -1), (1, 0)]):
+        diff, _ = _compare(model, schema, _with_missing(_requests(schema, specs, seed=2)), fn=program)
+        assert diff < TOL, specs
+
+
+def test_a_null_for_a_feature_without_the_missing_option_is_a_422():
+    from pydantic import ValidationError
+
+    from opengem.export.request import error_from_validation
+
+    schema = tiny_schema()
+    req = synthetic_request(schema, 2, 3)
+    req["candidates"][1]["quality"] = None
+    _, req_model = request_models(schema)
+    with pytest.raises(ValidationError) as e:
+        req_model.model_validate(req)
+    err = error_from_validation(e.value)
+    assert err.status == 422 and err.field == "candidates.1.quality" and "missing" in err.message
+    req = synthetic_request(schema, 2, 3)
+    del req["activity"]
+    with pytest.raises(ValidationError) as e:
+        req_model.model_validate(req)
+    assert error_from_validation(e.value).field == "activity"
