@@ -396,7 +396,7 @@ def sweep_seed(args, seed: int, root: Path) -> dict:
             gem = _TimedTeacher(model, history=(3, 16))
             hidx = torch.tensor(head_map(schema.task_names, model.schema.task_names))
             s1 = SliceStream(data, split, schema, doms, gem, student_recipe(args.student).data.batch_size, seed=seed,
-                             slice_rows=n_slice, all_rows=n_all, warmup_days=3, exact_days=True)
+                             slice_rows=n_slice, all_rows=n_all, warmup_days=3)
 
             def student(row, steps=s1.steps):
                 name, techniques, extra = row
@@ -425,7 +425,7 @@ def sweep_seed(args, seed: int, root: Path) -> dict:
             cell = {}
             for split_name, upd in ((CHOICE_SPLIT, True), ("test", False)):
                 ev = evaluate_students(students, SliceStream(data, split_name, schema, doms, gem, 4096, seed=seed,
-                                                             shuffle=False, update_cache=upd, exact_days=True),
+                                                             shuffle=False, update_cache=upd),
                                        schema, rates, {"fm": ref})
                 for obj, task in OBJECTIVES.items():
                     refname = "teacher@alone" if obj == "matched" else "fm@alone"

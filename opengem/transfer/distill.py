@@ -106,7 +106,8 @@ def keep_history(tcfg: TransferConfig, teacher: TeacherService) -> bool:
 
 def reads_user_cache(tcfg: TransferConfig, teacher: TeacherService) -> bool:
     """Whether the student, or its teacher (a domain FM fed by GEM), reads per-user embeddings."""
-    return (tcfg.rep.enabled and tcfg.rep.source == "user") or bool(teacher.rep_in and teacher.upstream_source == "user")
+    own = tcfg.rep.enabled and tcfg.rep.source == "user"
+    return own or bool(teacher.rep_in and teacher.upstream_source == "user")
 
 
 def gem_snapshot(teacher_run: str | Path, data_dir: str | Path, tcfg: TransferConfig) -> tuple[Path, dict] | None:
@@ -150,8 +151,7 @@ def distill(teacher_run: str | Path, recipe_name: str, data_dir: str | Path, out
     days = keep_history(tcfg, teacher)
     stream = SliceStream(data_dir, tcfg.train_split, data_schema, domains, teacher, cfg.data.batch_size,
                          seed=cfg.data.seed, slice_rows=n_slice, all_rows=n_all,
-                         warmup_days=tcfg.rep.days if days else int(reads_user_cache(tcfg, teacher)),
-                         exact_days=days)
+                         warmup_days=tcfg.rep.days if days else int(reads_user_cache(tcfg, teacher)))
     trainers = [make_trainer("student", cfg, tcfg, data_schema, teacher, rates, stream.steps)]
     if tcfg.baseline:
         alone = techniques_config([], domains=tcfg.domains)
@@ -161,7 +161,7 @@ def distill(teacher_run: str | Path, recipe_name: str, data_dir: str | Path, out
     scored = {"teacher_calls": teacher.calls - stream.warm_calls, "teacher_rows": teacher.rows - stream.warm_rows,
               "teacher_warmup_rows": stream.warm_rows}
     test = SliceStream(data_dir, tcfg.eval_split, data_schema, domains, teacher, EVAL_BATCH, shuffle=False,
-                       update_cache=False, exact_days=days)
+                       update_cache=False)
     ev = evaluate_students(trainers, test, data_schema, rates, {"gem": gem} if via else None)
     out = report(ev, tcfg, via is not None, test.rows)
     out["times"] = {"train_s": t_train, "total_s": time.perf_counter() - t0}

@@ -114,15 +114,6 @@ def day_loader(data_dir: str | Path, days: list[int], batch_size: int, schema: F
     return loader
 
 
-def _with_days(loader: ShardLoader) -> Iterator[tuple[Batch, int]]:
-    """(batch, day of its first row): the loader's position before a batch names its shard."""
-    order = loader.shard_order(0)
-    shard = 0
-    for batch in loader:
-        yield batch, order[min(shard, len(order) - 1)].day
-        shard = loader.state_dict()["shard"]
-
-
 class SliceStream:
     """(Batch, TeacherOutput) pairs over ``split``'s rows of ``domains``; the teacher scores each row once.
 
@@ -135,67 +126,60 @@ class SliceStream:
     ``warmup_days``: the teacher first scores the students' rows of that many days before the split
     (its own last days), so the user cache is filled before the students' first day, as a feature
     store would be.
+
+    Chunks are cut per day (one loader per day): a teacher publishes its per-user tables when the day
+    it is told changes, so a chunk straddling two days would put rows of the later day into the
+    earlier day's table, and the rows after it would read their own day (a same-day leak). For a
+    one-day split the batches are those of one loader over the split.
     """
 
     def __init__(self, data_dir: str | Path, split: str, schema: FeatureSchema, domains: list[int], teacher,
                  batch_size: int, *, shuffle: bool = True, seed: int = 0, update_cache: bool = True,
                  slice_rows: int | None = None, all_rows: int | None = None, warmup_days: int = 0,
-                 teacher_batch: int = 2048, exact_days: bool = False):
+                 teacher_batch: int = 2048):
         if slice_rows is None or all_rows is None:
             _, slice_rows, all_rows = slice_rates(data_dir, schema, split, domains)
         self.rows, self.batch_size = slice_rows, batch_size
         chunk = max(teacher_batch, batch_size)
-        read = max(1, math.ceil(chunk * all_rows / max(slice_rows, 1)))
-        self.loader = ShardLoader(data_dir, split, read, schema, shuffle=shuffle, seed=seed, epochs=1,
-                                  max_seq_len=teacher.max_seq_len(), prefetch=2)
+        self.read = max(1, math.ceil(chunk * all_rows / max(slice_rows, 1)))
         self.domains = torch.tensor(domains)
         self.all_domains = len(domains) == schema.num_domains
         self.teacher, self.update_cache = teacher, update_cache
         self.warm_calls = self.warm_rows = 0
-        # student steps per pass (for the lr schedules): every chunk ends in a partial piece
-        self.steps = math.ceil(slice_rows / batch_size) + math.ceil(all_rows / read)
-        split_days = sorted(DatasetManifest.load(data_dir).splits[split])
-        first = split_days[0]
-        days = list(range(max(0, first - warmup_days), first))
-        self.warmup = day_loader(data_dir, days, read, schema, shuffle=False, max_seq_len=teacher.max_seq_len(),
-                                 prefetch=2) if days else None
-        # exact_days: one loader per day, so that no chunk straddles two days and every row's day is its
-        # chunk's (a teacher keeping daily representations publishes by it: rows must not read their own day)
-        self.exact_days = exact_days
-        if exact_days:
-            self.steps += len(split_days)
-            kw = {"max_seq_len": teacher.max_seq_len(), "prefetch": 2, "epochs": 1}
-            self._day_loaders = lambda ds, shuf: [day_loader(data_dir, [d], read, schema, shuffle=shuf, seed=seed,
-                                                             **kw) for d in ds]
-            self._split_days, self._shuffle, self._warm_days = split_days, shuffle, days
+        self.split_days = sorted(DatasetManifest.load(data_dir).splits[split])
+        first = self.split_days[0]
+        self.warm_days = list(range(max(0, first - warmup_days), first))
+        # student steps per pass (for the lr schedules): every chunk ends in a partial piece, and a day's
+        # last chunk is short, so there are at most ceil(all / read) + days − 1 chunks
+        self.steps = (math.ceil(slice_rows / batch_size) + math.ceil(all_rows / self.read)
+                      + len(self.split_days) - 1)
+        self._loader_kw = {"max_seq_len": teacher.max_seq_len(), "prefetch": 2, "epochs": 1}
+        self._data, self._schema, self._shuffle, self._seed = data_dir, schema, shuffle, seed
 
-    def _slice(self, loader: ShardLoader) -> Iterator[tuple[Batch, int]]:
-        for batch, day in _with_days(loader):
+    def _slice(self, loader: ShardLoader) -> Iterator[Batch]:
+        for batch in loader:
             if not self.all_domains:
                 rows = torch.isin(batch.domain, self.domains).nonzero().squeeze(1)
                 if rows.numel() == 0:
                     continue
                 batch = select_rows(batch, rows)
-            yield batch, day
+            yield batch
 
-    def _exact(self, days: list[int], shuffle: bool) -> Iterator[tuple[Batch, int]]:
-        for d, loader in zip(days, self._day_loaders(days, shuffle)):
-            for batch, _ in self._slice(loader):
+    def _days(self, days: list[int], shuffle: bool) -> Iterator[tuple[Batch, int]]:
+        for d in days:
+            loader = day_loader(self._data, [d], self.read, self._schema, shuffle=shuffle, seed=self._seed,
+                                **self._loader_kw)
+            for batch in self._slice(loader):
                 yield batch, d
 
     def batches(self) -> Iterator[tuple[Batch, int]]:
         """(chunk, day): the students' rows before the teacher (what ``cache_to_parquet`` consumes)."""
-        if self.exact_days:
-            yield from self._exact(self._split_days, self._shuffle)
-            return
-        yield from self._slice(self.loader)
+        yield from self._days(self.split_days, self._shuffle)
 
     def __iter__(self):
         calls, rows = self.teacher.calls, self.teacher.rows
-        if self.warmup is not None:
-            warm = self._exact(self._warm_days, False) if self.exact_days else self._slice(self.warmup)
-            for batch, day in warm:
-                self.teacher.predict(batch, True, day)
+        for batch, day in self._days(self.warm_days, False):
+            self.teacher.predict(batch, True, day)
         self.warm_calls, self.warm_rows = self.teacher.calls - calls, self.teacher.rows - rows
         for chunk, day in self.batches():
             tout = self.teacher.predict(chunk, self.update_cache, day)

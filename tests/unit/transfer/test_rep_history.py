@@ -83,7 +83,7 @@ def test_the_student_stream_never_reads_its_own_day_or_later(schema, tmp_path):
     gem.seen = []
     assert keep_history(tcfg, gem) and rep_width(tcfg, gem.feature_dim) == 8
     doms = domain_ids(schema, schema.domains.names)
-    s = SliceStream(data, "valid", schema, doms, gem, 16, seed=0, warmup_days=2, exact_days=True, teacher_batch=16)
+    s = SliceStream(data, "valid", schema, doms, gem, 16, seed=0, warmup_days=2, teacher_batch=16)
     n = sum(tout.user_hist.shape[0] for _, tout in s)
     assert n == 160
     assert {d for d, *_ in gem.seen} == {0, 1, 2, 3}  # the warm-up scored the teacher's days 0 and 1
@@ -104,3 +104,36 @@ def test_rep_days_validates():
     tcfg.rep.days = 0
     with pytest.raises(Exception, match="rep.days"):
         tcfg.validate()
+
+
+class _UserSpy(TeacherService):
+    """Records every call's day, the rows' true days, users, the user means they read, their embeddings."""
+
+    seen: list
+
+    def predict(self, batch, update_cache=True, day=None):
+        u = batch.user_id
+        out = super().predict(batch, update_cache, day)
+        true_days = torch.where(u == LOYAL, -1, u // USERS_PER_DAY)
+        self.seen.append((day, true_days, u, out.user_rep, out.embeddings))
+        return out
+
+
+def test_the_per_user_mean_never_holds_the_rows_own_day(schema, tmp_path):
+    """rep.source=user: 80 rows a day in chunks of 24, so a chunk read across the day boundary would
+    put the next day's rows into the table published for the day before (the same-day leak)."""
+    data = _days_dataset(tmp_path / "data", schema)
+    gem = _UserSpy(make_gem(schema))
+    gem.seen = []
+    doms = domain_ids(schema, schema.domains.names)
+    s = SliceStream(data, "valid", schema, doms, gem, 8, seed=0, warmup_days=1, teacher_batch=24)
+    assert sum(b.batch_size for b, _ in s) == 160
+    assert [d for d, *_ in gem.seen] == [1] * 4 + [2] * 4 + [3] * 4  # 80 rows a day: 24, 24, 24, 8
+    for day, true_days, users, rep, emb in gem.seen:
+        own = true_days[users != LOYAL]
+        assert bool((own == day).all()), (day, own.unique())  # no chunk mixes days
+        assert not rep[users != LOYAL].any()  # a day's users were never seen before it: nothing published
+    for day in (2, 3):  # the loyal user reads the mean of its own rows of the days before, exactly
+        past = torch.cat([e[u == LOYAL] for d, _, u, _, e in gem.seen if d < day])
+        read = torch.cat([r[u == LOYAL] for d, _, u, r, _ in gem.seen if d == day])
+        assert torch.allclose(read, past.mean(0).expand_as(read), atol=1e-5)
