@@ -69,7 +69,8 @@ def main() -> None:
         for w in worlds:
             r = results[w] = run_world(work, w, users)
             line = "  ".join(f"{task} captured {r[task]['captured']:.4f} / oracle {r[task]['oracle_captured']:.4f} "
-                             f"= {r[task]['captured_over_oracle']:.3f} (AUC {r[task]['auc']:.4f}, NE {r[task]['ne']:.4f})"
+                             f"= {r[task]['captured_over_oracle']:.3f} "
+                             f"(AUC {r[task]['auc']:.4f}, NE {r[task]['ne']:.4f})"
                              for task in ("click", "conversion") if task in r)
             print(f"[heldout_demo] world {w}: {line}; train {r['train_s']:.0f} s", flush=True)
     summary = {"worlds": worlds, "users": users or "demo", "per_world": {str(w): r for w, r in results.items()},

@@ -63,7 +63,8 @@ def demo(out: str | Path, preset: str = "demo", seed: int = 0, overrides: Sequen
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     with _timed(times, "generate_s"):
-        generate(world_config(preset, seed=seed, overrides=world_overrides), data, progress=progress, observer=OracleCollector, layout=layout)
+        world = world_config(preset, seed=seed, overrides=world_overrides)
+        generate(world, data, progress=progress, observer=OracleCollector, layout=layout)
     cfg = apply_overrides(recipe(preset), list(overrides))
     cfg.train.progress = progress
     with _timed(times, "train_s"):
