@@ -124,19 +124,20 @@ class ServingGEM(nn.Module):
         return g
 
     def history_counts(self, x: dict[str, torch.Tensor], stream: str) -> torch.Tensor:
-        """[C, (1 + A)·E·K]: ``HistoryCounts.stream_counts`` per candidate; the decayed weights are
+        """[C, (1 + A)·E·K (×2 with recency)]: ``HistoryCounts.stream_counts`` per candidate; the decayed weights are
         summed once per user, only the target-matched sums are per candidate."""
         hc, cand_user = self.gem.history_counts, x["cand_user"]
         w_NE = hc.event_weights(stream, x[f"seq.{stream}.event"], x[f"seq.{stream}.age"])
         idx_UL, valid_UL = x[f"seq.{stream}.pool_idx"], x[f"seq.{stream}.pool_valid"]
         w_ULE = w_NE[idx_UL] * valid_UL.unsqueeze(-1).to(w_NE.dtype)
-        out = [w_ULE.sum(1)[cand_user]]
+        out, newest = [w_ULE.sum(1)[cand_user]], [w_ULE.amax(1)[cand_user]]  # padding weighs 0: amax is safe
         w_CLE = w_ULE[cand_user]
         for (col, feat, oov) in self.match_pairs.get(stream, ()):
             ev_CL = x[f"seq.{col}"][idx_UL][cand_user]
             flag_CL = ((ev_CL == self._cand_ids(x, feat)[:, None]) & (ev_CL != oov)).to(w_NE.dtype)
             out.append(torch.einsum("cl,cle->ce", flag_CL, w_CLE))
-        return torch.cat(out, dim=1)
+            newest.append((flag_CL[:, :, None] * w_CLE).amax(1))
+        return torch.cat(out + newest if hc.recency else out, dim=1)
 
     def first_tokens(self, x: dict[str, torch.Tensor], tower: nn.Module, name: str, toks: list[torch.Tensor],
                      x_sum_CSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +180,7 @@ class ServingGEM(nn.Module):
             tokens.append(gem.history_counts([self.history_counts(x, s) for s in gem.streams]).unsqueeze(1))
         if gem.embedding_proj is not None:
             tokens += embedding_tokens(gem.embedding_proj, self.schema, x["embeddings"])
-        x_BND = torch.cat(tokens, dim=1)
+        x_BND = gem.x0(tokens)
         x_sum = gem.interformer.cross[0].summarize_x(x_BND)
         states = []
         for tower, stream in zip(gem.interformer.towers, [self.schema.stream(s) for s in gem.streams]):

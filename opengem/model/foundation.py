@@ -41,13 +41,15 @@ class GEMConfig:
     dense_tokens: int = 1
     max_seq_len: int = 0  # cap on every stream's history (most recent kept); 0 = the schema's max_len
     use_sequences: bool = True  # False: ablation without sequence towers
-    shortcut: str = "fwfm"  # fwfm | linear | none: low-order logits from X_0 (heads.LowOrderShortcut)
+    shortcut: str = "fwfm"  # fwfm | fvfm | linear | none: low-order logits from X_0 (heads.LowOrderShortcut)
     target_match: bool = True  # flag events whose attribute equals the candidate's feature of that name
     count_decay_hours: tuple[float, ...] = (1.0, 24.0, 168.0, 720.0)  # HistoryCounts token; () = off
+    count_recency: bool = False  # HistoryCounts also reads e^(−age of the newest event/τ), per type, all and matched
     # torch: the domain and time-bucket embeddings keep nn.Embedding's N(0, 1) | table: N(0, init_std²) like the
     # id tables. After LayerNorm a unit-scale token dominates 0.05-scale ones; measured in docs/experiments.md.
     embedding_init: str = "torch"
     dense_norm: str = "signed_log"  # signed_log | standardize | quantile (opengem.model.dense_norm; fitted on train)
+    input_norm: str = "none"  # none | rms: every X_0 token to unit RMS, times a learned per-token gain (TokenRMSNorm)
     sparse: SparseArchConfig = field(default_factory=SparseArchConfig)
     wukong: WukongConfig = field(default_factory=WukongConfig)
     sequence: SequenceConfig = field(default_factory=SequenceConfig)
@@ -61,10 +63,12 @@ class GEMConfig:
             raise ValueError("model.embedding_dim and model.dense_tokens must be >= 1, max_seq_len >= 0")
         if any(not h > 0 for h in self.count_decay_hours):
             raise ValueError(f"model.count_decay_hours must all be > 0 hours, got {self.count_decay_hours}")
+        if self.input_norm not in ("none", "rms", "rms_ids"):
+            raise ValueError(f"model.input_norm must be none|rms|rms_ids, got {self.input_norm!r}")
         if self.embedding_init not in ("torch", "table"):
             raise ValueError(f"model.embedding_init must be torch|table, got {self.embedding_init!r}")
-        if self.shortcut not in ("fwfm", "linear", "none"):
-            raise ValueError(f"model.shortcut must be fwfm|linear|none, got {self.shortcut!r}")
+        if self.shortcut not in ("fwfm", "fvfm", "linear", "none"):
+            raise ValueError(f"model.shortcut must be fwfm|fvfm|linear|none, got {self.shortcut!r}")
         self.wukong.validate()
         self.sequence.validate(self.embedding_dim)
         self.interformer.validate()
@@ -115,16 +119,21 @@ class HistoryCounts(nn.Module):
     Counts see the history the loader keeps (``model.max_seq_len``). Softmax attention reads shares of
     matching events, never how many there were or how recent; this token reads exactly that
     (docs/experiments.md has what it did on the demo world).
+
+    ``recency`` (``model.count_recency``) adds, beside each sum, the largest weight, e^(−age/τ) of the
+    newest such event: a sum of decays cannot tell one event an hour ago from many a day ago, and
+    "how long since the user last engaged with this advertiser" is the other classic ads feature.
     """
 
     def __init__(self, schema: FeatureSchema, streams: list[str], match_pairs: dict[str, list],
-                 decay_hours: tuple[float, ...], dim: int):
+                 decay_hours: tuple[float, ...], dim: int, recency: bool = False):
         super().__init__()
         self.decay_hours = tuple(float(h) for h in decay_hours)  # constants, not a buffer: nothing to shard or load
         self.num_events = {s: schema.stream(s).num_event_types + 1 for s in streams}  # + the OOV event id
+        self.recency = recency
         n = sum((1 + len(match_pairs[s])) * self.num_events[s] * len(decay_hours) for s in streams)
-        self.num_counts = n
-        self.mlp = mlp([n, 4 * dim, dim])
+        self.num_counts = n * (2 if recency else 1)
+        self.mlp = mlp([self.num_counts, 4 * dim, dim])
 
     def event_weights(self, stream: str, events_N: torch.Tensor, age_N: torch.Tensor) -> torch.Tensor:
         """[N, E·K]: event n's one-hot event type ⊗ its decays e^(−age/τ_k)."""
@@ -135,17 +144,49 @@ class HistoryCounts(nn.Module):
 
     def stream_counts(self, stream: str, events_N: torch.Tensor, age_N: torch.Tensor,
                       flags_NA: torch.Tensor | None, lengths_B: torch.Tensor) -> torch.Tensor:
-        """[B, (1 + A)·E·K] decayed counts of one stream (before log1p)."""
+        """[B, (1 + A)·E·K] decayed counts of one stream (before log1p); with ``recency`` then as many
+        largest weights (0 where there is no such event)."""
         B = lengths_B.numel()
         w_NEK = self.event_weights(stream, events_N, age_N)
         sel = [w_NEK.new_ones(w_NEK.shape[0], 1)] + ([flags_NA.to(w_NEK.dtype)] if flags_NA is not None else [])
         x = (torch.cat(sel, dim=1)[:, :, None] * w_NEK[:, None, :]).flatten(1)
         row = torch.repeat_interleave(torch.arange(B, device=lengths_B.device), lengths_B)
-        return x.new_zeros(B, x.shape[1]).index_add_(0, row, x)
+        sums = x.new_zeros(B, x.shape[1]).index_add_(0, row, x)
+        if not self.recency:
+            return sums
+        newest = x.new_zeros(B, x.shape[1]).index_reduce_(0, row, x, "amax")  # weights ≥ 0: 0 = none
+        return torch.cat([sums, newest], dim=1)
 
     def forward(self, counts: list[torch.Tensor]) -> torch.Tensor:
-        """[B, D] from each stream's ``stream_counts``."""
+        """[B, D] from each stream's ``stream_counts``: log1p of the sums, the largest weights as they are."""
+        if self.recency:
+            counts = [torch.cat([torch.log1p(c[:, : c.shape[1] // 2]), c[:, c.shape[1] // 2:]], dim=1) for c in counts]
+            return self.mlp(torch.cat(counts, dim=1))
         return self.mlp(torch.log1p(torch.cat(counts, dim=1)))
+
+
+class TokenRMSNorm(nn.Module):
+    """X_0 [B, n, D] → each token divided by its RMS over D, times a learned gain per (token, dim), init 1.
+
+    Why (a choice; the public record is silent): X_0 mixes id embeddings (N(0, 0.05²) at init) with
+    the domain embedding (N(0, 1)) and MLP outputs (dense, history counts) of unit scale, so the FM's
+    Gram matrix and the shortcut's pairs are dominated by the unit-scale tokens and an id × id
+    affinity is a small perturbation of them. Putting every field on one scale lets each pair of
+    fields count alike from the first step; the gains let training re-weight fields.
+    """
+
+    def __init__(self, n_tokens: int, dim: int, eps: float = 1e-6, n_norm: int | None = None):
+        super().__init__()
+        self.eps, self.n_norm = eps, n_tokens if n_norm is None else n_norm  # the first n_norm tokens only
+        self.gain = nn.Parameter(torch.ones(self.n_norm, dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.gain)
+
+    def forward(self, x_BND: torch.Tensor) -> torch.Tensor:
+        x, rest = x_BND[:, : self.n_norm], x_BND[:, self.n_norm:]
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.gain
+        return torch.cat([x, rest], dim=1) if rest.shape[1] else x
 
 
 class TableModel(nn.Module):
@@ -208,10 +249,13 @@ class GEM(TableModel):
             self.streams = [s.name for s in schema.sequences] if cfg.use_sequences else []
             self.match_pairs = {name: match_attributes(schema, name) if cfg.target_match else []
                                 for name in self.streams}
-            self.history_counts = (HistoryCounts(schema, self.streams, self.match_pairs, cfg.count_decay_hours, D)
+            self.history_counts = (HistoryCounts(schema, self.streams, self.match_pairs, cfg.count_decay_hours, D,
+                                                 cfg.count_recency)
                                    if cfg.count_decay_hours and self.streams else None)
             n_x = (len(schema.sparse) + (cfg.dense_tokens if F else 0) + 1 + (self.history_counts is not None)
                    + len(schema.embeddings))
+            self.input_norm = {"none": None, "rms": TokenRMSNorm(n_x, D),
+                               "rms_ids": TokenRMSNorm(n_x, D, n_norm=len(schema.sparse))}[cfg.input_norm]
             self.target_match = nn.ModuleDict({name: nn.Linear(len(cols), D, bias=False)
                                                for name, cols in self.match_pairs.items() if cols})
             self.interformer = InterFormer(n_x, D, len(self.streams), cfg.wukong, cfg.sequence, cfg.interformer)
@@ -273,7 +317,12 @@ class GEM(TableModel):
             tokens.append(self.history_counts(counts).unsqueeze(1))
         if self.embedding_proj is not None:
             tokens += embedding_tokens(self.embedding_proj, self.schema, batch.embeddings)
-        return torch.cat(tokens, dim=1), seqs
+        return self.x0(tokens), seqs
+
+    def x0(self, tokens: list[torch.Tensor]) -> torch.Tensor:
+        """X_0 [B, n_x, D] from its token groups, through ``input_norm`` (serving builds it here too)."""
+        x_BND = torch.cat(tokens, dim=1)
+        return self.input_norm(x_BND) if self.input_norm is not None else x_BND
 
     def _match_flags(self, batch: Batch, stream: str, lengths: torch.Tensor) -> torch.Tensor:
         """[N, A] float: 1 where event n's attribute a equals its row's candidate id of that name."""

@@ -154,12 +154,18 @@ class LowOrderShortcut(nn.Module):
 
         linear: [B, n·D] → [B, T]                      (each embedding's first-order effect)
         fwfm:   ⟨x_i, x_j⟩/√D for i < j → [B, P] → [B, T]  (one learned weight per pair and task)
+        fvfm:   x_i ⊙ x_j/√D for i < j → [B, P·D] → [B, T] (a learned weight per pair, dim and task)
 
     Not in the public GEM record (dossier §11): Wukong and InterFormer only reach the logits through
     their stacks. We add this DeepFM/FwFM-style path because one pass over the logs learns low-order
     effects (ad quality, a user segment × ad category affinity) slowly through deep stacks; the output
     weights start at zero, so at init the model equals the one without it. ``model.shortcut``:
-    ``fwfm`` (linear + pairs) | ``linear`` | ``none``.
+    ``fwfm`` (linear + pairs) | ``fvfm`` (linear + pairs, each pair a weighted inner product,
+    FmFM's field-vector form, Sun et al. 2021) | ``linear`` | ``none``.
+
+    Why ``fvfm`` exists: with one scalar per pair, every field's single embedding must serve all of
+    its pairs' affinities at once (segment × category and segment × format share segment's vector);
+    a weight per dimension lets each pair read its own subspace, for P·D·T more weights (zero at init).
     """
 
     def __init__(self, n_tokens: int, dim: int, num_tasks: int, mode: str):
@@ -167,14 +173,18 @@ class LowOrderShortcut(nn.Module):
         self.mode, self.dim, self.n = mode, dim, n_tokens
         self.linear = ZeroLinear(n_tokens * dim, num_tasks, bias=False)
         n_pairs = n_tokens * (n_tokens - 1) // 2
-        self.pairs = ZeroLinear(n_pairs, num_tasks, bias=False) if mode == "fwfm" else None
+        width = {"fwfm": n_pairs, "fvfm": n_pairs * dim}.get(mode)
+        self.pairs = ZeroLinear(width, num_tasks, bias=False) if width else None
 
     def forward(self, x_BND: torch.Tensor) -> torch.Tensor:
         x_BND = x_BND.to(self.linear.weight.dtype)  # FSDP mixed precision: tables stay fp32, this may be bf16
         out = self.linear(x_BND.flatten(1))
         if self.pairs is not None:
             i, j = torch.triu_indices(self.n, self.n, offset=1, device=x_BND.device)  # no buffer: nothing to shard
-            gram = torch.bmm(x_BND, x_BND.transpose(1, 2)) * self.dim**-0.5
-            out = out + self.pairs(gram[:, i, j])
+            if self.mode == "fvfm":
+                out = out + self.pairs((x_BND[:, i] * x_BND[:, j]).flatten(1) * self.dim**-0.5)
+            else:
+                gram = torch.bmm(x_BND, x_BND.transpose(1, 2)) * self.dim**-0.5
+                out = out + self.pairs(gram[:, i, j])
         return out
 

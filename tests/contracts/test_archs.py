@@ -1,6 +1,8 @@
 """One contract over every arch: shapes, every parameter learns, empty and very long sequences,
 determinism, and the heads' domain routing and task chaining."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -249,6 +251,27 @@ def test_history_counts_are_decayed_counts_per_event_type_all_and_matched():
     assert token.shape == (5, D) and torch.isfinite(token).all()
     off = _gem(GEMConfig(embedding_dim=D, count_decay_hours=()), schema)
     assert off.history_counts is None and torch.isfinite(off(b)).all()
+    # recency: beside each sum, the largest weight e^(−age/τ) (the newest such event), 0 with none
+    rec = _gem(replace(cfg, count_recency=True), schema).history_counts
+    lengths = seq["s0.item"].lengths()
+    flags = model._match_flags(b, "s0", lengths)
+    got = rec.stream_counts("s0", seq["s0.event"].values(), ages["s0"].values(), flags, lengths)
+    E, n = schema.stream("s0").num_event_types + 1, 2 * (schema.stream("s0").num_event_types + 1) * 2
+    sums = hc.stream_counts("s0", seq["s0.event"].values(), ages["s0"].values(), flags, lengths)
+    assert got.shape == (5, 2 * n) and torch.equal(got[:, :n], sums)
+    ev, age = seq["s0.event"].values().numpy(), ages["s0"].values().double().numpy()
+    cats, cand = seq["s0.category"].values().numpy(), sp["category"].values().numpy()
+    want = np.zeros((5, 2, E, 2))
+    start = 0
+    for r, k in enumerate(lengths.tolist()):
+        for i in range(start, start + k):
+            w = np.exp(-age[i] / taus)
+            want[r, 0, ev[i]] = np.maximum(want[r, 0, ev[i]], w)
+            if cats[i] == cand[r] and cats[i] != 5:
+                want[r, 1, ev[i]] = np.maximum(want[r, 1, ev[i]], w)
+        start += k
+    np.testing.assert_allclose(got[:, n:].numpy(), want.reshape(5, -1), rtol=1e-5, atol=1e-7)
+    assert rec.num_counts == 2 * hc.num_counts
     with pytest.raises(ValueError, match="count_decay_hours"):
         GEMConfig(count_decay_hours=(24.0, 0.0)).validate()
 
@@ -265,6 +288,41 @@ def test_shortcut_starts_at_zero_and_reads_pairs():
         sc.pairs.weight.zero_()
         sc.pairs.weight[0, 5] = 1.0  # pair (2, 3) is the last of 6 upper-triangle pairs
     assert torch.allclose(sc(x)[:, 0], (x[:, 2] * x[:, 3]).sum(-1) / 3**0.5)
+
+
+def test_fvfm_shortcut_weights_each_pair_per_dimension():
+    from opengem.model.heads import LowOrderShortcut
+
+    sc = LowOrderShortcut(4, 3, 2, "fvfm")
+    x = torch.randn(5, 4, 3)
+    assert torch.equal(sc(x), torch.zeros(5, 2)) and sc.pairs.weight.shape == (2, 6 * 3)
+    with torch.no_grad():
+        sc.pairs.weight[0, 5 * 3 + 1] = 2.0  # pair (2, 3), dimension 1
+        sc.pairs.weight[1, 0 * 3 + 2] = -1.0  # pair (0, 1), dimension 2
+    assert torch.allclose(sc(x)[:, 0], 2.0 * x[:, 2, 1] * x[:, 3, 1] / 3**0.5)
+    assert torch.allclose(sc(x)[:, 1], -x[:, 0, 2] * x[:, 1, 2] / 3**0.5)
+    # a GEM with it starts exactly where the one without a shortcut does
+    with_fvfm = _gem(GEMConfig(embedding_dim=D, shortcut="fvfm"))
+    assert all(p.abs().sum() == 0 for p in with_fvfm.shortcut.parameters())
+
+
+def test_input_norm_puts_every_x0_token_on_unit_rms():
+    b = _batch(tiny_schema())
+    off, on = _gem(), _gem(GEMConfig(embedding_dim=D, input_norm="rms"))
+    x_off, _ = off.inputs(b)
+    x_on, _ = on.inputs(b)
+    rms_off = x_off.pow(2).mean(-1).sqrt()
+    present = rms_off > 0  # an empty multi-hot bag is a zero token and stays zero
+    assert rms_off[present].max() / rms_off[present].min() > 5  # the problem: ids ~0.05, the domain token ~1
+    rms_on = x_on.pow(2).mean(-1).sqrt()
+    assert torch.allclose(rms_on[present], torch.ones_like(rms_on[present]), atol=1e-3)
+    assert torch.equal(rms_on[~present], torch.zeros_like(rms_on[~present]))
+    with torch.no_grad():
+        on.input_norm.gain[0].mul_(3.0)  # the gains re-weight a field
+    x_gain, _ = on.inputs(b)
+    assert torch.allclose(x_gain.pow(2).mean(-1).sqrt()[present[:, 0], 0], torch.tensor(3.0), atol=1e-2)
+    with pytest.raises(ValueError, match="input_norm"):
+        GEMConfig(input_norm="layer").validate()
 
 
 def test_a_rows_score_does_not_depend_on_its_batch():

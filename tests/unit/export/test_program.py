@@ -97,9 +97,12 @@ def test_serving_module_equals_gem(specs):
     {"seq": {"pffn": "transposed"}, "span": "earlier"},
     {"embedding_init": "table", "dense_norm": "standardize"},
     {"dense_norm": "quantile"},
+    {"input_norm": "rms", "shortcut": "fvfm", "count_decay_hours": (1.0, 24.0), "count_recency": True},
+    {"input_norm": "rms_ids", "count_decay_hours": (1.0,), "count_recency": True},
 ])
 def test_serving_module_equals_gem_for_each_model_choice(kw):
-    """RoPE, the PFFN orientation, the cross-layer span and the fitted dense normaliser serve as they train."""
+    """RoPE, the PFFN orientation, the cross-layer span, the fitted dense normaliser, the X_0 RMS norm
+    and the field-vector shortcut serve as they train."""
     schema = tiny_schema()
     diff, _ = _compare(_model(schema, **kw), schema, _requests(schema, [(3, -1), (2, 0), (4, 5)], seed=21))
     assert diff < TOL
