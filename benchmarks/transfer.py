@@ -366,7 +366,7 @@ def _cell_rows(ev: dict, names: list[str], task: str, ref: str) -> dict:
 
 def sweep_seed(args, seed: int, root: Path) -> dict:
     from opengem.transfer.objectives import fm_view, head_map
-    from opengem.transfer.teacher import teacher_snapshot
+    from opengem.transfer.teacher import DailySnapshots, teacher_snapshot
 
     require_dev_world(seed, "the transfer sweep's technique sets")
     cfg_w, V = sweep_world(args, seed)
@@ -393,7 +393,8 @@ def sweep_seed(args, seed: int, root: Path) -> dict:
             t = time.perf_counter()
             snap, meta = teacher_snapshot(run, V - k, lag)
             model, _, _ = load_run_model(run, snapshot=snap)
-            gem = _TimedTeacher(model, history=(3, 16))
+            # rep(days): each day's table from the day's own snapshot, with the same lag (DailySnapshots)
+            gem = _TimedTeacher(model, history=(3, 16, DailySnapshots(run, lag, {snap: model})))
             hidx = torch.tensor(head_map(schema.task_names, model.schema.task_names))
             s1 = SliceStream(data, split, schema, doms, gem, student_recipe(args.student).data.batch_size, seed=seed,
                              slice_rows=n_slice, all_rows=n_all, warmup_days=3)
@@ -418,7 +419,8 @@ def sweep_seed(args, seed: int, root: Path) -> dict:
                     yield batch, tout
             train_students(students, collecting(s1))
             # the teacher's compute per student training row: every row it scored for this pass (the
-            # students' rows and the warm-up days that fill the daily representation tables)
+            # students' rows and the warm-up days that fill the daily representation tables), and the
+            # days' own snapshots computing those tables (their seconds count, their rows do not)
             teacher_s, student_rows, scored = gem.seconds, s1.rows, gem.rows
             ref = _Recalibrated(model, hidx, {e: fit_platt(torch.cat(zs), torch.cat(ys))})
             names = [r[0] for r in SWEEP]
@@ -434,6 +436,7 @@ def sweep_seed(args, seed: int, root: Path) -> dict:
                 out["cells"][cell_key(lag, k, obj)] = cell[obj]
             out["passes"][f"lag{lag}/data{k}"] = {
                 "snapshot_last_day": meta["last_day"], "student_days": list(range(V - k, V)),
+                "rep_table_snapshot_last_day": dict(gem.history.source),
                 "wall_s": time.perf_counter() - t, "teacher_s_per_student_row": teacher_s / max(student_rows, 1),
                 "teacher_rows_per_student_row": scored / max(student_rows, 1),
                 "teacher_warmup_rows_per_student_row": s1.warm_rows / max(student_rows, 1),
