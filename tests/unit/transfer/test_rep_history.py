@@ -207,3 +207,21 @@ def test_each_days_table_is_computed_by_that_days_own_snapshot(schema, tmp_path,
     i = int((b.user_id == LOYAL).nonzero()[0])
     assert torch.equal(x[i, :4], h.tables[2][1][h.tables[2][0][LOYAL]])
     assert torch.equal(x[i, 4:], h.tables[1][1][h.tables[1][0][LOYAL]])
+
+
+def test_distill_on_a_run_with_snapshots_publishes_each_days_table_from_its_own_snapshot(schema, tmp_path):
+    """``opengem distill`` with rep.source=days on a continuously trained run: the tables it saves for
+    serving were computed by the days' own snapshots (day t by snapshot t at lag 0), not its teacher's."""
+    from opengem.run import USER_REP_FILE
+    from opengem.transfer.distill import distill
+
+    data = _days_dataset(tmp_path / "data", schema)
+    run = _snapshot_run(schema, tmp_path / "gem", range(4))
+    out = distill(run, "vm_xs", data, tmp_path / "vm", ["transfer.rep.enabled=true", "transfer.rep.source=days",
+                                                        "transfer.rep.days=2", "transfer.rep.dim=4",
+                                                        "transfer.snapshot_lag=0", "data.batch_size=16",
+                                                        'transfer.domains=["d0","d1"]'])
+    assert out["rows"] == 80  # the test day's rows
+    saved = torch.load(tmp_path / "vm" / USER_REP_FILE, weights_only=False)
+    assert saved["snapshot_last_day"] == {0: 0, 1: 1, 2: 2}  # the teacher itself is snapshot 1 (day 2 − 1)
+    assert saved["tables"][2]["reps"].shape == (13, 4)  # day 2's 12 users and the loyal one
