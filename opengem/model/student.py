@@ -16,9 +16,9 @@ Because the served part is a plain ``GEM``, a student run directory is an ordina
 Representation transfer adds the teacher's embedding as E dense *user* features named
 ``teacher_rep_000 …`` to the student's schema (``student_schema``): GEM's dense arch reads them
 like any other float, and serving fills them from a per-user feature store (see
-``opengem.transfer.teacher.UserRepCache``), so the served program is unchanged. Representations
+``opengem.transfer.user_reps.UserRepCache``), so the served program is unchanged. Representations
 over time (``rep.source=days``) are k·r such features: the user's last k daily published
-representations, each projected to r (``opengem.transfer.teacher.UserRepHistory``).
+representations, each projected to r (``opengem.transfer.user_reps.UserRepHistory``).
 
 Presets (``opengem.recipes.students``): one dial from ``vm_xs`` (no sequence towers: the cheapest
 servable model) to ``fm_domain`` (a per-domain foundation model, the middle level of hierarchical transfer).

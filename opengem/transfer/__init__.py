@@ -1,7 +1,8 @@
 """Knowledge transfer: GEM → (domain FMs →) vertical models (ExFM-style; GEM's transfer).
 
     teacher.py   TeacherService: the frozen FM, once per example; user cache; Parquet cache; the snapshot
-               a student of day d reads with transfer.snapshot_lag (teacher_snapshot)
+               a student of day d reads with transfer.snapshot_lag (teacher_snapshot); DailySnapshots
+    user_reps.py the per-user tables published for serving: UserRepCache (mean), UserRepHistory (per day)
     stream.py    the students' rows (surfaces, history caps), scored once by the teacher
     losses.py    KD, auxiliary head (label scaling, weight), the loss of one student step
     adapter.py   the student adapter (stale teacher → calibrated on the freshest labels)

@@ -21,7 +21,9 @@ one as a teacher.
 Staleness as a knob (``transfer.snapshot_lag``): when GEM is trained continuously
 (``opengem train --continue``), its teacher is the snapshot that has seen days up to d − 1 − lag,
 d the first day of the student's split (one teacher for the whole split in this version); the
-snapshot read is recorded in transfer.json (``teacher_snapshot``).
+snapshot read is recorded in transfer.json (``teacher_snapshot``). With ``rep.source=days`` each day's
+representation table is computed by that day's own snapshot (``DailySnapshots``: the snapshot a
+student of the next day reads, with the same lag; lag 0 when unset), not by the students' teacher.
 
 A student's tasks are the data's; a task the teacher lacks (its schema a task view of the data's,
 ``opengem.transfer.objectives``) reads the teacher's closest head (``transfer.kd.heads``).
@@ -60,7 +62,7 @@ from opengem.transfer.config import TransferConfig, techniques_config
 from opengem.transfer.objectives import check_teacher_schema, head_map
 from opengem.transfer.share import share_parameters
 from opengem.transfer.stream import SliceStream, domain_ids, slice_rates
-from opengem.transfer.teacher import TeacherService, UserRepHistory, teacher_snapshot
+from opengem.transfer.teacher import DailySnapshots, TeacherService, UserRepHistory, teacher_snapshot
 from opengem.transfer.trainer import StudentTrainer, evaluate_students, train_students, transfer_ratio
 
 log = logging.getLogger(__name__)
@@ -95,12 +97,15 @@ def rep_width(tcfg: TransferConfig, feature_dim: int) -> int:
     return tcfg.rep.days * tcfg.rep.dim if tcfg.rep.source == "days" else feature_dim
 
 
-def keep_history(tcfg: TransferConfig, teacher: TeacherService) -> bool:
-    """Give ``teacher`` a daily representation table if the student reads one (rep.source=days); True if so."""
+def keep_history(tcfg: TransferConfig, teacher: TeacherService, snapshots: DailySnapshots | None = None) -> bool:
+    """Give ``teacher`` daily representation tables if the student reads them (rep.source=days), each
+    day's computed by its own snapshot when ``snapshots`` is given; True if so."""
     if not (tcfg.rep.enabled and tcfg.rep.source == "days"):
         return False
+    if snapshots is not None and teacher.rep_in:
+        raise ValueError("daily snapshots compute GEM's own representations: not those of a teacher fed by another")
     if teacher.history is None:
-        teacher.history = UserRepHistory(teacher.feature_dim, tcfg.rep.days, tcfg.rep.dim)
+        teacher.history = UserRepHistory(teacher.feature_dim, tcfg.rep.days, tcfg.rep.dim, snapshots)
     return True
 
 
@@ -148,7 +153,9 @@ def distill(teacher_run: str | Path, recipe_name: str, data_dir: str | Path, out
     gem, teacher = load_teachers(teacher_run, via, data_schema, snap[0] if snap else None)
     domains = domain_ids(data_schema, tcfg.domains)
     rates, n_slice, n_all = slice_rates(data_dir, data_schema, tcfg.train_split, domains)
-    days = keep_history(tcfg, teacher)
+    # GEM's daily tables from each day's own snapshot (a run trained continuously); --via: the domain FM's
+    daily = DailySnapshots(teacher_run, tcfg.snapshot_lag or 0, {snap[0]: gem.model}) if snap and not via else None
+    days = keep_history(tcfg, teacher, daily)
     stream = SliceStream(data_dir, tcfg.train_split, data_schema, domains, teacher, cfg.data.batch_size,
                          seed=cfg.data.seed, slice_rows=n_slice, all_rows=n_all,
                          warmup_days=tcfg.rep.days if days else int(reads_user_cache(tcfg, teacher)))

@@ -22,7 +22,9 @@ end of day d − 1 (zeros for a user not seen before); at serving the same vecto
 lookup by user id, passed as the student's ``teacher_rep_*`` dense user features, so training and
 serving see the same thing. ``rep.source=row`` (the row's own features) is the offline upper bound.
 ``rep.source=days`` (LoopFM's representations over time) keeps one table per published day instead
-(``UserRepHistory``): a row of day d reads its user's vectors of the last k published days < d.
+(``opengem.transfer.user_reps.UserRepHistory``): a row of day d reads its user's vectors of the last k
+published days < d, each day's table computed by that day's own snapshot (``DailySnapshots``) when
+the run publishes snapshots.
 
 The teacher is built and loaded as in training and evaluation (``opengem.run.load_run_model``: meta →
 materialise → load the DCP checkpoint), from a published snapshot when the run has any (a run still
@@ -49,6 +51,10 @@ from opengem.config import ConfigError
 from opengem.data.batch import Batch
 from opengem.model.student import forward_with_features, rep_dim_of, with_rep
 from opengem.run import TRANSFER_FILE, load_run_model
+from opengem.transfer.user_reps import UserRepCache, UserRepHistory
+
+__all__ = ["CachedTeacher", "DailySnapshots", "TeacherOutput", "TeacherService", "UserRepCache", "UserRepHistory",
+           "teacher_snapshot"]
 
 
 @dataclass
@@ -63,157 +69,6 @@ class TeacherOutput:
             return self
         return TeacherOutput(*(None if x is None else x[rows]
                                for x in (self.logits, self.embeddings, self.user_rep, self.user_hist)))
-
-
-class UserRepCache:
-    """user id → running mean of the teacher embeddings of that user's rows (a feature-store table).
-
-    ``update`` writes the live table; ``lookup`` reads the last ``publish``ed snapshot."""
-
-    def __init__(self, dim: int):
-        self.dim = dim
-        self.slot: dict[int, int] = {}
-        self.sums = torch.zeros(1024, dim)
-        self.counts = torch.zeros(1024)
-        self.published = (self.sums[:0].clone(), self.counts[:0].clone())
-
-    def _slots(self, user_ids: torch.Tensor, add: bool) -> torch.Tensor:
-        out = []
-        for u in user_ids.tolist():
-            s = self.slot.get(u)
-            if s is None and add:
-                s = self.slot[u] = len(self.slot)
-            out.append(-1 if s is None else s)
-        if len(self.slot) > self.sums.shape[0]:
-            grow = max(len(self.slot), 2 * self.sums.shape[0]) - self.sums.shape[0]
-            self.sums = torch.cat([self.sums, self.sums.new_zeros(grow, self.dim)])
-            self.counts = torch.cat([self.counts, self.counts.new_zeros(grow)])
-        return torch.tensor(out, dtype=torch.long)
-
-    def publish(self) -> None:
-        """Make every update so far visible to ``lookup`` (the daily feature-store refresh)."""
-        n = len(self.slot)
-        self.published = (self.sums[:n].clone(), self.counts[:n].clone())
-
-    def lookup(self, user_ids: torch.Tensor) -> torch.Tensor:
-        """[B, E]: each user's published mean; zeros for a user not in the snapshot."""
-        sums, counts = self.published
-        s = self._slots(user_ids, add=False)
-        out = torch.zeros(len(s), self.dim)
-        rows = ((s >= 0) & (s < len(counts))).nonzero().squeeze(1)
-        rows = rows[counts[s[rows]] > 0]
-        out[rows] = sums[s[rows]] / counts[s[rows]].unsqueeze(1)
-        return out
-
-    def update(self, user_ids: torch.Tensor, emb_BE: torch.Tensor) -> None:
-        s = self._slots(user_ids, add=True)
-        self.sums.index_add_(0, s, emb_BE.float())
-        self.counts.index_add_(0, s, torch.ones(len(s)))
-
-    def state_dict(self) -> dict:
-        """The published snapshot (what serving reads)."""
-        sums, counts = self.published
-        users = torch.tensor(sorted(self.slot, key=self.slot.get)[: len(counts)], dtype=torch.long)
-        return {"dim": self.dim, "user_ids": users, "sums": sums.clone(), "counts": counts.clone()}
-
-    @classmethod
-    def from_state_dict(cls, state: dict) -> UserRepCache:
-        c = cls(state["dim"])
-        c.slot = {int(u): i for i, u in enumerate(state["user_ids"].tolist())}
-        c.sums, c.counts = state["sums"].clone(), state["counts"].clone()
-        c.publish()
-        return c
-
-
-class UserRepHistory:
-    """Per user, the teacher's daily published representations (LoopFM's historical embeddings).
-
-    Each day the teacher scores closes into one table: user id → the mean of that day's embeddings
-    of the user's rows, projected to ``dim`` by a fixed PCA (fitted on the first day published, then
-    frozen, so every day's vectors live in one space). A row of day d reads its user's vectors of the
-    ``days`` latest *published* days before d, newest first, as k·r dense features (zeros for a day
-    the user was not seen): never its own day or later (``lookup`` refuses them by construction: a day
-    is published only once the teacher has moved past it, and only days < d are read).
-
-    Why dense features of the last k days, projected, rather than a pooled stream inside the model:
-    the served backbone stays a plain GEM (no new module, nothing run at serving but a key-value
-    lookup of k·r floats), and the projection keeps the input small (3 × 16 against the 320 of the
-    per-user mean, which over-fit a student with ≈1,400 clicks); the student's dense arch learns the
-    weighting over days that pooling would have fixed."""
-
-    def __init__(self, dim_in: int, days: int = 3, dim: int = 16):
-        self.dim_in, self.days, self.dim = dim_in, days, dim
-        self.tables: dict[int, tuple[dict[int, int], torch.Tensor]] = {}  # day → (user → row, [U, r])
-        self.proj: tuple[torch.Tensor, torch.Tensor] | None = None  # (mean [E], basis [E, r])
-        self.live: tuple[int, dict[int, int], list[torch.Tensor], list[torch.Tensor]] | None = None
-
-    def update(self, day: int, user_ids: torch.Tensor, emb_BE: torch.Tensor) -> None:
-        if self.live is not None and self.live[0] != day:
-            self.publish()
-        if self.live is None:
-            self.live = (day, {}, [], [])
-        _, slot, sums, counts = self.live
-        rows = []
-        for u in user_ids.tolist():
-            s = slot.get(u)
-            if s is None:
-                s = slot[u] = len(slot)
-            rows.append(s)
-        idx = torch.tensor(rows, dtype=torch.long)
-        n = len(slot)
-        acc = torch.zeros(n, self.dim_in)
-        cnt = torch.zeros(n)
-        acc.index_add_(0, idx, emb_BE.float())
-        cnt.index_add_(0, idx, torch.ones(len(idx)))
-        sums.append(acc)
-        counts.append(cnt)
-
-    def publish(self) -> None:
-        """Close the live day into its published table (the teacher has moved on to a later day)."""
-        if self.live is None:
-            return
-        day, slot, sums, counts = self.live
-        self.live = None
-        n = len(slot)
-        total, cnt = torch.zeros(n, self.dim_in), torch.zeros(n)
-        for a, c in zip(sums, counts):
-            total[: len(a)] += a
-            cnt[: len(c)] += c
-        mean = total / cnt.clamp(min=1).unsqueeze(1)
-        if self.proj is None:
-            mu = mean.mean(0)
-            x = mean - mu
-            r = min(self.dim, n, self.dim_in)
-            _, _, v = torch.linalg.svd(x, full_matrices=False)
-            basis = torch.zeros(self.dim_in, self.dim)
-            basis[:, :r] = v[:r].T
-            scale = (x @ basis).std(0).clamp(min=1e-6)  # unit variance per component on the fitting day
-            self.proj = (mu, basis / scale)
-        mu, basis = self.proj
-        self.tables[day] = (slot, (mean - mu) @ basis)
-
-    def lookup(self, user_ids: torch.Tensor, day: int) -> torch.Tensor:
-        """[B, days·dim]: each user's vectors of the ``days`` latest published days before ``day``."""
-        past = sorted((d for d in self.tables if d < day), reverse=True)[: self.days]
-        out = torch.zeros(len(user_ids), self.days, self.dim)
-        ids = user_ids.tolist()
-        for j, d in enumerate(past):
-            slot, table = self.tables[d]
-            rows = [(i, slot[u]) for i, u in enumerate(ids) if u in slot]
-            if rows:
-                i, s = map(torch.tensor, zip(*rows))
-                out[i, j] = table[s]
-        return out.reshape(len(ids), -1)
-
-    def state_dict(self) -> dict:
-        """The published tables and the projection (what serving reads, keyed by user id and day)."""
-        return {"days": self.days, "dim": self.dim, "proj": self.proj,
-                "tables": {d: {"user_ids": torch.tensor(sorted(slot, key=slot.get), dtype=torch.long), "reps": t}
-                           for d, (slot, t) in self.tables.items()}}
-
-    def days_read(self, day: int) -> list[int]:
-        """The published days a row of ``day`` reads (for tests and reports)."""
-        return sorted((d for d in self.tables if d < day), reverse=True)[: self.days]
 
 
 class TeacherService:
@@ -286,9 +141,7 @@ class TeacherService:
         if self.rep_in:
             up = self.upstream.predict(batch, update_cache, day)
             batch = with_rep(batch, up.user_rep if self.upstream_source == "user" else up.embeddings)
-        logits, feats = forward_with_features(self.model, batch)
-        if self.embedding == "trunk":
-            feats = self.model.heads.trunk(feats)
+        logits, feats = self._features(self.model, batch)
         user_rep = user_hist = None
         if self.cache is not None:
             user_rep = self.cache.lookup(batch.user_id)
@@ -300,11 +153,27 @@ class TeacherService:
             if self.history.live is not None and self.history.live[0] != day:
                 self.history.publish()  # the teacher moved on: the day's table is published
             user_hist = self.history.lookup(batch.user_id, day)
-            if update_cache:
-                self.history.update(day, batch.user_id, feats)
+            day_feats = self._day_features(batch, day, feats) if update_cache else None
+            if day_feats is not None:
+                self.history.update(day, batch.user_id, day_feats)
         self.calls += 1
         self.rows += batch.batch_size
         return TeacherOutput(logits.float(), feats.float(), user_rep, user_hist)
+
+    def _features(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, feats = forward_with_features(model, batch)
+        return logits, (model.heads.trunk(feats) if self.embedding == "trunk" else feats)
+
+    def _day_features(self, batch: Batch, day: int, feats: torch.Tensor) -> torch.Tensor | None:
+        """The embeddings day ``day``'s representation table is built from: those of the day's own
+        snapshot (``history.snapshots``), else this teacher's; None when no snapshot may publish it."""
+        snaps = self.history.snapshots
+        if snaps is None:
+            return feats
+        model = snaps.model(day)
+        if model is None or model is self.model:
+            return None if model is None else feats
+        return self._features(model, batch)[1]
 
     def cache_to_parquet(self, batches, path: str | Path, update_cache: bool = True, meta: dict | None = None) -> int:
         """Score ``batches`` ((batch, day) pairs, e.g. ``SliceStream.batches()``) once and write the
@@ -352,6 +221,46 @@ def teacher_snapshot(run_dir: str | Path, day: int, lag: int) -> tuple[Path, dic
                               f"{', '.join(have) or 'none'} (a run publishes them when trained with --days or "
                               "--continue)")
     return found
+
+
+class DailySnapshots:
+    """The FM snapshot that computes each day's representation table (``rep.source=days``), loaded once.
+
+    The rule: the table of day t is published when day t ends, so it is computed by the snapshot a
+    student of day t + 1 reads, ``teacher_snapshot(run, t + 1, lag)`` (it has seen days ≤ t − lag);
+    a row of day d reads tables of days t ≤ d − 1 only, so everything it reads was computed on
+    features of days ≤ d − 1 by a model trained on days ≤ d − 1 − lag: nothing of day d or later.
+    A day with no such snapshot (before the run's first, with the lag) gets no table.
+
+    Args:
+        run_dir: a continuously trained run (``RUN/snapshots``).  lag: ``transfer.snapshot_lag``.
+        loaded: snapshots already loaded (path → model), e.g. the students' teacher, reused as is.
+    """
+
+    def __init__(self, run_dir: str | Path, lag: int, loaded: dict[Path, torch.nn.Module] | None = None):
+        self.run_dir, self.lag = Path(run_dir), lag
+        self.loaded = {Path(p): m for p, m in (loaded or {}).items()}
+        self.by_day: dict[int, tuple[torch.nn.Module | None, int | None]] = {}
+
+    def _pick(self, day: int) -> tuple[torch.nn.Module | None, int | None]:
+        if day not in self.by_day:
+            try:
+                path, meta = teacher_snapshot(self.run_dir, day + 1, self.lag)
+            except CheckpointError:
+                self.by_day[day] = (None, None)
+            else:
+                if path not in self.loaded:
+                    self.loaded[path] = load_run_model(self.run_dir, snapshot=path)[0].eval().requires_grad_(False)
+                self.by_day[day] = (self.loaded[path], meta["last_day"])
+        return self.by_day[day]
+
+    def model(self, day: int) -> torch.nn.Module | None:
+        """The model that computes day ``day``'s table (None: the day gets none)."""
+        return self._pick(day)[0]
+
+    def last_day(self, day: int) -> int | None:
+        """The last day seen by the snapshot that computes day ``day``'s table."""
+        return self._pick(day)[1]
 
 
 class CachedTeacher:

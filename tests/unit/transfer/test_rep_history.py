@@ -1,18 +1,22 @@
 """Representation transfer over time (rep.source=days): a row of day d reads its user's daily
-published teacher representations of days < d only, never its own day or later."""
+published teacher representations of days < d only, never its own day or later; on a run with
+snapshots, each day's table is computed by that day's own snapshot (lagged)."""
 
 import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from _transfer import make_gem
+from _transfer import gem_config, make_gem
 
+from opengem.checkpoint import save_snapshot
+from opengem.config import Config
 from opengem.data.parquet import ShardWriter
+from opengem.run import save_config, save_schema
 from opengem.testing import random_table
 from opengem.transfer.config import techniques_config
 from opengem.transfer.distill import keep_history, rep_width
 from opengem.transfer.stream import SliceStream, domain_ids
-from opengem.transfer.teacher import TeacherService, UserRepHistory
+from opengem.transfer.teacher import DailySnapshots, TeacherService, UserRepHistory, teacher_snapshot
 
 USERS_PER_DAY = 12  # day d's rows belong to users d·12 … d·12 + 11, so a row's day is its user's …
 LOYAL = 48  # … but for every tenth row, user 48's, who comes back every day
@@ -137,3 +141,87 @@ def test_the_per_user_mean_never_holds_the_rows_own_day(schema, tmp_path):
         past = torch.cat([e[u == LOYAL] for d, _, u, _, e in gem.seen if d < day])
         read = torch.cat([r[u == LOYAL] for d, _, u, r, _ in gem.seen if d == day])
         assert torch.allclose(read, past.mean(0).expand_as(read), atol=1e-5)
+
+
+def _snapshot_run(schema, run, days):
+    """A continuously trained run as the sweep has one: a snapshot per day, each a different model."""
+    run.mkdir()
+    save_config(run, Config(model=gem_config()))
+    save_schema(run, schema)
+    for day in days:
+        save_snapshot(run, day, make_gem(schema, seed=10 + day), {"schema": schema.fingerprint(), "step": day},
+                      {"last_day": day, "days": list(range(day + 1)), "step": day})
+    return run
+
+
+class _BatchSpy(TeacherService):
+    """Records every call: its day, the batch, the published days its rows read, their features."""
+
+    seen: list
+
+    def predict(self, batch, update_cache=True, day=None):
+        out = super().predict(batch, update_cache, day)
+        self.seen.append((day, batch, self.history.days_read(day), out.user_hist))
+        return out
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_each_days_table_is_computed_by_that_days_own_snapshot(schema, tmp_path, lag):
+    """rep.source=days on a run with a snapshot per day: the table of day t is what snapshot(t − lag)
+    computes for day t's users (not the students' teacher), and a row of day d reads only tables of
+    days < d, computed by snapshots that have seen days ≤ d − 1 − lag."""
+    data = _days_dataset(tmp_path / "data", schema)
+    run = _snapshot_run(schema, tmp_path / "gem", range(4))
+    snap, meta = teacher_snapshot(run, 2, lag)  # the students' teacher: their first day is 2
+    assert meta["last_day"] == 1 - lag
+    gem = _BatchSpy.from_run(run, snapshot=snap)
+    gem.seen = []
+    tcfg = techniques_config("kd+rep")
+    tcfg.rep.source, tcfg.rep.days, tcfg.rep.dim = "days", 2, 4
+    assert keep_history(tcfg, gem, DailySnapshots(run, lag, {snap: gem.model}))
+    doms = domain_ids(schema, schema.domains.names)
+    s = SliceStream(data, "valid", schema, doms, gem, 16, seed=0, warmup_days=2, teacher_batch=16)
+    assert sum(b.batch_size for b, _ in s) == 160
+    gem.history.publish()  # close day 3 too, to check its table
+    h = gem.history
+    # the table of day t by snapshot t − lag; lag 1 leaves day 0 without one (no snapshot had seen day −1)
+    assert h.source == {t: t - lag for t in range(lag, 4)} and sorted(h.tables) == list(range(lag, 4))
+    for day, batch, read, hist in gem.seen:
+        assert all(t < day and h.source[t] <= day - 1 - lag for t in read), (day, read)
+    mu, basis = h.proj
+    for t in range(lag, 4):
+        model = TeacherService.from_run(run, snapshot=run / "snapshots" / f"day-{t - lag:05d}").model
+        feats = torch.cat([TeacherService(model).predict(b).embeddings for d, b, *_ in gem.seen if d == t])
+        users = torch.cat([b.user_id for d, b, *_ in gem.seen if d == t])
+        slot, table = h.tables[t]
+        for u in users.unique().tolist():
+            want = (feats[users == u].mean(0) - mu) @ basis
+            assert torch.allclose(table[slot[u]], want, atol=1e-4), (t, u)
+        if t - lag != meta["last_day"]:  # not the students' teacher: what the old path stored differs
+            first = next(b for d, b, *_ in gem.seen if d == t)
+            theirs = TeacherService(gem.model).predict(first).embeddings
+            assert not torch.allclose(theirs, feats[: first.batch_size], atol=1e-3)
+    # a row of day 3 reads its user's day-2 table (snapshot 2 − lag) and day-1 table, as published
+    day3 = [(b, x) for d, b, _, x in gem.seen if d == 3]
+    b, x = day3[0]
+    i = int((b.user_id == LOYAL).nonzero()[0])
+    assert torch.equal(x[i, :4], h.tables[2][1][h.tables[2][0][LOYAL]])
+    assert torch.equal(x[i, 4:], h.tables[1][1][h.tables[1][0][LOYAL]])
+
+
+def test_distill_on_a_run_with_snapshots_publishes_each_days_table_from_its_own_snapshot(schema, tmp_path):
+    """``opengem distill`` with rep.source=days on a continuously trained run: the tables it saves for
+    serving were computed by the days' own snapshots (day t by snapshot t at lag 0), not its teacher's."""
+    from opengem.run import USER_REP_FILE
+    from opengem.transfer.distill import distill
+
+    data = _days_dataset(tmp_path / "data", schema)
+    run = _snapshot_run(schema, tmp_path / "gem", range(4))
+    out = distill(run, "vm_xs", data, tmp_path / "vm", ["transfer.rep.enabled=true", "transfer.rep.source=days",
+                                                        "transfer.rep.days=2", "transfer.rep.dim=4",
+                                                        "transfer.snapshot_lag=0", "data.batch_size=16",
+                                                        'transfer.domains=["d0","d1"]'])
+    assert out["rows"] == 80  # the test day's rows
+    saved = torch.load(tmp_path / "vm" / USER_REP_FILE, weights_only=False)
+    assert saved["snapshot_last_day"] == {0: 0, 1: 1, 2: 2}  # the teacher itself is snapshot 1 (day 2 − 1)
+    assert saved["tables"][2]["reps"].shape == (13, 4)  # day 2's 12 users and the loyal one
