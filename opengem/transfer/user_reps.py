@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+
 class UserRepCache:
     """user id → running mean of the teacher embeddings of that user's rows (a feature-store table).
 
@@ -70,7 +71,6 @@ class UserRepCache:
         c.sums, c.counts = state["sums"].clone(), state["counts"].clone()
         c.publish()
         return c
-
 
 
 class UserRepHistory:
