@@ -44,12 +44,14 @@ class GEMConfig:
     shortcut: str = "fwfm"  # fwfm | fvfm | linear | none: low-order logits from X_0 (heads.LowOrderShortcut)
     target_match: bool = True  # flag events whose attribute equals the candidate's feature of that name
     count_decay_hours: tuple[float, ...] = (1.0, 24.0, 168.0, 720.0)  # HistoryCounts token; () = off
-    count_recency: bool = False  # HistoryCounts also reads e^(−age of the newest event/τ), per type, all and matched
+    # HistoryCounts also reads e^(−age of the newest event/τ), per type, all and matched (docs/experiments.md)
+    count_recency: bool = False
     # torch: the domain and time-bucket embeddings keep nn.Embedding's N(0, 1) | table: N(0, init_std²) like the
     # id tables. After LayerNorm a unit-scale token dominates 0.05-scale ones; measured in docs/experiments.md.
     embedding_init: str = "torch"
     dense_norm: str = "signed_log"  # signed_log | standardize | quantile (opengem.model.dense_norm; fitted on train)
     input_norm: str = "none"  # none | rms: every X_0 token to unit RMS, times a learned per-token gain (TokenRMSNorm)
+    input_norm_gain: float = 1.0  # the gains' initial value (the RMS each normalised token starts at)
     sparse: SparseArchConfig = field(default_factory=SparseArchConfig)
     wukong: WukongConfig = field(default_factory=WukongConfig)
     sequence: SequenceConfig = field(default_factory=SequenceConfig)
@@ -63,6 +65,8 @@ class GEMConfig:
             raise ValueError("model.embedding_dim and model.dense_tokens must be >= 1, max_seq_len >= 0")
         if any(not h > 0 for h in self.count_decay_hours):
             raise ValueError(f"model.count_decay_hours must all be > 0 hours, got {self.count_decay_hours}")
+        if not self.input_norm_gain > 0:
+            raise ValueError(f"model.input_norm_gain must be > 0, got {self.input_norm_gain}")
         if self.input_norm not in ("none", "rms", "rms_ids"):
             raise ValueError(f"model.input_norm must be none|rms|rms_ids, got {self.input_norm!r}")
         if self.embedding_init not in ("torch", "table"):
@@ -172,16 +176,20 @@ class TokenRMSNorm(nn.Module):
     the domain embedding (N(0, 1)) and MLP outputs (dense, history counts) of unit scale, so the FM's
     Gram matrix and the shortcut's pairs are dominated by the unit-scale tokens and an id × id
     affinity is a small perturbation of them. Putting every field on one scale lets each pair of
-    fields count alike from the first step; the gains let training re-weight fields.
+    fields count alike from the first step; the gains let training re-weight fields. ``rms_ids``
+    normalises the id tokens only; ``model.input_norm_gain`` is the RMS the tokens start at.
+    Measured on development worlds (docs/experiments.md): it raises the learned share of the id × id
+    terms but costs conversion NE, so it is an option, off by default.
     """
 
-    def __init__(self, n_tokens: int, dim: int, eps: float = 1e-6, n_norm: int | None = None):
+    def __init__(self, n_tokens: int, dim: int, eps: float = 1e-6, n_norm: int | None = None, gain: float = 1.0):
         super().__init__()
         self.eps, self.n_norm = eps, n_tokens if n_norm is None else n_norm  # the first n_norm tokens only
-        self.gain = nn.Parameter(torch.ones(self.n_norm, dim))
+        self.init_gain = gain
+        self.gain = nn.Parameter(torch.full((self.n_norm, dim), gain))
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.gain)
+        nn.init.constant_(self.gain, self.init_gain)
 
     def forward(self, x_BND: torch.Tensor) -> torch.Tensor:
         x, rest = x_BND[:, : self.n_norm], x_BND[:, self.n_norm:]
@@ -254,8 +262,8 @@ class GEM(TableModel):
                                    if cfg.count_decay_hours and self.streams else None)
             n_x = (len(schema.sparse) + (cfg.dense_tokens if F else 0) + 1 + (self.history_counts is not None)
                    + len(schema.embeddings))
-            self.input_norm = {"none": None, "rms": TokenRMSNorm(n_x, D),
-                               "rms_ids": TokenRMSNorm(n_x, D, n_norm=len(schema.sparse))}[cfg.input_norm]
+            self.input_norm = (TokenRMSNorm(n_x, D, n_norm=len(schema.sparse) if cfg.input_norm == "rms_ids" else None,
+                                            gain=cfg.input_norm_gain) if cfg.input_norm != "none" else None)
             self.target_match = nn.ModuleDict({name: nn.Linear(len(cols), D, bias=False)
                                                for name, cols in self.match_pairs.items() if cols})
             self.interformer = InterFormer(n_x, D, len(self.streams), cfg.wukong, cfg.sequence, cfg.interformer)
