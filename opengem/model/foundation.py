@@ -45,7 +45,7 @@ class GEMConfig:
     target_match: bool = True  # flag events whose attribute equals the candidate's feature of that name
     count_decay_hours: tuple[float, ...] = (1.0, 24.0, 168.0, 720.0)  # HistoryCounts token; () = off
     # HistoryCounts also reads e^(−age of the newest event/τ), per type, all and matched (docs/experiments.md)
-    count_recency: bool = False
+    count_recency: bool = True
     # torch: the domain and time-bucket embeddings keep nn.Embedding's N(0, 1) | table: N(0, init_std²) like the
     # id tables. After LayerNorm a unit-scale token dominates 0.05-scale ones; measured in docs/experiments.md.
     embedding_init: str = "torch"

@@ -217,7 +217,7 @@ def test_history_counts_are_decayed_counts_per_event_type_all_and_matched():
     """HistoryCounts: per row, Σ e^(−age/τ) over events of each type, over all events and over those
     whose attribute equals the candidate's (OOV never matches), against a loop over the rows."""
     schema = tiny_schema()
-    cfg = GEMConfig(embedding_dim=D, count_decay_hours=(0.5, 24.0), wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2),
+    cfg = GEMConfig(embedding_dim=D, count_decay_hours=(0.5, 24.0), count_recency=False, wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2),
                     sequence=SequenceConfig(num_heads=2, recent_len=4, min_recent=2, num_pooled=1))
     model = _gem(cfg, schema)
     hc = model.history_counts
