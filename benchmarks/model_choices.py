@@ -2,7 +2,7 @@
 against the shipped recipe, on development worlds, valid split only (the choice is made here).
 
     python benchmarks/model_choices.py --out /tmp/choices            # worlds 0-2, 1,500 users, 2 epochs (~25 min, 2 cores)
-    python benchmarks/model_choices.py --out /tmp/choices --users 6000 --worlds 0 1 2 3 4 --variants no_recency
+    python benchmarks/model_choices.py --out /tmp/choices --users 6000 --worlds 0 1 2 3 4 --variants recency
     python benchmarks/model_choices.py --out /tmp/choices --quick    # world 0, 1,500 users, 1 epoch (< 5 min)
 
 Variants (``tiny`` recipe overrides), one change each from ``shipped``:
@@ -14,10 +14,12 @@ Variants (``tiny`` recipe overrides), one change each from ``shipped``:
 - ``table_init``: the domain and time-bucket embeddings start at the id tables' N(0, 0.05²).
 - ``dense_standardize`` / ``dense_quantile``: the dense normaliser fitted on train instead of signed log.
 - ``heads_independent``: p(conversion) from its own head instead of ESMM's p(click)·p(conversion | click).
-- ``no_recency``: the history-counts token without the newest-event weights (``model.count_recency``);
+- ``recency``: the history-counts token with the newest-event weights too (``model.count_recency``);
   ``tau6``: six decay times (1 h … 30 d) instead of four.
 - ``input_rms*``: X_0 tokens (all, or the id tokens only) to unit RMS with learned gains starting at 1
   or 0.25 (``model.input_norm``, ``model.input_norm_gain``).
+- ``fm_unit`` / ``shortcut_unit``: the Wukong FM block's Gram / the shortcut's pairs from tokens scaled
+  to unit RMS (the other paths read the raw tokens).
 - ``fvfm`` / ``linear_shortcut`` / ``no_shortcut``: the low-order shortcut's form; ``init_02``: id tables
   start at N(0, 0.2²); ``wide``: 8 FM and 8 LC tokens of rank 8 instead of the recipe's 4.
 
@@ -48,12 +50,14 @@ VARIANTS: dict[str, list[str]] = {
     "dense_standardize": ["model.dense_norm=standardize"],
     "dense_quantile": ["model.dense_norm=quantile"],
     "heads_independent": ["model.heads.chain_required=false"],
-    "no_recency": ["model.count_recency=false"],
+    "recency": ["model.count_recency=true"],
     "tau6": ["model.count_decay_hours=[1,4,24,72,168,720]"],
     "input_rms": ["model.input_norm=rms"],
     "input_rms_ids": ["model.input_norm=rms_ids"],
     "input_rms_g025": ["model.input_norm=rms", "model.input_norm_gain=0.25"],
     "input_rms_ids_g025": ["model.input_norm=rms_ids", "model.input_norm_gain=0.25"],
+    "fm_unit": ["model.wukong.fm_input=unit"],
+    "shortcut_unit": ["model.shortcut_pairs=unit"],
     "fvfm": ["model.shortcut=fvfm"],
     "fvfm_rms": ["model.shortcut=fvfm", "model.input_norm=rms"],
     "linear_shortcut": ["model.shortcut=linear"],

@@ -42,10 +42,12 @@ class GEMConfig:
     max_seq_len: int = 0  # cap on every stream's history (most recent kept); 0 = the schema's max_len
     use_sequences: bool = True  # False: ablation without sequence towers
     shortcut: str = "fwfm"  # fwfm | fvfm | linear | none: low-order logits from X_0 (heads.LowOrderShortcut)
+    shortcut_pairs: str = "raw"  # raw | unit: the shortcut's pairs from tokens scaled to unit RMS (linear part: raw)
     target_match: bool = True  # flag events whose attribute equals the candidate's feature of that name
     count_decay_hours: tuple[float, ...] = (1.0, 24.0, 168.0, 720.0)  # HistoryCounts token; () = off
-    # HistoryCounts also reads e^(−age of the newest event/τ), per type, all and matched (docs/experiments.md)
-    count_recency: bool = True
+    # HistoryCounts also reads e^(−age of the newest event/τ), per type, all and matched; off: it helped at
+    # 6,000 users on development worlds 0-4 and hurt the demo world at its size (docs/experiments.md)
+    count_recency: bool = False
     # torch: the domain and time-bucket embeddings keep nn.Embedding's N(0, 1) | table: N(0, init_std²) like the
     # id tables. After LayerNorm a unit-scale token dominates 0.05-scale ones; measured in docs/experiments.md.
     embedding_init: str = "torch"
@@ -71,6 +73,8 @@ class GEMConfig:
             raise ValueError(f"model.input_norm must be none|rms|rms_ids, got {self.input_norm!r}")
         if self.embedding_init not in ("torch", "table"):
             raise ValueError(f"model.embedding_init must be torch|table, got {self.embedding_init!r}")
+        if self.shortcut_pairs not in ("raw", "unit"):
+            raise ValueError(f"model.shortcut_pairs must be raw|unit, got {self.shortcut_pairs!r}")
         if self.shortcut not in ("fwfm", "fvfm", "linear", "none"):
             raise ValueError(f"model.shortcut must be fwfm|fvfm|linear|none, got {self.shortcut!r}")
         self.wukong.validate()
@@ -158,7 +162,7 @@ class HistoryCounts(nn.Module):
         sums = x.new_zeros(B, x.shape[1]).index_add_(0, row, x)
         if not self.recency:
             return sums
-        newest = x.new_zeros(B, x.shape[1]).index_reduce_(0, row, x, "amax")  # weights ≥ 0: 0 = none
+        newest = x.new_zeros(B, x.shape[1]).scatter_reduce_(0, row[:, None].expand_as(x), x, "amax")  # ≥ 0: 0 = none
         return torch.cat([sums, newest], dim=1)
 
     def forward(self, counts: list[torch.Tensor]) -> torch.Tensor:
@@ -270,7 +274,7 @@ class GEM(TableModel):
             feat = cfg.interformer.num_sum * D + len(self.streams) * cfg.interformer.tokens_per_stream * D
             self.feature_dim = feat
             self.heads = Heads(feat, schema, cfg.heads)
-            self.shortcut = (LowOrderShortcut(n_x, D, len(schema.tasks), cfg.shortcut)
+            self.shortcut = (LowOrderShortcut(n_x, D, len(schema.tasks), cfg.shortcut, cfg.shortcut_pairs == "unit")
                              if cfg.shortcut != "none" else None)
             # Last, and only when the schema has embedding features: a schema without any builds (and
             # seeds) exactly the modules it did before the kind existed.

@@ -168,9 +168,9 @@ class LowOrderShortcut(nn.Module):
     a weight per dimension lets each pair read its own subspace, for P·D·T more weights (zero at init).
     """
 
-    def __init__(self, n_tokens: int, dim: int, num_tasks: int, mode: str):
+    def __init__(self, n_tokens: int, dim: int, num_tasks: int, mode: str, unit_pairs: bool = False):
         super().__init__()
-        self.mode, self.dim, self.n = mode, dim, n_tokens
+        self.mode, self.dim, self.n, self.unit_pairs = mode, dim, n_tokens, unit_pairs
         self.linear = ZeroLinear(n_tokens * dim, num_tasks, bias=False)
         n_pairs = n_tokens * (n_tokens - 1) // 2
         width = {"fwfm": n_pairs, "fvfm": n_pairs * dim}.get(mode)
@@ -181,6 +181,8 @@ class LowOrderShortcut(nn.Module):
         out = self.linear(x_BND.flatten(1))
         if self.pairs is not None:
             i, j = torch.triu_indices(self.n, self.n, offset=1, device=x_BND.device)  # no buffer: nothing to shard
+            if self.unit_pairs:  # pairs of unit-RMS tokens: a cosine per pair, whatever the fields' scales
+                x_BND = x_BND * torch.rsqrt(x_BND.pow(2).mean(-1, keepdim=True) + 1e-6)
             if self.mode == "fvfm":
                 out = out + self.pairs((x_BND[:, i] * x_BND[:, j]).flatten(1) * self.dim**-0.5)
             else:

@@ -47,6 +47,7 @@ class WukongConfig:
     attentive_fm: bool = False
     cross_layer: str = "attention"  # attention | dense | none
     cross_layer_span: str = "all"  # all: earlier + current layer, plus an output connection | earlier
+    fm_input: str = "raw"  # raw | unit: the FM block's Gram from tokens scaled to unit RMS (LCB, residual: raw)
     dropout: float = 0.0
 
     @property
@@ -58,6 +59,8 @@ class WukongConfig:
             raise ValueError(f"model.wukong.cross_layer must be attention|dense|none, got {self.cross_layer!r}")
         if self.cross_layer_span not in ("all", "earlier"):
             raise ValueError(f"model.wukong.cross_layer_span must be all|earlier, got {self.cross_layer_span!r}")
+        if self.fm_input not in ("raw", "unit"):
+            raise ValueError(f"model.wukong.fm_input must be raw|unit, got {self.fm_input!r}")
         for k in ("num_layers", "num_fm", "num_lc", "fm_rank"):
             if getattr(self, k) < 1:
                 raise ValueError(f"model.wukong.{k} must be >= 1, got {getattr(self, k)}")
@@ -95,6 +98,7 @@ class FactorizationMachineBlock(nn.Module):
         super().__init__()
         self.n_in, self.dim, self.k, self.n_out = n_in, dim, cfg.fm_rank, cfg.num_fm
         self.y = nn.Parameter(torch.empty(n_in, cfg.fm_rank))
+        self.unit = cfg.fm_input == "unit"
         self.attentive = cfg.attentive_fm
         if self.attentive:
             self.compress = TokenLinear(n_in, cfg.fm_rank)
@@ -108,6 +112,8 @@ class FactorizationMachineBlock(nn.Module):
 
     def forward(self, x_BND: torch.Tensor) -> torch.Tensor:
         B = x_BND.shape[0]
+        if self.unit:  # every field's pairs count alike, whatever its token's scale (a zero token stays zero)
+            x_BND = x_BND * torch.rsqrt(x_BND.pow(2).mean(-1, keepdim=True) + 1e-6)
         y = self.y.expand(B, -1, -1)
         if self.attentive:
             y = y + self.y_mlp(self.compress(x_BND).flatten(1)).view(B, self.n_in, self.k)

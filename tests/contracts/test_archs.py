@@ -217,7 +217,7 @@ def test_history_counts_are_decayed_counts_per_event_type_all_and_matched():
     """HistoryCounts: per row, Σ e^(−age/τ) over events of each type, over all events and over those
     whose attribute equals the candidate's (OOV never matches), against a loop over the rows."""
     schema = tiny_schema()
-    cfg = GEMConfig(embedding_dim=D, count_decay_hours=(0.5, 24.0), count_recency=False, wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2),
+    cfg = GEMConfig(embedding_dim=D, count_decay_hours=(0.5, 24.0), wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2),
                     sequence=SequenceConfig(num_heads=2, recent_len=4, min_recent=2, num_pooled=1))
     model = _gem(cfg, schema)
     hc = model.history_counts
@@ -304,6 +304,29 @@ def test_fvfm_shortcut_weights_each_pair_per_dimension():
     # a GEM with it starts exactly where the one without a shortcut does
     with_fvfm = _gem(GEMConfig(embedding_dim=D, shortcut="fvfm"))
     assert all(p.abs().sum() == 0 for p in with_fvfm.shortcut.parameters())
+
+
+def test_unit_pairs_and_unit_fm_read_directions_not_scales():
+    """shortcut_pairs=unit and wukong.fm_input=unit: rescaling a token leaves the pairs / the FM block unchanged."""
+    from opengem.model.heads import LowOrderShortcut
+    from opengem.model.interaction_arch import FactorizationMachineBlock
+
+    x = torch.randn(5, 4, 3)
+    x2 = x.clone()
+    x2[:, 1] *= 7.0
+    sc = LowOrderShortcut(4, 3, 2, "fwfm", unit_pairs=True)
+    with torch.no_grad():
+        sc.pairs.weight.normal_()
+    assert torch.allclose(sc(x), sc(x2), atol=1e-5)
+    raw = LowOrderShortcut(4, 3, 2, "fwfm")
+    raw.load_state_dict(sc.state_dict())
+    assert not torch.allclose(raw(x), raw(x2), atol=1e-3)
+    fm = FactorizationMachineBlock(4, 3, WukongConfig(num_fm=2, fm_rank=2, mlp_dims=(8,), fm_input="unit"))
+    assert torch.allclose(fm(x), fm(x2), atol=1e-4)
+    with pytest.raises(ValueError, match="fm_input"):
+        WukongConfig(fm_input="cosine").validate()
+    with pytest.raises(ValueError, match="shortcut_pairs"):
+        GEMConfig(shortcut_pairs="cosine").validate()
 
 
 def test_input_norm_puts_every_x0_token_on_unit_rms():

@@ -98,7 +98,7 @@ def test_serving_module_equals_gem(specs):
     {"embedding_init": "table", "dense_norm": "standardize"},
     {"dense_norm": "quantile"},
     {"input_norm": "rms", "shortcut": "fvfm", "count_decay_hours": (1.0, 24.0), "count_recency": True},
-    {"input_norm": "rms_ids", "count_decay_hours": (1.0,), "count_recency": True},
+    {"input_norm": "rms_ids", "count_decay_hours": (1.0,), "count_recency": True, "shortcut_pairs": "unit"},
 ])
 def test_serving_module_equals_gem_for_each_model_choice(kw):
     """RoPE, the PFFN orientation, the cross-layer span, the fitted dense normaliser, the X_0 RMS norm
