@@ -11,6 +11,9 @@
     OUT/artifact          the vertical model exported, served once and scored (``serve_smoke``)
     OUT/evaluation.json   GEM's test metrics, the VM's (``distill``), serving, training and timings
 
+An earlier demo's OUT/run, OUT/vm and OUT/artifact are removed first: the demo owns them, and a
+run directory holding another run's snapshots is refused by training (``refuse_a_used_run_dir``).
+
 Each step is the library function its own sub-command calls; this module only strings them
 together, times them and prints the summary. It sits above every other module of the package.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,6 +64,9 @@ def demo(out: str | Path, preset: str = "demo", seed: int = 0, overrides: Sequen
     The data is written in ``layout`` (v2 by default: ~12x smaller, the same batches as v1)."""
     out = Path(out)
     data, run = out / "data", out / "run"
+    for owned in (run, out / "vm", out / "artifact"):  # the demo's own outputs of an earlier demo: made anew
+        if owned.exists():
+            shutil.rmtree(owned)
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     with _timed(times, "generate_s"):

@@ -162,6 +162,8 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path, resume: bool =
     from its checkpoint (``continue_training``). ``publish_end``: a plain run also publishes its final
     model as the snapshot of its last day, for readers of snapshots (the demo's teacher)."""
     cfg.validate()
+    if not (resume or warm):
+        refuse_a_used_run_dir(Path(run_dir))
     if cfg.train.evaluates and evaluator is None:
         raise ConfigError("train.eval_every/eval_each_epoch/eval_at need an evaluator: pass train(…, evaluator=…), "
                           "e.g. opengem.evaluation.evaluate.held_out_evaluator(data_dir, cfg.train.eval_split)")
@@ -176,6 +178,21 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path, resume: bool =
     if owned:
         destroy_distributed()
     return final
+
+
+def refuse_a_used_run_dir(run: Path) -> None:
+    """A fresh run refuses a directory that already holds a run's checkpoints or published snapshots.
+
+    Why: a fresh run writes its files over the old ones but not every old file is rewritten (a
+    snapshot already published is kept by design, old step-N checkpoints, the best one), so a reader
+    of RUN/snapshots would load the old run's model: silently when the config is the same, with a
+    size mismatch when not. ``--resume`` continues the run; a new directory starts a new one."""
+    found = [p.name for p in (run / "checkpoints" / "LATEST", run / "snapshots") if p.exists()
+             and (p.is_file() or any(p.glob("day-*")))]
+    if found:
+        raise ConfigError(f"{run} already holds a training run ({', '.join(found)}): pass --resume to continue "
+                          "it, or train into a new or empty directory (its old checkpoints and snapshots would "
+                          "mix with this run's)")
 
 
 def continue_training(run_dir: str | Path, data_dir: str | Path, days: list[int], overrides=(), resume: bool = False,

@@ -49,3 +49,19 @@ def test_demo_distils_from_the_published_snapshot_with_unchanged_numbers(tmp_pat
     for part in ("metrics", "teacher", "alone"):
         assert got[part] == want[part], part  # recalibrated teacher, same student, every metric
     assert got["transfer_ratio"] == want["transfer_ratio"]
+
+
+def test_a_fresh_run_refuses_a_directory_holding_another_runs_snapshots(tmp_path):
+    """A fresh train into a used run directory would keep the old run's published snapshot (a snapshot
+    already published is never rewritten), and the demo's distil step would then read the old model."""
+    from opengem.config import ConfigError
+
+    data, run = tmp_path / "data", tmp_path / "run"
+    generate(world_config("tiny", seed=2, overrides=["sizes.num_users=120"]), data, progress=False)
+    cfg = recipe("tiny")
+    cfg.train.progress, cfg.train.max_steps = False, 3
+    train(cfg, data, run, publish_end=True)
+    cfg.model.count_decay_hours = (1.0,)  # another model: its snapshot must not be mixed with the old one
+    with pytest.raises(ConfigError, match=r"already holds a training run \(LATEST, snapshots\).*--resume"):
+        train(cfg, data, run, publish_end=True)
+    assert len(list_snapshots(run)) == 1  # refused before anything was written
