@@ -28,7 +28,7 @@ from opengem.data.batch import Batch
 from opengem.features.schema import FeatureSchema
 from opengem.model.dense_norm import DenseNormalizer, signed_log  # noqa: F401 (signed_log: re-exported)
 from opengem.model.heads import Heads, HeadsConfig, LowOrderShortcut
-from opengem.model.interaction_arch import WukongConfig, mlp
+from opengem.model.interaction_arch import WukongConfig, mlp, unit_rms
 from opengem.model.interformer import InterFormer, InterFormerConfig
 from opengem.model.sequence_arch import SequenceConfig
 from opengem.model.sparse_arch import SparseArch, SparseArchConfig
@@ -197,7 +197,7 @@ class TokenRMSNorm(nn.Module):
 
     def forward(self, x_BND: torch.Tensor) -> torch.Tensor:
         x, rest = x_BND[:, : self.n_norm], x_BND[:, self.n_norm:]
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.gain
+        x = unit_rms(x, self.eps) * self.gain
         return torch.cat([x, rest], dim=1) if rest.shape[1] else x
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opengem.features.schema import FeatureSchema
-from opengem.model.interaction_arch import mlp
+from opengem.model.interaction_arch import mlp, unit_rms
 
 
 @dataclass
@@ -182,7 +182,7 @@ class LowOrderShortcut(nn.Module):
         if self.pairs is not None:
             i, j = torch.triu_indices(self.n, self.n, offset=1, device=x_BND.device)  # no buffer: nothing to shard
             if self.unit_pairs:  # pairs of unit-RMS tokens: a cosine per pair, whatever the fields' scales
-                x_BND = x_BND * torch.rsqrt(x_BND.pow(2).mean(-1, keepdim=True) + 1e-6)
+                x_BND = unit_rms(x_BND)
             if self.mode == "fvfm":
                 out = out + self.pairs((x_BND[:, i] * x_BND[:, j]).flatten(1) * self.dim**-0.5)
             else:

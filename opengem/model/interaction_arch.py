@@ -66,6 +66,11 @@ class WukongConfig:
                 raise ValueError(f"model.wukong.{k} must be >= 1, got {getattr(self, k)}")
 
 
+def unit_rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Each vector of the last axis scaled to unit RMS (a zero vector stays zero)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def mlp(dims: list[int], dropout: float = 0.0, last_act: bool = False) -> nn.Sequential:
     """Linear → SiLU stacks; no activation after the last layer unless ``last_act``."""
     layers: list[nn.Module] = []
@@ -113,7 +118,7 @@ class FactorizationMachineBlock(nn.Module):
     def forward(self, x_BND: torch.Tensor) -> torch.Tensor:
         B = x_BND.shape[0]
         if self.unit:  # every field's pairs count alike, whatever its token's scale (a zero token stays zero)
-            x_BND = x_BND * torch.rsqrt(x_BND.pow(2).mean(-1, keepdim=True) + 1e-6)
+            x_BND = unit_rms(x_BND)
         y = self.y.expand(B, -1, -1)
         if self.attentive:
             y = y + self.y_mlp(self.compress(x_BND).flatten(1)).view(B, self.n_in, self.k)
