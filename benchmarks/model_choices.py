@@ -18,8 +18,8 @@ Variants (``tiny`` recipe overrides), one change each from ``shipped``:
   ``tau6``: six decay times (1 h … 30 d) instead of four.
 - ``input_rms*``: X_0 tokens (all, or the id tokens only) to unit RMS with learned gains starting at 1
   or 0.25 (``model.input_norm``, ``model.input_norm_gain``).
-- ``fm_unit`` / ``shortcut_unit``: the Wukong FM block's Gram / the shortcut's pairs from tokens scaled
-  to unit RMS (the other paths read the raw tokens).
+- ``fm_unit``: the Wukong FM block's Gram from tokens scaled to unit RMS (the other paths raw);
+  ``shortcut_raw``: the shortcut's pairs from the raw tokens (the default before ``shortcut_pairs=unit``).
 - ``fvfm`` / ``linear_shortcut`` / ``no_shortcut``: the low-order shortcut's form; ``init_02``: id tables
   start at N(0, 0.2²); ``wide``: 8 FM and 8 LC tokens of rank 8 instead of the recipe's 4.
 
@@ -57,7 +57,7 @@ VARIANTS: dict[str, list[str]] = {
     "input_rms_g025": ["model.input_norm=rms", "model.input_norm_gain=0.25"],
     "input_rms_ids_g025": ["model.input_norm=rms_ids", "model.input_norm_gain=0.25"],
     "fm_unit": ["model.wukong.fm_input=unit"],
-    "shortcut_unit": ["model.shortcut_pairs=unit"],
+    "shortcut_raw": ["model.shortcut_pairs=raw"],
     "fvfm": ["model.shortcut=fvfm"],
     "fvfm_rms": ["model.shortcut=fvfm", "model.input_norm=rms"],
     "linear_shortcut": ["model.shortcut=linear"],

@@ -42,7 +42,9 @@ class GEMConfig:
     max_seq_len: int = 0  # cap on every stream's history (most recent kept); 0 = the schema's max_len
     use_sequences: bool = True  # False: ablation without sequence towers
     shortcut: str = "fwfm"  # fwfm | fvfm | linear | none: low-order logits from X_0 (heads.LowOrderShortcut)
-    shortcut_pairs: str = "raw"  # raw | unit: the shortcut's pairs from tokens scaled to unit RMS (linear part: raw)
+    # raw | unit: the shortcut's pairs from tokens scaled to unit RMS, its linear part raw (heads.LowOrderShortcut;
+    # chosen on development worlds' valid splits, docs/experiments.md)
+    shortcut_pairs: str = "unit"
     target_match: bool = True  # flag events whose attribute equals the candidate's feature of that name
     count_decay_hours: tuple[float, ...] = (1.0, 24.0, 168.0, 720.0)  # HistoryCounts token; () = off
     # HistoryCounts also reads e^(−age of the newest event/τ), per type, all and matched; off: it helped at

@@ -163,6 +163,12 @@ class LowOrderShortcut(nn.Module):
     ``fwfm`` (linear + pairs) | ``fvfm`` (linear + pairs, each pair a weighted inner product,
     FmFM's field-vector form, Sun et al. 2021) | ``linear`` | ``none``.
 
+    ``unit_pairs`` (``model.shortcut_pairs=unit``, the default): the pairs are read from tokens scaled
+    to unit RMS. X_0 mixes id embeddings of RMS ~0.05 at init (0.1-0.8 trained) with a domain token of
+    ~1, so raw pair products differ by orders of magnitude between fields and a pair of id fields (an
+    affinity such as segment × category) starts with a near-zero gradient on its weight; unit tokens
+    make each pair a cosine, every field pair on one scale. The linear part keeps the raw tokens.
+
     Why ``fvfm`` exists: with one scalar per pair, every field's single embedding must serve all of
     its pairs' affinities at once (segment × category and segment × format share segment's vector);
     a weight per dimension lets each pair read its own subspace, for P·D·T more weights (zero at init).
