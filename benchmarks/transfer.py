@@ -65,7 +65,6 @@ import json
 import logging
 import math
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -78,6 +77,7 @@ from opengem.data.synthetic import generate
 from opengem.discipline import require_dev_world, require_tuning_split
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import count_parameters
+from opengem.bench.transfer_sweep import run_seeds
 from opengem.recipes import recipe, student_recipe, world_config
 from opengem.run import FINAL_FILE
 from opengem.train.trainer import train
@@ -333,14 +333,8 @@ def main() -> None:
         if getattr(args, k) is None:
             setattr(args, k, v)
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(args.out) if args.out else Path(tmp)
-        results = []
-        for seed in range(args.seeds):
-            results.append(run_seed(args, seed, root))
-            print(f"seed {seed}, valid: " + ", ".join(f"{n} R {r['r']:.3f}"
-                                                     for n, r in results[-1][CHOICE_SPLIT]["rows"].items())
-                  + f"  ({results[-1]['wall_s']:.0f} s)", flush=True)
+    results = run_seeds(args, run_seed, lambda res: ", valid: " + ", ".join(
+        f"{n} R {r['r']:.3f}" for n, r in res[CHOICE_SPLIT]["rows"].items()) + f"  ({res['wall_s']:.0f} s)")
     text, agg = valid_table(results)
     cands = candidates()
     per_seed, best, gain = choose(results, cands)

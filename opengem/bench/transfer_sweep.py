@@ -211,15 +211,21 @@ def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else math.nan
 
 
-def sweep_main(args) -> None:
-    t0 = time.perf_counter()
+def run_seeds(args, run_one, describe) -> list[dict]:
+    """``run_one(args, seed, root)`` for seeds 0 … ``args.seeds`` − 1 under ``args.out`` (else a temporary
+    directory, removed after), printing ``describe(result)`` after each seed."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out) if args.out else Path(tmp)
         results = []
         for seed in range(args.seeds):
-            results.append(sweep_seed(args, seed, root))
-            print(f"seed {seed}: {results[-1]['wall_s']:.0f} s (teacher {results[-1]['teacher_train_s']:.0f} s)",
-                  flush=True)
+            results.append(run_one(args, seed, root))
+            print(f"seed {seed}{describe(results[-1])}", flush=True)
+    return results
+
+
+def sweep_main(args) -> None:
+    t0 = time.perf_counter()
+    results = run_seeds(args, sweep_seed, lambda r: f": {r['wall_s']:.0f} s (teacher {r['teacher_train_s']:.0f} s)")
     cands = [r[0] for r in SWEEP if r[0] != "alone"] + ([r[0] for r in SWEEP_HIER] if args.hier else [])
     cells = {}
     for c in results[0]["cells"]:

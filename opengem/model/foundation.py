@@ -176,7 +176,7 @@ class HistoryCounts(nn.Module):
 
 
 class TokenRMSNorm(nn.Module):
-    """X_0 [B, n, D] → each token divided by its RMS over D, times a learned gain per (token, dim), init 1.
+    """X_0 [B, n, D] → each token divided by its RMS over D, times a learned gain per (token, dim).
 
     Why (a choice; the public record is silent): X_0 mixes id embeddings (N(0, 0.05²) at init) with
     the domain embedding (N(0, 1)) and MLP outputs (dense, history counts) of unit scale, so the FM's

@@ -346,6 +346,8 @@ def test_input_norm_puts_every_x0_token_on_unit_rms():
     assert torch.allclose(x_gain.pow(2).mean(-1).sqrt()[present[:, 0], 0], torch.tensor(3.0), atol=1e-2)
     with pytest.raises(ValueError, match="input_norm"):
         GEMConfig(input_norm="layer").validate()
+    with pytest.raises(ValueError, match="input_norm_gain"):
+        GEMConfig(input_norm="rms", input_norm_gain=0.0).validate()
 
 
 def test_a_rows_score_does_not_depend_on_its_batch():
