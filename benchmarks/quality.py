@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 
+from opengem.data.parquet import MANIFEST
 from opengem.discipline import held_out_world_seeds, require_dev_world
 from opengem.run import FINAL_FILE
 
@@ -104,7 +105,7 @@ def synthetic_world(work: Path, world_seed: int, mode: Mode) -> Path:
     from opengem.recipes import world_config
 
     out = work / "data" / f"world-{world_seed}"
-    if not (out / "manifest.json").exists():
+    if not (out / MANIFEST).exists():  # written last by generate: a world cut off half-way is made again
         cfg = world_config("tiny", seed=world_seed, overrides=[*mode.world, f"structure_seed={world_seed}"])
         generate(cfg, out, progress=False, observer=OracleCollector)
     return out
@@ -113,7 +114,7 @@ def synthetic_world(work: Path, world_seed: int, mode: Mode) -> Path:
 def real_dataset(work: Path, name: str, shared: Path) -> Path | None:
     source, path = REAL_SOURCES[name]
     out = work / "data" / name
-    if (out / "manifest.json").exists():
+    if (out / MANIFEST).exists():
         return out
     if not (shared / path).exists():
         print(f"[quality] skipping {name}: {shared / path} not found", flush=True)
