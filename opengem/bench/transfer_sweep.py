@@ -239,13 +239,15 @@ def sweep_main(args) -> None:
           f"{args.days + max(args.data) - 1}, students ({args.student}, {SWEEP_DOMAIN}); lags {args.lags}, "
           f"data {args.data} days, {args.seeds} seeds; {time.perf_counter() - t0:.0f} s")
     print(f"{'cell':<26}{'R(KD)':>14}{'R(best)':>14}{'ratio':>7}  {'R_AUC(best)':>11}{'adapter ΔR':>11}"
-          "  chosen on valid")
+          f"{'gain(KD)':>10}{'gain(best)':>11}  chosen on valid")
     for c, v in cells.items():
         print(f"{c:<26}{v['r_kd']:>8.3f} ±{v['r_kd_std']:.2f}{v['r_best']:>8.3f} ±{v['r_best_std']:.2f}"
-              f"{v['ratio']:>7.2f}  {v['r_auc_best']:>11.3f}{v['r_adapter_gain']:>11.3f}  {v['best']}"
+              f"{v['ratio']:>7.2f}  {v['r_auc_best']:>11.3f}{v['r_adapter_gain']:>11.3f}"
+              f"{v['gain_kd']:>10.4f}{v['gain_best']:>11.4f}  {v['best']}"
               + (f"  (hier VM {v['r_hier']:.3f}, domain FM {v['r_domain_fm']:.3f})" if "r_hier" in v else ""))
     print(f"ratio R(best)/R(KD): stale cells (R(KD) <= 0.5) {head['ratio_best_vs_kd_stale']:.2f}, mismatched "
-          f"{head['ratio_best_vs_kd_mismatched']:.2f}, all {head['ratio_best_vs_kd_all']:.2f}")
+          f"{head['ratio_best_vs_kd_mismatched']:.2f}, all {head['ratio_best_vs_kd_all']:.2f}; gain(best)/gain(KD) "
+          f"over the {head['gain_ratio_cells']} cells where KD gains: {head['gain_ratio_best_vs_kd_all']:.2f}")
     per_pass = {p: {k: statistics.fmean(r["passes"][p][k] for r in results)
                     for k in ("teacher_s_per_student_row", "teacher_rows_per_student_row",
                               "teacher_warmup_rows_per_student_row", "wall_s", "student_rows")}
@@ -259,7 +261,9 @@ def sweep_main(args) -> None:
                                               "fm", "hier", "seeds", "overrides", "teacher_overrides")}
     print(json.dumps({"cells": {c: {k: v[k] for k in ("r_kd", "r_best", "ratio", "best", "r_kd_std", "r_best_std",
                                                       "r_auc_kd", "r_auc_best", "r_adapter_gain", "calibration_best",
-                                                      "ne_reference", "ne_alone", "chosen_per_seed",
+                                                      "ne_reference", "ne_alone", "ne_kd", "ne_best",
+                                                      "gain_kd", "gain_kd_std", "gain_best", "gain_best_std",
+                                                      "gain_ratio", "chosen_per_seed",
                                                       "r_hier", "r_domain_fm") if k in v}
                                 for c, v in cells.items()},
                       **head, "r_kd": r_kd, "r_best": r_best, "best": votes.most_common(1)[0][0],

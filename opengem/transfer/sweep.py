@@ -9,6 +9,11 @@ the test rows then grade KD and the chosen set once.
 
 with the reference the teacher on the cell's task: its own head for a matched objective, its
 closest head recalibrated (Platt, on the students' days) for a task it never trained on.
+
+R is undefined (NaN) where the reference is not ahead of the student alone, which is where a stale
+FM ends up once the student has a few days of its own: so each cell also has the gain over the
+student alone, ``gain = NE_alone − NE_with``, defined everywhere, and ``gain_ratio`` = gain(best) /
+gain(KD) where KD's gain is positive (where both R are defined it is the ratio of R's numerators).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ def grade_cell(per_seed: list[dict], cell: str, best: str) -> dict:
     """Test figures of KD and the chosen set (mean, std over seeds), once the choice is made."""
     test = [seed["cells"][cell][REPORT_SPLIT] for seed in per_seed]
     r_kd, r_best = _ms(x[KD]["r"] for x in test), _ms(x[best]["r"] for x in test)
+    g_kd, g_best = (_ms(x["alone"]["ne"] - x[n]["ne"] for x in test) for n in (KD, best))
     out = {"r_kd": r_kd[0], "r_kd_std": r_kd[1], "r_best": r_best[0], "r_best_std": r_best[1], "best": best,
            "ratio": r_best[0] / r_kd[0] if r_kd[0] and not math.isnan(r_kd[0]) and r_kd[0] > 0 else math.nan,
            "r_auc_best": _ms(x[best]["r_auc"] for x in test)[0], "r_auc_kd": _ms(x[KD]["r_auc"] for x in test)[0],
@@ -57,7 +63,10 @@ def grade_cell(per_seed: list[dict], cell: str, best: str) -> dict:
            "r_adapter_gain": _ms(x["kd+adapter"]["r"] - x[KD]["r"] for x in test if "kd+adapter" in x)[0],
            "calibration_best": _ms(x[best]["calibration"] for x in test)[0],
            "ne_reference": _ms(x["_reference"]["ne"] for x in test)[0],
-           "ne_alone": _ms(x["alone"]["ne"] for x in test)[0]}
+           "ne_alone": _ms(x["alone"]["ne"] for x in test)[0],
+           "ne_kd": _ms(x[KD]["ne"] for x in test)[0], "ne_best": _ms(x[best]["ne"] for x in test)[0],
+           "gain_kd": g_kd[0], "gain_kd_std": g_kd[1], "gain_best": g_best[0], "gain_best_std": g_best[1],
+           "gain_ratio": g_best[0] / g_kd[0] if g_kd[0] > 0 else math.nan}
     return out
 
 
@@ -66,7 +75,10 @@ def headline(cells: dict[str, dict], stale_below: float = 0.5) -> dict:
     ratios = {c: v["ratio"] for c, v in cells.items() if not math.isnan(v["ratio"])}
     stale = [r for c, r in ratios.items() if cells[c]["r_kd"] <= stale_below]
     mism = [r for c, r in ratios.items() if c.endswith("/mismatched")]
+    gains = [v["gain_ratio"] for v in cells.values() if not math.isnan(v.get("gain_ratio", math.nan))]
     return {"ratio_best_vs_kd_stale": statistics.fmean(stale) if stale else math.nan,
             "stale_cells": [c for c in ratios if cells[c]["r_kd"] <= stale_below],
             "ratio_best_vs_kd_mismatched": statistics.fmean(mism) if mism else math.nan,
-            "ratio_best_vs_kd_all": statistics.fmean(ratios.values()) if ratios else math.nan}
+            "ratio_best_vs_kd_all": statistics.fmean(ratios.values()) if ratios else math.nan,
+            "gain_ratio_best_vs_kd_all": statistics.fmean(gains) if gains else math.nan,
+            "gain_ratio_cells": len(gains)}

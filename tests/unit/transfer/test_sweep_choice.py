@@ -62,3 +62,21 @@ def test_headline_means_over_stale_and_all_cells():
     h = headline(cells)
     assert h["ratio_best_vs_kd_stale"] == pytest.approx(3.0) and h["ratio_best_vs_kd_all"] == pytest.approx(7.1 / 3)
     assert h["ratio_best_vs_kd_mismatched"] == pytest.approx(3.5) and h["stale_cells"] == ["b/matched", "c/mismatched"]
+
+
+def test_the_gain_over_alone_is_defined_where_r_is_not():
+    """A stale reference behind the student alone leaves R undefined; the NE gain over alone still says
+    whether KD and the chosen set helped, and gain_ratio is their quotient."""
+    cell = cell_key(7, 3, "matched")
+    seeds = []
+    for alone, kd, best in ((0.90, 0.88, 0.86), (0.92, 0.91, 0.88)):
+        test = {"alone": _row(alone, math.nan), "kd": _row(kd, math.nan), "kd+adapter": _row(best, math.nan),
+                "_reference": _row(0.95)}
+        seeds.append({"cells": {cell: {"test": test}}})
+    g = grade_cell(seeds, cell, "kd+adapter")
+    assert math.isnan(g["r_kd"]) and math.isnan(g["ratio"])
+    assert g["gain_kd"] == pytest.approx(0.015) and g["gain_best"] == pytest.approx(0.04)
+    assert g["gain_ratio"] == pytest.approx(0.04 / 0.015) and g["ne_best"] == pytest.approx(0.87)
+    h = headline({cell: g, "x/mismatched": {"r_kd": -1.0, "ratio": math.nan, "gain_ratio": math.nan}})
+    assert math.isnan(h["ratio_best_vs_kd_all"]) and h["gain_ratio_cells"] == 1
+    assert h["gain_ratio_best_vs_kd_all"] == pytest.approx(0.04 / 0.015)
