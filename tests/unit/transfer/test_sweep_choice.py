@@ -80,3 +80,11 @@ def test_the_gain_over_alone_is_defined_where_r_is_not():
     h = headline({cell: g, "x/mismatched": {"r_kd": -1.0, "ratio": math.nan, "gain_ratio": math.nan}})
     assert math.isnan(h["ratio_best_vs_kd_all"]) and h["gain_ratio_cells"] == 1
     assert h["gain_ratio_best_vs_kd_all"] == pytest.approx(0.04 / 0.015)
+
+
+def test_no_gain_ratio_over_a_kd_gain_within_its_noise():
+    cell = cell_key(7, 3, "matched")
+    seeds = [{"cells": {cell: {"test": {"alone": _row(0.90), "kd": _row(kd), "kd+share": _row(0.89),
+                                        "_reference": _row(0.95)}}}} for kd in (0.885, 0.906)]
+    g = grade_cell(seeds, cell, "kd+share")  # KD's gain: 0.0045 +- 0.0148
+    assert g["gain_kd"] == pytest.approx(0.0045) and math.isnan(g["gain_ratio"])
