@@ -18,11 +18,13 @@ snapshot, ``DailySnapshots``, with the same lag); the same students are graded o
 the test day grades KD and it once. R's reference: the teacher's head for click; for engage, its
 click head Platt-recalibrated on the students' days (the most the FM alone knows about it). Each
 cell also reports R measured on AUC (ranking) and what the adapter adds to KD's R (calibration).
-Candidates: KD at weights 1, 3 and 10, KD with each technique and their combinations, and in the full
+Candidates: KD at weights 1, 3 and 10, KD with each technique and their combinations, sharing and
+representations without KD, and in the full
 mode (``--hier``; off with ``--quick`` for time) a VM taught online by a domain FM (GEM → FM → VM);
 R(KD), the ratio's denominator, stays KD at weight 3.
 The last line is one JSON object: per cell R(KD), R(best), their ratio and the set chosen on valid;
 ``ratio_best_vs_kd_stale`` (the mean ratio over cells with R(KD) <= 0.5), ``ratio_best_vs_kd_all``;
+per cell the NE gain over the student alone (defined where R is not) and ``gain_ratio_best_vs_kd_all``;
 the teacher's inference seconds and rows scored per student training row (``passes``); and the
 table's headline keys (``r_kd``, ``r_best``, ``best``, ``ratio_best_vs_kd``, ``teacher.ne``) as
 means over cells, for ``opengem report``.

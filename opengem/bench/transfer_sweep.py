@@ -2,7 +2,8 @@
 objective, every technique set trained in one pass per (lag, data), chosen per cell on valid, graded
 on test once. benchmarks/transfer.py's docstring describes the protocol; this is its code.
 
-Candidates per cell: KD at weights 1, 3 and 10, KD with each technique, their combinations, and (full
+Candidates per cell: KD at weights 1, 3 and 10, KD with each technique, their combinations, sharing
+and representations without KD, and (full
 mode, ``--hier``) a VM taught online by a domain FM that GEM teaches (GEM → domain FM → VM). R(KD), the
 ratio's denominator, is KD at the default weight 3, as before the weights became candidates.
 """
@@ -46,7 +47,11 @@ SWEEP = [("alone", "", ()), ("kd (w=1)", "kd", ("transfer.kd.weight=1",)), ("kd"
          ("kd (w=10)", "kd", ("transfer.kd.weight=10",)), ("kd+aux", "kd+aux", ()), ("kd+adapter", "kd+adapter", ()),
          ("kd+rep(days)", "kd+rep", ("transfer.rep.source=days",)), ("kd+share", "kd+share", ()),
          ("kd+adapter+share", "kd+adapter+share", ()),
-         ("kd+adapter+share+rep(days)", "kd+adapter+share+rep", ("transfer.rep.source=days",))]
+         ("kd+adapter+share+rep(days)", "kd+adapter+share+rep", ("transfer.rep.source=days",)),
+         # without KD: for an objective the FM never trained on, its soft label can cost more than its
+         # tables and representations give (the first full sweep: every KD set below the student alone)
+         ("share", "share", ()), ("rep(days)", "rep", ("transfer.rep.source=days",)),
+         ("share+rep(days)", "share+rep", ("transfer.rep.source=days",))]
 # Hierarchical (full mode): GEM teaches a domain FM, which teaches its VM online in the same pass (it
 # scores each batch before it learns from it, as a continuously trained FM serves). The FM is bigger
 # than a VM, so it is reported, never a candidate; the VM it teaches is one.
