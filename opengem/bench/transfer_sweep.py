@@ -252,7 +252,8 @@ def sweep_main(args) -> None:
               + (f"  (hier VM {v['r_hier']:.3f}, domain FM {v['r_domain_fm']:.3f})" if "r_hier" in v else ""))
     print(f"ratio R(best)/R(KD): stale cells (R(KD) <= 0.5) {head['ratio_best_vs_kd_stale']:.2f}, mismatched "
           f"{head['ratio_best_vs_kd_mismatched']:.2f}, all {head['ratio_best_vs_kd_all']:.2f}; gain(best)/gain(KD) "
-          f"over the {head['gain_ratio_cells']} cells where KD gains beyond its spread: {head['gain_ratio_best_vs_kd_all']:.2f}")
+          f"over the {head['gain_ratio_cells']} cells where KD gains beyond its spread: "
+          f"{head['gain_ratio_best_vs_kd_all']:.2f}")
     per_pass = {p: {k: statistics.fmean(r["passes"][p][k] for r in results)
                     for k in ("teacher_s_per_student_row", "teacher_rows_per_student_row",
                               "teacher_warmup_rows_per_student_row", "wall_s", "student_rows")}
