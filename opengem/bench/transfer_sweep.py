@@ -269,7 +269,7 @@ def sweep_main(args) -> None:
                                                       "r_auc_kd", "r_auc_best", "r_adapter_gain", "calibration_best",
                                                       "ne_reference", "ne_alone", "ne_kd", "ne_best",
                                                       "gain_kd", "gain_kd_std", "gain_best", "gain_best_std",
-                                                      "gain_ratio", "chosen_per_seed",
+                                                      "gain_ratio", "gains", "chosen_per_seed",
                                                       "r_hier", "r_domain_fm") if k in v}
                                 for c, v in cells.items()},
                       **head, "r_kd": r_kd, "r_best": r_best, "best": votes.most_common(1)[0][0],

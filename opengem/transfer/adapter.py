@@ -14,6 +14,15 @@ ExFM Algorithm 1, per step: (1) update the adapter on (z_F, y) of the batch; (2)
 under stop-gradient, is the student's soft label σ(z'/τ) (tempered like a raw teacher's logit, by
 ``opengem.transfer.losses.kd_loss``); (3) update the student. ``update`` does (1), ``target`` does
 (2); the student never sends a gradient into the adapter.
+
+How (1) fits the Platt part is a choice (``fit``), which ExFM leaves open. ``adam``: every part by
+Adam at ``lr``, which moves a bias by about ``lr`` per step, so a student pass of a few dozen batches
+leaves it near the identity: harmless when the teacher was trained on the student's own task, but on
+a task it never trained on (``engage`` read from the click head) the soft label stays a click
+probability. ``newton`` (default): the per-(domain, task) (a, c) by an online Newton step on the
+curvature accumulated over every batch so far (recursive IRLS, started at the identity with
+``prior`` units of curvature), which tracks the running maximum-likelihood Platt fit from the first
+batches on; the MLP and id corrections stay with Adam. benchmarks/transfer.py measures both.
 """
 
 from __future__ import annotations
@@ -46,7 +55,11 @@ class StudentAdapter(nn.Module):
         for e in self.ids.values():
             nn.init.zeros_(e.weight)
         self.task_w = torch.tensor([t.weight for t in schema.tasks])
-        self.optimizer = torch.optim.Adam(self.parameters(), lr=cfg.lr)
+        self.newton = cfg.fit == "newton"
+        # the curvature of (a, c) per (domain, task) seen so far, starting at ``prior`` · I (the identity's weight)
+        self.register_buffer("curvature", cfg.prior * torch.eye(2).expand(G, T, 2, 2).clone())
+        adam = [p for n, p in self.named_parameters() if not (self.newton and n in ("scale", "bias"))]
+        self.optimizer = torch.optim.Adam(adam, lr=cfg.lr) if adam else None
 
     def forward(self, teacher_BT: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Corrected logits [B, T]."""
@@ -64,12 +77,39 @@ class StudentAdapter(nn.Module):
     def update(self, teacher_BT: torch.Tensor, batch: Batch) -> float:
         """Fit the freshest labels (step 1 of Algorithm 1); returns the last loss."""
         loss = torch.zeros(())
-        for _ in range(self.cfg.steps):
-            loss, _ = masked_bce(self(teacher_BT, batch), batch.labels, batch.label_mask, batch.weights, self.task_w)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
+        for i in range(self.cfg.steps):
+            out = self(teacher_BT, batch)
+            loss, _ = masked_bce(out, batch.labels, batch.label_mask, batch.weights, self.task_w)
+            if self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.optimizer.step()
+            if self.newton:
+                self._newton_step(teacher_BT, out.detach(), batch, accumulate=i == 0)
         return loss.item()
+
+    @torch.no_grad()
+    def _newton_step(self, teacher_BT: torch.Tensor, out_BT: torch.Tensor, batch: Batch, accumulate: bool) -> None:
+        """(a, c)_{g,t} −= H⁻¹ ∇, H the curvature of every batch so far (this one's added once, however
+        many ``steps``): per (domain, task), the rows' log-loss gradient and Fisher information in (a, c)."""
+        z = teacher_BT.detach().to(out_BT.dtype)
+        w = batch.label_mask.to(z.dtype) * batch.weights.to(z.dtype).unsqueeze(1)  # [B, T]
+        p = torch.sigmoid(out_BT)
+        y = torch.where(batch.label_mask, batch.labels.to(z.dtype), torch.zeros_like(z))
+        r, h = w * (p - y), w * p * (1 - p)
+        G, T = self.scale.shape
+        g = batch.domain
+
+        def per_domain(x_BT):
+            return x_BT.new_zeros(G, T).index_add_(0, g, x_BT)
+
+        grad = torch.stack([per_domain(r * z), per_domain(r)], -1)  # [G, T, 2]
+        hzz, hz, h1 = per_domain(h * z * z), per_domain(h * z), per_domain(h)
+        if accumulate:
+            self.curvature += torch.stack([torch.stack([hzz, hz], -1), torch.stack([hz, h1], -1)], -2)
+        step = torch.linalg.solve(self.curvature, grad.unsqueeze(-1)).squeeze(-1)
+        self.scale -= step[..., 0]
+        self.bias -= step[..., 1]
 
     @torch.no_grad()
     def target(self, teacher_BT: torch.Tensor, batch: Batch) -> torch.Tensor:

@@ -52,6 +52,8 @@ class AdapterConfig:
     ids: tuple[str, ...] = ("ad_id", "advertiser_id")  # sparse features given a learned scalar correction each
     lr: float = 0.003  # Adam; at 0.05 the bias random-walks on batches with a handful of clicks
     steps: int = 1  # adapter updates per batch, before the student's step
+    fit: str = "newton"  # the Platt part: newton (online Newton step, opengem.transfer.adapter) | adam (at lr)
+    prior: float = 10.0  # newton: the identity's weight, in units of the rows' curvature Σ w·p(1 − p)
 
 
 @dataclass
@@ -103,8 +105,10 @@ class TransferConfig:
             raise ConfigError(f"transfer.rep.source must be user|row|days, got {self.rep.source!r}")
         if self.rep.days < 1 or self.rep.dim < 1:
             raise ConfigError("transfer.rep.days and transfer.rep.dim must be >= 1")
-        if self.adapter.hidden < 0 or self.adapter.steps < 1 or self.adapter.lr <= 0:
-            raise ConfigError("transfer.adapter.hidden must be >= 0, steps >= 1, lr > 0")
+        if self.adapter.hidden < 0 or self.adapter.steps < 1 or self.adapter.lr <= 0 or self.adapter.prior <= 0:
+            raise ConfigError("transfer.adapter.hidden must be >= 0, steps >= 1, lr > 0, prior > 0")
+        if self.adapter.fit not in ("newton", "adam"):
+            raise ConfigError(f"transfer.adapter.fit must be newton|adam, got {self.adapter.fit!r}")
         return self
 
     def techniques(self) -> list[str]:

@@ -68,7 +68,10 @@ def grade_cell(per_seed: list[dict], cell: str, best: str) -> dict:
            "ne_alone": _ms(x["alone"]["ne"] for x in test)[0],
            "ne_kd": _ms(x[KD]["ne"] for x in test)[0], "ne_best": _ms(x[best]["ne"] for x in test)[0],
            "gain_kd": g_kd[0], "gain_kd_std": g_kd[1], "gain_best": g_best[0], "gain_best_std": g_best[1],
-           "gain_ratio": g_best[0] / g_kd[0] if g_kd[0] > max(g_kd[1], 0.0) else math.nan}
+           "gain_ratio": g_best[0] / g_kd[0] if g_kd[0] > max(g_kd[1], 0.0) else math.nan,
+           # every candidate's test gain, reported beside the choice (which read valid only)
+           "gains": {n: _ms(x["alone"]["ne"] - x[n]["ne"] for x in test)[0]
+                     for n in test[0] if n not in ("alone", "_reference")}}
     return out
 
 
