@@ -33,7 +33,7 @@ from opengem.transfer.config import techniques_config
 from opengem.transfer.distill import make_trainer
 from opengem.transfer.objectives import fm_view, head_map
 from opengem.transfer.stream import SliceStream, domain_ids, slice_rates
-from opengem.transfer.sweep import CHOICE_SPLIT, cell_key, grade_cell, headline, select_on_valid
+from opengem.transfer.sweep import CHOICE_SPLIT, cell_key, grade_cell, headline, select_on_valid, valid_gains
 from opengem.transfer.teacher import DailySnapshots, TeacherOutput, TeacherService, teacher_snapshot
 from opengem.transfer.trainer import evaluate_students, train_students, transfer_ratio
 
@@ -235,7 +235,8 @@ def sweep_main(args) -> None:
     cells = {}
     for c in results[0]["cells"]:
         best, own = select_on_valid(results, c, cands)  # valid only
-        cells[c] = {**grade_cell(results, c, best), "chosen_per_seed": own}  # test, once
+        cells[c] = {**grade_cell(results, c, best), "chosen_per_seed": own,  # test, once
+                    "gains_valid": valid_gains(results, c, cands)}
         if args.hier:  # reported next to direct, whatever was chosen: the VM via the FM, and the FM itself
             cells[c]["r_hier"] = _mean([r["cells"][c]["test"][SWEEP_HIER[0][0]]["r"] for r in results])
             cells[c]["r_domain_fm"] = _mean([r["cells"][c]["test"][SWEEP_FM[0]]["r"] for r in results])
@@ -269,7 +270,7 @@ def sweep_main(args) -> None:
                                                       "r_auc_kd", "r_auc_best", "r_adapter_gain", "calibration_best",
                                                       "ne_reference", "ne_alone", "ne_kd", "ne_best",
                                                       "gain_kd", "gain_kd_std", "gain_best", "gain_best_std",
-                                                      "gain_ratio", "gains", "chosen_per_seed",
+                                                      "gain_ratio", "gains", "gains_valid", "chosen_per_seed",
                                                       "r_hier", "r_domain_fm") if k in v}
                                 for c, v in cells.items()},
                       **head, "r_kd": r_kd, "r_best": r_best, "best": votes.most_common(1)[0][0],

@@ -22,7 +22,9 @@ a task it never trained on (``engage`` read from the click head) the soft label 
 probability. ``newton`` (default): the per-(domain, task) (a, c) by an online Newton step on the
 curvature accumulated over every batch so far (recursive IRLS, started at the identity with
 ``prior`` units of curvature), which tracks the running maximum-likelihood Platt fit from the first
-batches on; the MLP and id corrections stay with Adam. benchmarks/transfer.py measures both.
+batches on. ``ids_fit`` makes the same choice for the id corrections: ``newton``, a diagonal Newton step
+per id on its own rows' curvature plus ``ids_prior`` (a N(0, 1/ids_prior) prior: an id seen on few rows
+stays near 0), or ``adam``. The MLP stays with Adam. benchmarks/transfer.py measures the choices.
 """
 
 from __future__ import annotations
@@ -58,7 +60,12 @@ class StudentAdapter(nn.Module):
         self.newton = cfg.fit == "newton"
         # the curvature of (a, c) per (domain, task) seen so far, starting at ``prior`` · I (the identity's weight)
         self.register_buffer("curvature", cfg.prior * torch.eye(2).expand(G, T, 2, 2).clone())
-        adam = [p for n, p in self.named_parameters() if not (self.newton and n in ("scale", "bias"))]
+        self.ids_newton = cfg.ids_fit == "newton"
+        for f, e in self.ids.items():  # each id's curvature seen so far, starting at the prior's precision
+            self.register_buffer(f"ids_curvature_{f}", torch.full_like(e.weight.detach(), cfg.ids_prior))
+        newton = ({"scale", "bias"} if self.newton else set()) | ({f"ids.{f}.weight" for f in self.ids}
+                                                                  if self.ids_newton else set())
+        adam = [p for n, p in self.named_parameters() if n not in newton]
         self.optimizer = torch.optim.Adam(adam, lr=cfg.lr) if adam else None
 
     def forward(self, teacher_BT: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -84,7 +91,7 @@ class StudentAdapter(nn.Module):
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 self.optimizer.step()
-            if self.newton:
+            if self.newton or self.ids_newton:
                 self._newton_step(teacher_BT, out.detach(), batch, accumulate=i == 0)
         return loss.item()
 
@@ -103,6 +110,16 @@ class StudentAdapter(nn.Module):
         def per_domain(x_BT):
             return x_BT.new_zeros(G, T).index_add_(0, g, x_BT)
 
+        if self.ids_newton and self.ids:  # per id: Σ its rows' gradient / (Σ their curvature + prior)
+            sparse = batch.sparse.to_dict()
+            for f, emb in self.ids.items():
+                v = sparse[f].values()
+                curvature = getattr(self, f"ids_curvature_{f}")
+                if accumulate:
+                    curvature.index_add_(0, v, h)
+                emb.weight -= emb.weight.new_zeros(emb.weight.shape).index_add_(0, v, r) / curvature
+        if not self.newton:
+            return
         grad = torch.stack([per_domain(r * z), per_domain(r)], -1)  # [G, T, 2]
         hzz, hz, h1 = per_domain(h * z * z), per_domain(h * z), per_domain(h)
         if accumulate:

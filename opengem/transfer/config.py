@@ -54,6 +54,8 @@ class AdapterConfig:
     steps: int = 1  # adapter updates per batch, before the student's step
     fit: str = "newton"  # the Platt part: newton (online Newton step, opengem.transfer.adapter) | adam (at lr)
     prior: float = 10.0  # newton: the identity's weight, in units of the rows' curvature Σ w·p(1 − p)
+    ids_fit: str = "adam"  # the id corrections: adam (at lr) | newton (diagonal, per id, opengem.transfer.adapter)
+    ids_prior: float = 4.0  # ids newton: prior precision of each id's correction (std 0.5 logits)
 
 
 @dataclass
@@ -107,8 +109,11 @@ class TransferConfig:
             raise ConfigError("transfer.rep.days and transfer.rep.dim must be >= 1")
         if self.adapter.hidden < 0 or self.adapter.steps < 1 or self.adapter.lr <= 0 or self.adapter.prior <= 0:
             raise ConfigError("transfer.adapter.hidden must be >= 0, steps >= 1, lr > 0, prior > 0")
-        if self.adapter.fit not in ("newton", "adam"):
-            raise ConfigError(f"transfer.adapter.fit must be newton|adam, got {self.adapter.fit!r}")
+        for k in ("fit", "ids_fit"):
+            if getattr(self.adapter, k) not in ("newton", "adam"):
+                raise ConfigError(f"transfer.adapter.{k} must be newton|adam, got {getattr(self.adapter, k)!r}")
+        if self.adapter.ids_prior <= 0:
+            raise ConfigError("transfer.adapter.ids_prior must be > 0")
         return self
 
     def techniques(self) -> list[str]:

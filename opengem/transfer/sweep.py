@@ -46,6 +46,13 @@ def select_on_valid(per_seed: list[dict], cell: str, cands: list[str]) -> tuple[
     return best, own
 
 
+def valid_gains(per_seed: list[dict], cell: str, cands: list[str]) -> dict[str, float]:
+    """Each candidate's mean NE gain over the student alone on ``valid``: what a default is chosen on."""
+    require_tuning_split(CHOICE_SPLIT, "the transfer sweep's technique set")
+    rows = [seed["cells"][cell][CHOICE_SPLIT] for seed in per_seed]
+    return {n: statistics.fmean(x["alone"]["ne"] - x[n]["ne"] for x in rows) for n in cands}
+
+
 def _ms(xs) -> tuple[float, float]:
     xs = [x for x in xs if x is not None and not math.isnan(x)]
     if not xs:

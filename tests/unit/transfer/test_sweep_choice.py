@@ -88,3 +88,11 @@ def test_no_gain_ratio_over_a_kd_gain_within_its_noise():
                                         "_reference": _row(0.95)}}}} for kd in (0.885, 0.906)]
     g = grade_cell(seeds, cell, "kd+share")  # KD's gain: 0.0045 +- 0.0148
     assert g["gain_kd"] == pytest.approx(0.0045) and math.isnan(g["gain_ratio"])
+
+
+def test_valid_gains_read_valid_only():
+    cell = cell_key(0, 1, "matched")
+    valid = {"alone": 0.90, "kd": 0.85, "kd+adapter": 0.80, "kd+share": 0.95}
+    seeds = [_seed(valid, {"alone": 0.0}, cell) for _ in range(2)]
+    g = sweep.valid_gains(seeds, cell, CANDS)
+    assert g == pytest.approx({"kd": 0.05, "kd+adapter": 0.10, "kd+share": -0.05})
