@@ -121,19 +121,11 @@ def _platt_stream(schema, batches=40, n=256, a=0.5, c=-1.0, seed=0):
 
 
 def _mle(stream, domain):
-    z = torch.cat([zz[b.domain == domain, 0] for zz, b in stream]).double()
-    y = torch.cat([b.labels[b.domain == domain, 0] for _, b in stream]).double()
-    ab = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([ab], max_iter=100, line_search_fn="strong_wolfe")
+    from opengem.bench.transfer_sweep import fit_platt
 
-    def closure():
-        opt.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(ab[0] * z + ab[1], y)
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    return ab.detach()
+    z = torch.cat([zz[b.domain == domain, 0] for zz, b in stream])
+    y = torch.cat([b.labels[b.domain == domain, 0] for _, b in stream])
+    return torch.tensor(fit_platt(z, y), dtype=torch.float64)
 
 
 def test_newton_fit_reaches_the_platt_mle_in_one_pass_where_adam_stays_at_the_identity(schema):
