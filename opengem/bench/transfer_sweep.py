@@ -108,6 +108,7 @@ def fit_platt(z: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
         return loss
 
     opt.step(closure)
+    ab = ab.detach()
     return float(ab[0]), float(ab[1])
 
 

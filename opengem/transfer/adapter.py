@@ -24,7 +24,12 @@ curvature accumulated over every batch so far (recursive IRLS, started at the id
 ``prior`` units of curvature), which tracks the running maximum-likelihood Platt fit from the first
 batches on. ``ids_fit`` makes the same choice for the id corrections: ``newton``, a diagonal Newton step
 per id on its own rows' curvature plus ``ids_prior`` (a N(0, 1/ids_prior) prior: an id seen on few rows
-stays near 0), or ``adam``. The MLP stays with Adam. benchmarks/transfer.py measures the choices.
+stays near 0; the default), or ``adam``. ``ids_tasks`` picks the tasks that get id corrections:
+``borrowed`` (default), only a task read from another task's head (``engage`` from click), whose own
+per-id effects the head never learned, so a day of labels is their only source; ``all``, every task,
+which on a task the FM trained on re-fits from one day what it learned from all of them (valid NE
+0.003–0.004 worse in the 8,000-user sweep's matched cells, 0.005–0.015 better in its mismatched ones:
+docs/transfer.md). The MLP stays with Adam. benchmarks/transfer.py measures the choices.
 """
 
 from __future__ import annotations
@@ -40,11 +45,17 @@ from opengem.transfer.config import AdapterConfig
 
 
 class StudentAdapter(nn.Module):
-    """Args: schema (tasks, domains, id vocabularies); cfg: ``AdapterConfig``."""
+    """Args: schema (tasks, domains, id vocabularies); cfg: ``AdapterConfig``; borrowed_T: [T] bool,
+    the tasks read from another task's teacher head (None: none)."""
 
-    def __init__(self, schema: FeatureSchema, cfg: AdapterConfig):
+    def __init__(self, schema: FeatureSchema, cfg: AdapterConfig, borrowed_T: torch.Tensor | None = None):
         super().__init__()
         G, T = schema.num_domains, len(schema.tasks)
+        if cfg.ids_tasks == "all":
+            in_scope = torch.ones(T, dtype=torch.bool)
+        else:
+            in_scope = torch.zeros(T, dtype=torch.bool) if borrowed_T is None else borrowed_T.to(torch.bool)
+        self.register_buffer("ids_scope", in_scope.float())  # [T]: 1 where a task gets id corrections
         self.cfg, self.num_domains = cfg, G
         self.scale = nn.Parameter(torch.ones(G, T))
         self.bias = nn.Parameter(torch.zeros(G, T))
@@ -53,7 +64,8 @@ class StudentAdapter(nn.Module):
             nn.init.zeros_(self.mlp[-1].weight)
             nn.init.zeros_(self.mlp[-1].bias)
         single = {f.name: f for f in schema.sparse if not f.multi_hot}  # ids this schema lacks are skipped
-        self.ids = nn.ModuleDict({f: nn.Embedding(single[f].vocab_size + 1, T) for f in cfg.ids if f in single})
+        ids = [f for f in cfg.ids if f in single] if bool(in_scope.any()) else []
+        self.ids = nn.ModuleDict({f: nn.Embedding(single[f].vocab_size + 1, T) for f in ids})
         for e in self.ids.values():
             nn.init.zeros_(e.weight)
         self.task_w = torch.tensor([t.weight for t in schema.tasks])
@@ -78,7 +90,7 @@ class StudentAdapter(nn.Module):
         if self.ids:
             sparse = batch.sparse.to_dict()
             for f, emb in self.ids.items():
-                out = out + emb(sparse[f].values())  # single-valued features: one id per row
+                out = out + emb(sparse[f].values()) * self.ids_scope  # single-valued features: one id per row
         return out
 
     def update(self, teacher_BT: torch.Tensor, batch: Batch) -> float:
@@ -112,12 +124,13 @@ class StudentAdapter(nn.Module):
 
         if self.ids_newton and self.ids:  # per id: Σ its rows' gradient / (Σ their curvature + prior)
             sparse = batch.sparse.to_dict()
+            r_ids, h_ids = r * self.ids_scope, h * self.ids_scope  # a task out of scope keeps 0
             for f, emb in self.ids.items():
                 v = sparse[f].values()
                 curvature = getattr(self, f"ids_curvature_{f}")
                 if accumulate:
-                    curvature.index_add_(0, v, h)
-                emb.weight -= emb.weight.new_zeros(emb.weight.shape).index_add_(0, v, r) / curvature
+                    curvature.index_add_(0, v, h_ids)
+                emb.weight -= emb.weight.new_zeros(emb.weight.shape).index_add_(0, v, r_ids) / curvature
         if not self.newton:
             return
         grad = torch.stack([per_domain(r * z), per_domain(r)], -1)  # [G, T, 2]

@@ -54,7 +54,8 @@ class AdapterConfig:
     steps: int = 1  # adapter updates per batch, before the student's step
     fit: str = "newton"  # the Platt part: newton (online Newton step, opengem.transfer.adapter) | adam (at lr)
     prior: float = 10.0  # newton: the identity's weight, in units of the rows' curvature Σ w·p(1 − p)
-    ids_fit: str = "adam"  # the id corrections: adam (at lr) | newton (diagonal, per id, opengem.transfer.adapter)
+    ids_fit: str = "newton"  # the id corrections: newton (diagonal, per id, opengem.transfer.adapter) | adam (at lr)
+    ids_tasks: str = "borrowed"  # the tasks given id corrections: borrowed (read from another task's head) | all
     ids_prior: float = 4.0  # ids newton: prior precision of each id's correction (std 0.5 logits)
 
 
@@ -112,6 +113,8 @@ class TransferConfig:
         for k in ("fit", "ids_fit"):
             if getattr(self.adapter, k) not in ("newton", "adam"):
                 raise ConfigError(f"transfer.adapter.{k} must be newton|adam, got {getattr(self.adapter, k)!r}")
+        if self.adapter.ids_tasks not in ("borrowed", "all"):
+            raise ConfigError(f"transfer.adapter.ids_tasks must be borrowed|all, got {self.adapter.ids_tasks!r}")
         if self.adapter.ids_prior <= 0:
             raise ConfigError("transfer.adapter.ids_prior must be > 0")
         return self

@@ -59,7 +59,7 @@ from opengem.run import (
 )
 from opengem.train.trainer import params_sha256
 from opengem.transfer.config import TransferConfig, techniques_config
-from opengem.transfer.objectives import check_teacher_schema, head_map
+from opengem.transfer.objectives import check_teacher_schema
 from opengem.transfer.share import share_parameters
 from opengem.transfer.stream import SliceStream, domain_ids, slice_rates
 from opengem.transfer.teacher import DailySnapshots, TeacherService, UserRepHistory, teacher_snapshot
@@ -82,11 +82,9 @@ def make_trainer(name: str, cfg: Config, tcfg: TransferConfig, data_schema: Feat
     student = build_student(schema, cfg, [rates.get(t, 0.5) for t in schema.task_names], cfg.train.seed,
                             aux, tcfg.aux.label_scale, tcfg.aux.grad_scale)
     shared = share_parameters(student.backbone, teacher.model, tcfg.share) if tcfg.share.enabled else []
-    tr = StudentTrainer(name, student, cfg, tcfg, data_schema, total_steps)  # after sharing: frozen tables stay out
+    tr = StudentTrainer(name, student, cfg, tcfg, data_schema, total_steps,  # after sharing: frozen tables stay out
+                        teacher.model.schema.task_names)
     tr.shared = shared
-    teacher_tasks = teacher.model.schema.task_names
-    if teacher_tasks != data_schema.task_names:
-        tr.head_idx = torch.tensor(head_map(data_schema.task_names, teacher_tasks, tcfg.kd.heads))
     return tr
 
 

@@ -28,6 +28,7 @@ from opengem.train.step import backward, update
 from opengem.transfer.adapter import StudentAdapter
 from opengem.transfer.config import TransferConfig
 from opengem.transfer.losses import distill_loss
+from opengem.transfer.objectives import head_map
 from opengem.transfer.stream import cap_history, select_rows
 from opengem.transfer.teacher import TeacherOutput
 
@@ -42,21 +43,29 @@ class StudentTrainer:
         name: a label for reports.  student: the ``Student``.  cfg: its recipe (``optim`` is read).
         tcfg: its techniques.  data_schema: the schema of the rows (the student's adds rep features).
         total_steps: length of the lr schedule (``SliceStream.steps``).
+        teacher_tasks: the teacher's heads, where they are not the data's tasks: each student task then
+            reads its closest head (``transfer.objectives.head_map``, ``tcfg.kd.heads``).
     """
 
     def __init__(self, name: str, student: Student, cfg: Config, tcfg: TransferConfig,
-                 data_schema: FeatureSchema, total_steps: int):
+                 data_schema: FeatureSchema, total_steps: int, teacher_tasks: list[str] | None = None):
         self.name, self.student, self.cfg, self.tcfg = name, student, cfg, tcfg
         self.domains = torch.tensor([data_schema.domains.names.index(d) for d in tcfg.domains])
         dense, sparse = build_optimizers(student.dense_parameters(), student.sparse_parameters(), cfg.optim)
         self.optimizers = [o for o in (dense, sparse) if o is not None]
         self.schedule = Schedule(self.optimizers, total_steps, cfg.optim)
-        self.adapter = StudentAdapter(data_schema, tcfg.adapter) if tcfg.kd.enabled and tcfg.adapter.enabled else None
+        self.head_idx: torch.Tensor | None = None  # teacher head per student task, when their tasks differ
+        borrowed = None  # [T]: the tasks read from another task's head
+        if teacher_tasks is not None and list(teacher_tasks) != data_schema.task_names:
+            idx = head_map(data_schema.task_names, list(teacher_tasks), tcfg.kd.heads)
+            self.head_idx = torch.tensor(idx)
+            borrowed = torch.tensor([teacher_tasks[i] != t for t, i in zip(data_schema.task_names, idx)])
+        self.adapter = (StudentAdapter(data_schema, tcfg.adapter, borrowed)
+                        if tcfg.kd.enabled and tcfg.adapter.enabled else None)
         self.task_w = torch.tensor([t.weight for t in data_schema.tasks])
         self.data_schema = data_schema
         self.caps = dict(student.max_seq_len())
         self.shared: list[str] = []  # tables shared from the teacher (set by whoever built the student)
-        self.head_idx: torch.Tensor | None = None  # teacher head per student task, when their tasks differ
         self.step_n = self.examples = 0
         self.sums = {"loss_true": 0.0, "loss_distill": 0.0, "loss_adapter": 0.0}
         self.wall = 0.0

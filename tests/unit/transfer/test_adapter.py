@@ -14,7 +14,7 @@ from opengem.transfer.trainer import StudentTrainer
 
 
 def test_identity_at_init_and_learns_a_calibration(schema):
-    a = StudentAdapter(schema, AdapterConfig(lr=0.1, hidden=4, ids=("ad_id",)))
+    a = StudentAdapter(schema, AdapterConfig(lr=0.1, hidden=4, ids=("ad_id",), ids_tasks="all"))
     b = make_batch(schema, 64)
     z = torch.full((64, 2), 2.0)  # a stale teacher: p = 0.88 on rows whose labels are mostly 0
     assert torch.allclose(a.target(z, b), z)
@@ -150,13 +150,14 @@ def test_newton_fit_reaches_the_platt_mle_in_one_pass_where_adam_stays_at_the_id
 
 
 def test_newton_adapter_has_no_adam_state_for_its_platt_part(schema):
-    a = StudentAdapter(schema, AdapterConfig(ids=("ad_id",)))
+    a = StudentAdapter(schema, AdapterConfig(ids=("ad_id",), ids_fit="adam", ids_tasks="all"))
     names = {id(p) for g in a.optimizer.param_groups for p in g["params"]}
     assert id(a.scale) not in names and id(a.bias) not in names and id(a.ids["ad_id"].weight) in names
     assert StudentAdapter(schema, AdapterConfig(ids=())).optimizer is None
 
 
-@pytest.mark.parametrize("bad", ["transfer.adapter.fit=sgd", "transfer.adapter.prior=0"])
+@pytest.mark.parametrize("bad", ["transfer.adapter.fit=sgd", "transfer.adapter.prior=0",
+                                 "transfer.adapter.ids_tasks=some", "transfer.adapter.ids_prior=0"])
 def test_bad_adapter_fit_is_refused(bad):
     from opengem.config import ConfigError, apply_prefixed_overrides
 
@@ -173,7 +174,7 @@ def test_newton_id_corrections_recover_per_id_effects(schema):
     b0 = make_batch(schema, 256)
     adv = b0.sparse.to_dict()["ad_id"].values()
     e = torch.randn(int(adv.max()) + 1, generator=gen)
-    cfgs = {k: AdapterConfig(ids=("ad_id",), ids_fit=k) for k in ("newton", "adam")}
+    cfgs = {k: AdapterConfig(ids=("ad_id",), ids_fit=k, ids_tasks="all") for k in ("newton", "adam")}
     adapters = {k: StudentAdapter(schema, c) for k, c in cfgs.items()}
     for _ in range(60):
         z = torch.randn(256, 2, generator=gen) * 1.5 - 2.0
@@ -191,3 +192,25 @@ def test_newton_id_corrections_recover_per_id_effects(schema):
         else:
             assert learned.abs().max() < 0.25
     assert StudentAdapter(schema, cfgs["newton"]).optimizer is None  # nothing left for Adam
+
+
+def test_by_default_only_a_task_read_from_another_tasks_head_gets_id_corrections(schema):
+    """A student of the teacher's own tasks gets a Platt-only adapter; with the second task read from the
+    first's head (the FM lacks it), that task's id corrections move and the first task's stay exactly 0."""
+    tasks = schema.task_names
+    cfg = student_recipe("vm_xs")
+    tcfg = techniques_config("kd+adapter", domains=tuple(schema.domains.names))
+    own = StudentTrainer("s", build_student(schema, cfg, [0.1, 0.01]), cfg, tcfg, schema, 4, teacher_tasks=tasks)
+    assert own.head_idx is None and len(own.adapter.ids) == 0
+    tcfg.kd.heads = (f"{tasks[1]}:{tasks[0]}",)
+    tr = StudentTrainer("s", build_student(schema, cfg, [0.1, 0.01]), cfg, tcfg, schema, 4, teacher_tasks=tasks[:1])
+    assert tr.head_idx.tolist() == [0, 0] and tr.adapter.ids_scope.tolist() == [0.0, 1.0]
+    gen = torch.Generator().manual_seed(0)
+    b = make_batch(schema, 128)
+    b.label_mask[:] = True
+    b.labels[:] = (torch.rand(b.labels.shape, generator=gen) < 0.3).float()
+    for _ in range(5):
+        tr.adapter.update(torch.randn(128, 2, generator=gen), b)
+    for f, emb in tr.adapter.ids.items():
+        assert torch.count_nonzero(emb.weight[:, 0]) == 0, f
+        assert torch.count_nonzero(emb.weight[:, 1]) > 0, f
