@@ -90,7 +90,8 @@ class TeacherService:
         self.embedding = embedding
         self.rep_in = rep_dim_of(model.schema)
         if self.rep_in and upstream is None:
-            raise ValueError("this teacher reads teacher embeddings (teacher_rep_* features): pass its upstream teacher")
+            raise ValueError("this teacher reads teacher embeddings (teacher_rep_* features): "
+                             "pass its upstream teacher")
         self.upstream, self.upstream_source = upstream, upstream_source
         self.cache = UserRepCache(self.feature_dim) if user_cache else None
         # (days, dim): also keep the daily published representations (rep.source=days students)
