@@ -25,6 +25,13 @@ The discipline (``opengem.discipline``), which this file follows step by step:
    (``opengem.evaluation.oracle``); ``gem_over_oracle`` is GEM's, mean ± std over held-out worlds
    (each world's value the mean over training seeds), with the minimum.
 
+5. **Recalibrated alike, beside the raw figures.** Each model's test metrics are also reported after
+   a Platt fit (slope and offset per task, ``opengem.evaluation.platt``) on its own valid split, and
+   the oracle's after the same fit on its valid split (``recalibrated`` in the JSON line). Whether
+   they are the figures to adopt is read on development worlds only (``recalibration_dev_crossfit``:
+   each chosen model's valid split halved by user, each half scored with the other half's fit); the
+   rule, fixed before a held-out world was read: adopt when GEM's cross-fitted click NE gain is > 0.
+
 Spreads: per world, mean ± std over training seeds; across worlds, mean ± std of the per-world means.
 The last line is ONE JSON object (``headline``). Real data is read from ``shared/data`` next to the
 repository (``--shared``); a missing source is skipped with a message.
@@ -141,7 +148,7 @@ def neural_trial(data: str, run: str, recipe_name: str, overrides: list[str], po
     _quiet()
     from opengem.bench.tune import train_point
     from opengem.config import apply_overrides
-    from opengem.evaluation.evaluate import evaluate_run
+    from opengem.evaluation.platt import evaluate_recalibrated
     from opengem.recipes import recipe
 
     cfg = apply_overrides(recipe(recipe_name), ["train.threads=1", *overrides])
@@ -156,16 +163,24 @@ def neural_trial(data: str, run: str, recipe_name: str, overrides: list[str], po
         t = train_point(cfg, data, run, point, max_epochs=max_epochs)
         out = {"valid_value": t.value, "best_step": t.step, "valid": t.valid, "wall_s": t.wall_s}
     if score_test:
-        out["metrics"] = evaluate_run(run, data, "test", progress=False, best=True)["metrics"]
+        out.update(evaluate_recalibrated(run, data, "test", best=True))
     return out
 
 
 def score_run(data: str, run: str) -> dict:
     """Test metrics of a search run that was chosen (a real dataset's seed 0): read once, after the choice."""
     _quiet()
-    from opengem.evaluation.evaluate import evaluate_run
+    from opengem.evaluation.platt import evaluate_recalibrated
 
-    return {"metrics": evaluate_run(run, data, "test", progress=False, best=True)["metrics"]}
+    return evaluate_recalibrated(run, data, "test", best=True)
+
+
+def crossfit_trial(data: str, run: str) -> dict:
+    """``evaluation.platt.crossfit`` of a development world's search run at its chosen point (valid only)."""
+    _quiet()
+    from opengem.evaluation.platt import crossfit
+
+    return crossfit(run, data, "valid", best=True)
 
 
 def gbdt_trial(data: str, grid: list | None, seed: int, score_test: bool, max_seq_len: int) -> dict:
@@ -180,6 +195,7 @@ def gbdt_trial(data: str, grid: list | None, seed: int, score_test: bool, max_se
     r = run_gbdt(data, grid=grid, seed=seed, threads=1, max_seq_len=caps, score_test=score_test)
     if score_test:
         add_oracle(r["metrics"], data, "test")
+        add_oracle(r["metrics_platt"], data, "test", platt=True)
     return r
 
 
@@ -192,10 +208,11 @@ def mean_std(xs) -> list[float | None]:
     return [round(statistics.fmean(xs), 5), round(statistics.stdev(xs), 5) if len(xs) > 1 else 0.0]
 
 
-def summarize(runs: list[dict]) -> dict:
-    """task → metric → [mean, std] over training seeds, on the ``all/<task>`` slices."""
-    return {t: {m: mean_std([r["metrics"].get(f"all/{t}", {}).get(m) for r in runs]) for m in REPORTED}
-            for t in TASKS if any(f"all/{t}" in r["metrics"] for r in runs)}
+def summarize(runs: list[dict], key: str = "metrics") -> dict:
+    """task → metric → [mean, std] over training seeds, on the ``all/<task>`` slices of each run's
+    ``key`` (``metrics``, or ``metrics_platt``: after the Platt fit on valid)."""
+    return {t: {m: mean_std([r[key].get(f"all/{t}", {}).get(m) for r in runs]) for m in REPORTED}
+            for t in TASKS if any(f"all/{t}" in r[key] for r in runs)}
 
 
 def beats(gem: dict, peer: dict) -> bool:
@@ -218,11 +235,42 @@ def _num(x) -> str:
 
 
 def headline(mode_name: str, mode: Mode, models: list[str], chosen: dict, worlds: dict, real: dict,
-             wall_s: float) -> dict:
+             wall_s: float, worlds_platt: dict, real_platt: dict) -> dict:
+    """The JSON line: the raw test figures at the top level, the same after each side's Platt fit on
+    its own valid split under ``recalibrated`` (``opengem.evaluation.platt``), and the two headline
+    ratios of each beside each other."""
     out: dict = {"mode": mode_name, "models": models, "dev_world_seeds": mode.dev_worlds,
                  "held_out_world_seeds": mode.held_out, "train_seeds": mode.train_seeds,
                  "grid": {"dense_lr": mode.dense_lrs, "table_lr": mode.table_lrs, "max_epochs": mode.max_epochs},
                  "chosen": chosen, "spread": "per world: std over training seeds; across worlds: std of world means"}
+    out.update(figures(models, worlds, real))
+    out["recalibrated"] = figures(models, worlds_platt, real_platt)
+    for name, figs in (("gem_over_oracle", out), ("gem_over_oracle_recalibrated", out["recalibrated"])):
+        if "gem_over_oracle" in figs:
+            out[f"{name}_mean"], out[f"{name}_min"] = figs["gem_over_oracle"]["mean"], figs["gem_over_oracle"]["min"]
+    out["wall_s"] = round(wall_s, 1)
+    return out
+
+
+def crossfit_summary(models: list[str], crossfits: dict) -> dict:
+    """model → task → mean ± std over development worlds of (NE fitted − NE raw) on valid halves
+    fitted on the other half (negative: the fit carries), and ``adopt``: whether GEM's click mean is < 0,
+    the rule, fixed before any held-out world was read, for taking ``recalibrated`` as the headline."""
+    out: dict = {}
+    for m in models:
+        per = [v for (model, _), v in crossfits.items() if model == m]
+        if per:
+            out[m] = {t: mean_std([p[t]["ne_platt"] - p[t]["ne"] for p in per if t in p]) for t in TASKS}
+    if "gem" in out and out["gem"]["click"][0] is not None:
+        out["adopt"] = out["gem"]["click"][0] < 0
+    return out
+
+
+def figures(models: list[str], worlds: dict, real: dict) -> dict:
+    """Per held-out world and real dataset: each model's captured, oracle's, AUC and NE (click), GEM's
+    ratio to the oracle (click and conversion) and whether it beats every peer; each model's ratio
+    mean, std and min over the worlds."""
+    out: dict = {}
     per_world = {}
     for w, summary in worlds.items():
         row = {m: {k: summary[m]["click"][k] for k in ("captured", "oracle_captured", "auc", "ne")} for m in summary}
@@ -239,14 +287,10 @@ def headline(mode_name: str, mode: Mode, models: list[str], chosen: dict, worlds
         if ratios:
             out[f"{m}_over_oracle"] = {"mean": mean_std(ratios)[0], "std": mean_std(ratios)[1],
                                        "min": round(min(ratios), 5)}
-    if "gem_over_oracle" in out:
-        out["gem_over_oracle_mean"], out["gem_over_oracle_min"] = out["gem_over_oracle"]["mean"], \
-            out["gem_over_oracle"]["min"]
     for name, summary in real.items():
         out[name] = {m: {k: summary[m]["click"][k] for k in ("auc", "ne")} for m in summary}
         if "gem" in summary:
             out[name]["gem_beats_every_peer"] = all(beats(summary["gem"], summary[p]) for p in PEERS if p in summary)
-    out["wall_s"] = round(wall_s, 1)
     return out
 
 
@@ -333,6 +377,13 @@ def main() -> None:
                     if values:
                         chosen[f"{model}/{scope}"] = list(choose(values))
 
+        # 1b. does a Platt fit on valid carry to rows it was not fitted on? Each neural model's chosen
+        #     point on each development world, its valid split halved by user (evaluation.platt.crossfit)
+        xfit = {(model, w): pool.submit(crossfit_trial, str(worlds[w]),
+                                        run_dir(f"world-{w}", model, tuple(chosen[f"{model}/synthetic"]), 0))
+                for model in models if model != GBDT and f"{model}/synthetic" in chosen for w in mode.dev_worlds}
+        crossfits = {k: f.result() for k, f in xfit.items()}
+
         # 2. the report: held-out worlds and real datasets, every seed (a real dataset's seed 0 is its
         #    search run at the chosen point, scored on test now)
         report: dict = {}
@@ -355,17 +406,21 @@ def main() -> None:
                     report[(model, kind, seed)] = fut
         reported = {k: f.result() for k, f in report.items()}
 
-    summaries: dict = {}
+    runs: dict = {}
     for (model, kind, _), r in reported.items():
-        summaries.setdefault(kind, {}).setdefault(model, []).append(r)
-    summaries = {k: {m: summarize(rs) for m, rs in v.items()} for k, v in summaries.items()}
-    for kind, s in summaries.items():
-        print_table(kind, s)
-    world_summaries = {w: summaries[f"world-{w}"] for w in mode.held_out if f"world-{w}" in summaries}
-    real_summaries = {n: summaries[n] for n in real if n in summaries}
+        runs.setdefault(kind, {}).setdefault(model, []).append(r)
     print(f"\n[quality] {mode_name}; runs in {work}")
-    print(json.dumps(headline(mode_name, mode, models, chosen, world_summaries, real_summaries,
-                              time.perf_counter() - t0)))
+    views = {}
+    for key, title in (("metrics", "raw"), ("metrics_platt", "recalibrated: each side Platt-fitted on its valid")):
+        summaries = {k: {m: summarize(rs, key) for m, rs in v.items()} for k, v in runs.items()}
+        for kind, s in summaries.items():
+            print_table(f"{kind}, {title}", s)
+        views[key] = ({w: summaries[f"world-{w}"] for w in mode.held_out if f"world-{w}" in summaries},
+                      {n: summaries[n] for n in real if n in summaries})
+    out = headline(mode_name, mode, models, chosen, *views["metrics"], time.perf_counter() - t0,
+                   *views["metrics_platt"])
+    out["recalibration_dev_crossfit"] = crossfit_summary(models, crossfits)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

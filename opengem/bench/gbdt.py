@@ -36,6 +36,7 @@ from opengem.data.loader import ShardLoader
 from opengem.discipline import REPORT_SPLIT, require_dev_world, require_tuning_split
 from opengem.evaluation.accumulator import MetricAccumulator
 from opengem.evaluation.metrics import logloss
+from opengem.evaluation.platt import TaskPlatt
 from opengem.features.schema import FeatureSchema
 from opengem.model.foundation import match_attributes
 from opengem.ops.jagged import row_ids
@@ -253,7 +254,9 @@ def run_gbdt(data_dir: str | Path, grid: list[dict] | None = None, seed: int = 0
 
     Returns {"metrics": test metrics (``evaluate_run(...)["metrics"]``'s shape), "valid": the chosen
     point's metrics on ``tune_split``, "chosen": its params and rounds, "trials": every point's
-    rounds and tuning-split log losses, "wall_s": the whole run (features, fits, scoring)}.
+    rounds and tuning-split log losses, "wall_s": the whole run (features, fits, scoring)}; with
+    ``score_test`` also "metrics_platt", the test metrics after a per-task Platt fit on ``tune_split``
+    (``evaluation.platt``), and its "platt" parameters.
     """
     t0 = time.perf_counter()
     require_tuning_split(tune_split, "the LightGBM grid point (learning rate × num_leaves)")
@@ -279,7 +282,11 @@ def run_gbdt(data_dir: str | Path, grid: list[dict] | None = None, seed: int = 0
     out = {}
     if score_test:
         test = features(data_dir, REPORT_SPLIT, schema, max_seq_len)
-        out["metrics"] = metrics(predict(models, test, schema), test, schema, rates)
+        p_test = predict(models, test, schema)
+        out["metrics"] = metrics(p_test, test, schema, rates)
+        platt = TaskPlatt.fit(p_valid, valid.labels, valid.mask)  # as evaluation.platt does for a neural run
+        out["metrics_platt"] = metrics(platt(p_test), test, schema, rates)
+        out["platt"] = platt.as_dict(schema.task_names)
     return {**out, "valid": metrics(p_valid, valid, schema, rates),
             "chosen": {**point, "rounds": dict(zip(schema.task_names, rounds))},
             "trials": trials, "wall_s": round(time.perf_counter() - t0, 3)}

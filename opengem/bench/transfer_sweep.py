@@ -25,6 +25,7 @@ from opengem.config import apply_overrides, apply_prefixed_overrides
 from opengem.data.parquet import MANIFEST, DatasetManifest
 from opengem.data.synthetic import generate
 from opengem.discipline import require_dev_world
+from opengem.evaluation.platt import fit_platt
 from opengem.features.schema import FeatureSchema
 from opengem.recipes import recipe, student_recipe, world_config
 from opengem.run import FINAL_FILE, load_run_model
@@ -94,22 +95,6 @@ class _Recalibrated:
         for t, (a, b) in self.ab.items():
             z[:, t] = a * z[:, t] + b
         return TeacherOutput(z)
-
-
-def fit_platt(z: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    ab = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([ab], max_iter=100, line_search_fn="strong_wolfe")
-    z, y = z.double(), y.double()
-
-    def closure():
-        opt.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(ab[0] * z + ab[1], y)
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    ab = ab.detach()
-    return float(ab[0]), float(ab[1])
 
 
 def _cell_rows(ev: dict, names: list[str], task: str, ref: str) -> dict:

@@ -32,21 +32,56 @@ def evaluate_model(model, schema: FeatureSchema, data_dir: str | Path, split: st
                    device: torch.device | None = None) -> dict:
     """Metrics of ``model`` on the files ``rank``, ``rank + world_size``, … of ``split``; under
     torch.distributed the ranks' rows are reduced (every rank returns the metrics of all of them)."""
-    loader = ShardLoader(data_dir, split, batch_size, schema, shuffle=False, epochs=1,
-                         max_seq_len=model.max_seq_len(), prefetch=2, rank=rank, world_size=world_size)
     acc = MetricAccumulator(list(schema.domains.names), schema.task_names, base_rates)
     n = 0
-    for batch, counted in _in_step(tqdm(loader, desc=f"evaluate {split}", unit="batch", disable=not progress), split):
-        if device is not None and device.type != "cpu":
-            batch = batch.to(device, non_blocking=True)
-        probs = torch.sigmoid(model(batch).double())
+    scored = _Scored(model, schema, data_dir, split, batch_size, progress, rank, world_size, device)
+    for probs, batch, counted in scored:
         if counted:
             acc.update(probs, batch.labels, batch.label_mask, batch.domain, batch.user_id, batch.true_probs)
             n += batch.batch_size
     acc.reduce()
     return {"split": split, "rows": n, "metrics": acc.compute(), "calibration_bins": acc.calibration_bins(),
-            "quarantined": dict(loader.quarantined),
-            "repaired": loader.stats.as_dict()}
+            "quarantined": dict(scored.loader.quarantined), "repaired": scored.loader.stats.as_dict()}
+
+
+class _Scored:
+    """(probabilities [B, T] float64, batch, counted) for each batch of ``split`` (``_in_step``);
+    ``loader`` is kept for its quarantine and repair counts."""
+
+    def __init__(self, model, schema, data_dir, split, batch_size, progress, rank=0, world_size=1, device=None):
+        self.model, self.split, self.progress, self.device = model, split, progress, device
+        self.loader = ShardLoader(data_dir, split, batch_size, schema, shuffle=False, epochs=1,
+                                  max_seq_len=model.max_seq_len(), prefetch=2, rank=rank, world_size=world_size)
+
+    def __iter__(self):
+        batches = tqdm(self.loader, desc=f"evaluate {self.split}", unit="batch", disable=not self.progress)
+        for batch, counted in _in_step(batches, self.split):
+            if self.device is not None and self.device.type != "cpu":
+                batch = batch.to(self.device, non_blocking=True)
+            yield torch.sigmoid(self.model(batch).double()), batch, counted
+
+
+@torch.no_grad()
+def score_rows(model, schema: FeatureSchema, data_dir: str | Path, split: str, batch_size: int = EVAL_BATCH,
+               progress: bool = False) -> dict[str, torch.Tensor]:
+    """Every row of ``split`` in one process: ``probs`` [R, T] and what ``metrics_of`` needs beside
+    them (labels, mask, domain, user_id, true_probs or None), to score one pass under several calibrations."""
+    parts: dict[str, list] = {k: [] for k in ("probs", "labels", "mask", "domain", "user_id", "true_probs")}
+    for probs, batch, _ in _Scored(model, schema, data_dir, split, batch_size, progress):
+        for k, v in (("probs", probs), ("labels", batch.labels), ("mask", batch.label_mask),
+                     ("domain", batch.domain), ("user_id", batch.user_id), ("true_probs", batch.true_probs)):
+            parts[k].append(v)
+    if not parts["probs"]:
+        raise ValueError(f"{data_dir}: split {split!r} has no rows to score")
+    return {k: torch.cat(v) if v[0] is not None else None for k, v in parts.items()}
+
+
+def metrics_of(rows: dict, schema: FeatureSchema, base_rates: dict | None, probs=None) -> dict:
+    """``evaluate_model``'s metrics of ``rows`` (``score_rows``), with ``probs`` in place of theirs if given."""
+    acc = MetricAccumulator(list(schema.domains.names), schema.task_names, base_rates)
+    acc.update(rows["probs"] if probs is None else probs, rows["labels"], rows["mask"], rows["domain"],
+               rows["user_id"], rows["true_probs"])
+    return acc.compute()
 
 
 def _in_step(batches, split: str):
@@ -107,12 +142,15 @@ def evaluate_run(run_dir: str | Path, data_dir: str | Path, split: str = "test",
     return out
 
 
-def add_oracle(metrics: dict, data_dir: str | Path, split: str) -> dict:
+def add_oracle(metrics: dict, data_dir: str | Path, split: str, platt: bool = False) -> dict:
     """Add ``oracle_captured`` and ``captured_over_oracle`` to each slice of ``metrics`` (``compute()``'s
-    output) that has ``captured`` and an oracle entry in the manifest's ``source.stats.oracle[split]``.
-    The oracle's NE uses the dataset's train base rates, a run's those of its training split: the
-    same rates when the run trained on the dataset's train split."""
-    oracle = DatasetManifest.load(data_dir).source.get("stats", {}).get("oracle", {}).get(split) or {}
+    output) that has ``captured`` and an oracle entry in the manifest's ``source.stats.oracle[split]``
+    (with ``platt``, ``…oracle.platt[split]``: the oracle after its own Platt fit on valid, to set
+    beside a model's ``evaluation.platt`` figures). The oracle's NE uses the dataset's train base
+    rates, a run's those of its training split: the same rates when the run trained on the dataset's
+    train split."""
+    oracle = DatasetManifest.load(data_dir).source.get("stats", {}).get("oracle", {})
+    oracle = (oracle.get("platt", {}) if platt else oracle).get(split) or {}
     for key, m in metrics.items():
         oc = (oracle.get(key) or {}).get("captured")
         if oc is None or "captured" not in m:

@@ -56,6 +56,7 @@ from opengem.data.synthetic_world import (
 from opengem.discipline import require_tuning_split
 from opengem.evaluation.accumulator import ALL_DOMAIN, MetricAccumulator
 from opengem.evaluation.metrics import captured, entropy
+from opengem.evaluation.platt import TaskPlatt
 
 log = logging.getLogger(__name__)
 
@@ -294,11 +295,19 @@ class OracleCollector:
                "train_rows": {"click": len(data["train"]["click"]), "conversion": len(clicked["train"])},
                "train_user_share": self.user_share,
                "parameters": {m: lay.num_weights + len(lay.dense_names) + 1 for m, lay in self.layouts.items()}}
+        probs = {}
         for s in ("valid", "test"):
             pc = sigmoid(click_fit.logits(designs[s]["click"]))
             pv = sigmoid(cvr_fit.logits(designs[s]["conversion"]))
+            probs[s] = np.stack([pc, pc * pv], 1)
             click[s] = _slices(data[s], pc, pc * pv, rates)
         out.update(click)
+        # the same after a Platt fit per task on valid (``evaluation.platt``): what a model's
+        # recalibrated figures are set beside, so both sides get the same correction
+        platt = TaskPlatt.fit(probs["valid"], np.stack([data["valid"]["click"], data["valid"]["conversion"]], 1))
+        fitted = platt(probs["test"])
+        out["platt"] = {"test": _slices(data["test"], fitted[:, 0], fitted[:, 1], rates),
+                        "params": platt.as_dict(["click", "conversion"])}
         log.info("oracle fitted on %d train rows in %.1f s (L2 click %g, conversion %g)",
                  out["train_rows"]["click"], time.perf_counter() - t0, click_fit.l2, cvr_fit.l2)
         return out

@@ -31,6 +31,7 @@ from opengem.data.parquet import DataError, list_array  # noqa: E402
 from opengem.data.synthetic import generate  # noqa: E402
 from opengem.discipline import DisciplineError  # noqa: E402
 from opengem.evaluation.accumulator import MetricAccumulator  # noqa: E402
+from opengem.evaluation.platt import TaskPlatt  # noqa: E402
 from opengem.features.schema import FeatureSchema  # noqa: E402
 from opengem.recipes import world_config  # noqa: E402
 from opengem.testing import random_table, tiny_schema  # noqa: E402
@@ -104,6 +105,10 @@ def test_lightgbm_beats_the_base_rate_and_its_metrics_are_the_evaluators(world):
     run = run_gbdt(world, grid=[GRID[0]])
     assert run["metrics"] == got and run["chosen"]["learning_rate"] == GRID[0]["learning_rate"]
     assert run["chosen"]["rounds"]["click"] == models[0].best_iteration and len(run["trials"]) == 1
+    # the Platt fit on valid (evaluation.platt) is applied to the same test scores: the ranking stays
+    platt = TaskPlatt.fit(predict(models, valid, schema), valid.labels, valid.mask)
+    assert run["metrics_platt"] == metrics(platt(p), test, schema, rates)
+    assert run["metrics_platt"]["all/click"]["auc"] == pytest.approx(got["all/click"]["auc"], abs=1e-9)
 
 
 def test_the_grid_is_chosen_on_valid_never_on_test_nor_on_a_held_out_world(world, tmp_path):

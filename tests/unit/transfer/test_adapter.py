@@ -121,7 +121,7 @@ def _platt_stream(schema, batches=40, n=256, a=0.5, c=-1.0, seed=0):
 
 
 def _mle(stream, domain):
-    from opengem.bench.transfer_sweep import fit_platt
+    from opengem.evaluation.platt import fit_platt
 
     z = torch.cat([zz[b.domain == domain, 0] for zz, b in stream])
     y = torch.cat([b.labels[b.domain == domain, 0] for _, b in stream])
