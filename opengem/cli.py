@@ -76,11 +76,14 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--signal", action="store_true",
                    help="synthetic data: slope of the model's logit on each true term of the world")
 
-    r = sub.add_parser("recalibrate", help="fit one logit offset per (domain, task) on held-out days (RUN/recalibration.json)")
+    r = sub.add_parser("recalibrate", help="fit a logit offset per (domain, task), --form platt also a slope per task, on held-out days "
+                         "(RUN/recalibration.json)")
     r.add_argument("--run", required=True)
     r.add_argument("--data", required=True)
     r.add_argument("--split", default="valid", help="the days to fit on (never test)")
     r.add_argument("--prior-std", type=float, default=0.1, help="Gaussian prior on each offset (keeps thin slices near 0)")
+    r.add_argument("--form", choices=("offset", "platt"), default="offset",
+                   help="offset: one per (domain, task); platt: also a slope per task (logits too spread)")
 
     k = sub.add_parser("distill", help="distil a vertical model from a trained GEM (directly or --via a domain FM)")
     k.add_argument("--teacher", required=True, help="the GEM run")
@@ -206,7 +209,7 @@ def cmd_evaluate(args) -> dict:
 def cmd_recalibrate(args) -> dict:
     from opengem.evaluation.recalibrate import recalibrate_run
 
-    rec = recalibrate_run(args.run, args.data, args.split, args.prior_std, progress=not args.quiet)
+    rec = recalibrate_run(args.run, args.data, args.split, args.prior_std, progress=not args.quiet, form=args.form)
     print(recalibration_line(rec))
     return rec
 

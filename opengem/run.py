@@ -21,7 +21,7 @@ but for ``schema.json`` (the schema's own name) and ``checkpoints/`` (the checkp
     RUN/quarantine/         rows the loader set aside, Parquet per shard and rank, with a ``reason`` column
     RUN/final.json          steps, examples seen (all ranks), params_sha256, parameters, wall time,
                             examples/s, world size, peak RSS per rank (absent while training)
-    RUN/recalibration.json  a logit offset per (domain, task), fitted on held-out days
+    RUN/recalibration.json  a logit offset per (domain, task) (and a slope per task), fitted on held-out days
                             (``opengem recalibrate``, ``evaluation.recalibrate``)
     RUN/downsampling.json   negative down-sampling of the training split (``data.negative_rate``): rate
                             and weight 1/r per domain, the correcting logit offsets, rows read and kept
@@ -78,7 +78,7 @@ __all__ = [
     "downsampling_offsets", "downsampling_record", "gem_heads", "load_downsampling", "save_downsampling",
     "shift_logits", "load_base_rates", "load_config",
     "load_final", "load_recalibration", "load_run_model", "load_schema", "offset_groups", "offsets_tensor",
-    "save_base_rates", "save_config", "save_final", "save_recalibration", "save_schema", "write_json"
+    "save_base_rates", "save_config", "save_final", "save_recalibration", "save_schema", "slopes_tensor", "write_json"
 ]
 
 CONFIG_FILE = "config.json"
@@ -239,13 +239,34 @@ def apply_recalibration(model: torch.nn.Module, run_dir: str | Path, schema: Fea
 
 
 def _add_offsets(model: torch.nn.Module, record: dict | None, schema: FeatureSchema) -> dict | None:
-    """Add a record's per-(group, task) ``offsets`` to the heads' output biases; returns the record."""
+    """Fold a record into the model: each task's own logit scaled by ``slopes`` (if the record has
+    them: the heads' output weights and biases and the shortcut's weights for that task), then the
+    per-(group, task) ``offsets`` added to the output biases; returns the record."""
     if record is None:
         return None
     heads = gem_heads(model)
     with torch.no_grad():
+        if record.get("slopes"):
+            a_T = slopes_tensor(record["slopes"], schema).to(heads.out_b.dtype)
+            heads.out_w.mul_(a_T[None, :, None])
+            heads.out_b.mul_(a_T[None, :])
+            shortcut = getattr(model, "shortcut", None)
+            for lin in (shortcut.linear, shortcut.pairs) if shortcut is not None else ():
+                if lin is not None:
+                    lin.weight.mul_(a_T[:, None].to(lin.weight.dtype))
         heads.out_b.add_(offsets_tensor(heads, record["offsets"], schema).to(heads.out_b.dtype))
     return record
+
+
+def slopes_tensor(slopes: dict[str, float], schema: FeatureSchema) -> torch.Tensor:
+    """{task: a} → [T] in schema order (1 for a task not named); an unknown task or a ≤ 0 is refused."""
+    out = torch.ones(len(schema.task_names), dtype=torch.float64)
+    for task, a in slopes.items():
+        if task not in schema.task_names or not float(a) > 0:
+            raise RecalibrationError(f"{RECALIBRATION_FILE}: slope {task!r}: {a!r} (tasks {schema.task_names}, "
+                                     "a slope must be > 0)")
+        out[schema.task_names.index(task)] = float(a)
+    return out
 
 
 # ------------------------------------------------------------------------------------- down-sampling

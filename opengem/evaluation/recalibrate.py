@@ -1,4 +1,4 @@
-"""Recalibration: one logit offset per (domain, task), fitted on held-out days, folded into the heads.
+"""Recalibration: a logit offset per (domain, task) (and a slope per task), fitted on held-out days, folded into the heads.
 
 Legend: R rows of the fitting split, T tasks, G output groups (domains, or 1 with shared heads).
 
@@ -16,6 +16,13 @@ with few labels near 0, where a loose prior fits noise. The offsets are written 
 export, serving and teachers all read the recalibrated model, and the checkpoint itself is never changed.
 The fitting split must not be the evaluation split: ``valid`` (the days between train and test).
 What it did on the demo world is in docs/experiments.md.
+
+``form="platt"`` (``opengem recalibrate --form platt``) adds one slope per task: each task's own logit
+becomes a_t (raw − m_t) + m_t + δ_{g,t}, m_t its mean on the split. An offset cannot shrink logits
+that are too spread (a model that ranks well but saw few positives; ``evaluation.platt`` measures
+it across models). The slope is per task, not per (domain, task), because the FwFM shortcut's
+weights are shared by the domains and must be scaled with the heads' when the fit is folded
+(``opengem.run.apply_recalibration``). The prior on δ is unchanged; a_t > 0 has none.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from opengem.discipline import require_tuning_split
 from opengem.evaluation import EVAL_BATCH
 from opengem.features.schema import FeatureSchema
 from opengem.run import RecalibrationError, gem_heads, load_run_model, offset_groups, save_recalibration
+
+FORMS = ("offset", "platt")
 
 
 @torch.no_grad()
@@ -63,41 +72,61 @@ def head_inputs(model: torch.nn.Module, schema: FeatureSchema, data_dir: str | P
 
 def fit_offsets(heads, rows: dict[str, torch.Tensor], num_groups: int, prior_std: float = 0.1) -> torch.Tensor:
     """δ [G, T] (see the module docstring), by L-BFGS per task; a group without labels keeps 0."""
+    return fit_recalibration(heads, rows, num_groups, prior_std, "offset")[1]
+
+
+def fit_recalibration(heads, rows: dict[str, torch.Tensor], num_groups: int, prior_std: float = 0.1,
+                      form: str = "offset") -> tuple[torch.Tensor, torch.Tensor]:
+    """(slopes a [T], additions [G, T]): each task's own logit becomes ``a_t · raw + add_{g,t}``.
+    ``offset``: a = 1, add = δ. ``platt``: add = (1 − a_t) m_t + δ_{g,t}, with m_t the task's mean raw
+    logit on the split, so the prior on δ still means "near no change" whatever a_t is; a_t ≥ 0 is
+    fitted without a prior (one number per task from every labelled row of the split)."""
     if not prior_std > 0:
         raise RecalibrationError(f"prior_std must be > 0, got {prior_std}")
-    delta = rows["raw"].new_zeros(num_groups, rows["raw"].shape[1])
-    for t in range(delta.shape[1]):
+    if form not in FORMS:
+        raise RecalibrationError(f"the recalibration form must be one of {FORMS}, got {form!r}")
+    T = rows["raw"].shape[1]
+    slopes, add = rows["raw"].new_ones(T), rows["raw"].new_zeros(num_groups, T)
+    for t in range(T):
         w = rows["mask"][:, t].double() * rows["weights"]
         if w.sum() > 0:
-            delta[:, t] = _fit_task(heads, rows, w, delta, t, prior_std)
-    return delta
+            slopes[t], add[:, t] = _fit_task(heads, rows, w, slopes, add, t, prior_std, form == "platt")
+    return slopes, add
 
 
-def _fit_task(heads, rows: dict[str, torch.Tensor], w_R: torch.Tensor, delta: torch.Tensor, t: int,
-              prior_std: float) -> torch.Tensor:
-    """Task t's offsets [G], the other tasks' as in ``delta``."""
+def _fit_task(heads, rows: dict[str, torch.Tensor], w_R: torch.Tensor, slopes: torch.Tensor, add: torch.Tensor,
+              t: int, prior_std: float, slope: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Task t's slope and additions [G], the other tasks' as in ``slopes`` and ``add``."""
     raw, group, y = rows["raw"], rows["group"], rows["labels"][:, t]
-    d = torch.zeros(delta.shape[0], dtype=raw.dtype, requires_grad=True)
-    opt = torch.optim.LBFGS([d], lr=1.0, max_iter=100, tolerance_grad=1e-10, line_search_fn="strong_wolfe")
+    m = (raw[:, t] * w_R).sum() / w_R.sum()
+    d = torch.zeros(add.shape[0], dtype=raw.dtype, requires_grad=True)
+    log_a = torch.zeros((), dtype=raw.dtype, requires_grad=slope)  # a = exp(log_a) stays > 0
+    opt = torch.optim.LBFGS([d, log_a] if slope else [d], lr=1.0, max_iter=100, tolerance_grad=1e-10,
+                            line_search_fn="strong_wolfe")
+
+    def task_add():
+        return (1 - log_a.exp()) * m + d
 
     def closure():
         opt.zero_grad()
-        shift = delta.clone()
-        shift[:, t] = d
-        z = heads.chain(raw + shift[group])[:, t]
+        a, shift = slopes.clone(), add.clone()
+        a[t], shift[:, t] = log_a.exp(), task_add()
+        z = heads.chain(raw * a + shift[group])[:, t]
         loss = (F.binary_cross_entropy_with_logits(z, y, reduction="none") * w_R).sum()
         loss = loss + 0.5 * (d**2).sum() / prior_std**2
         loss.backward()
         return loss
 
     opt.step(closure)
-    return d.detach()
+    with torch.no_grad():
+        return log_a.exp(), task_add()
 
 
 def recalibrate_run(run_dir: str | Path, data_dir: str | Path, split: str = "valid", prior_std: float = 0.1,
-                    batch_size: int | None = None, progress: bool = True) -> dict:
-    """Fit the offsets of a run on ``split`` and write ``RUN/recalibration.json``; returns its record
-    (offsets and each slice's calibration Σp/Σy on ``split`` before and after)."""
+                    batch_size: int | None = None, progress: bool = True, form: str = "offset") -> dict:
+    """Fit the recalibration of a run on ``split`` (``form``: ``offset`` or ``platt``, module
+    docstring) and write ``RUN/recalibration.json``; returns its record (offsets, with ``platt`` the
+    slopes, and each slice's calibration Σp/Σy on ``split`` before and after)."""
     require_tuning_split(split, "the recalibration (its offsets and prior_std)")
     model, _, schema = load_run_model(run_dir, recalibrated=False)
     data_schema = FeatureSchema.load(data_dir)
@@ -106,11 +135,11 @@ def recalibrate_run(run_dir: str | Path, data_dir: str | Path, split: str = "val
     heads = gem_heads(model)
     rows = head_inputs(model, schema, data_dir, split, batch_size or EVAL_BATCH, progress)
     G = heads.out_b.shape[0]
-    delta = fit_offsets(heads, rows, G, prior_std)
+    slopes, add = fit_recalibration(heads, rows, G, prior_std, form)
     groups = offset_groups(heads, schema)
 
-    def calibration(shift: torch.Tensor) -> dict[str, float]:
-        p = torch.sigmoid(heads.chain(rows["raw"] + shift[rows["group"]]))
+    def calibration(a: torch.Tensor, shift: torch.Tensor) -> dict[str, float]:
+        p = torch.sigmoid(heads.chain(rows["raw"] * a + shift[rows["group"]]))
         out = {}
         for g, name in enumerate(groups):
             for t, task in enumerate(schema.task_names):
@@ -121,10 +150,12 @@ def recalibrate_run(run_dir: str | Path, data_dir: str | Path, split: str = "val
         return out
 
     with torch.no_grad():
-        before, after = calibration(torch.zeros_like(delta)), calibration(delta)
-    record = {"split": split, "rows": int(rows["raw"].shape[0]), "prior_std": prior_std,
-              "offsets": {f"{g}/{t}": round(float(delta[i, j]), 6) for i, g in enumerate(groups)
-                          for j, t in enumerate(schema.task_names)},
-              "calibration_before": before, "calibration_after": after}
+        before, after = calibration(torch.ones_like(slopes), torch.zeros_like(add)), calibration(slopes, add)
+    record = {"split": split, "rows": int(rows["raw"].shape[0]), "prior_std": prior_std, "form": form,
+              "offsets": {f"{g}/{t}": round(float(add[i, j]), 6) for i, g in enumerate(groups)
+                          for j, t in enumerate(schema.task_names)}}
+    if form == "platt":
+        record["slopes"] = {t: round(float(slopes[j]), 6) for j, t in enumerate(schema.task_names)}
+    record.update(calibration_before=before, calibration_after=after)
     save_recalibration(run_dir, record)
     return record

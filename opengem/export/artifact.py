@@ -243,7 +243,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | 
                   "schema_fingerprint": schema.fingerprint(), "tasks": schema.task_names},
         "run": {"name": run.name, "checkpoint": final.get("checkpoint"), "steps": final.get("steps"),
                 "params_sha256": final.get("params_sha256"),  # of the checkpoint, before any recalibration
-                "recalibration": recalibration["offsets"] if recalibration is not None else None},
+                "recalibration": recalibration["offsets"] if recalibration is not None else None,
+                "recalibration_slopes": (recalibration or {}).get("slopes")},
         "layout": layout.to_dict(),
         "tables": tables_info(model, table_dtype, fp32_bytes),
         "export": {"method": "torch.export (non-strict, dynamic shapes)", "aoti": "aoti" in programs,

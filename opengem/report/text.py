@@ -66,7 +66,9 @@ def _why(columns: list[str]) -> str:
 def recalibration_line(rec: dict) -> str:
     """The offsets ``recalibrate_run`` fitted, with each slice's calibration before → after."""
     before, after = rec["calibration_before"], rec["calibration_after"]
+    slopes = rec.get("slopes")
     return (f"recalibrated on {rec['split']} ({rec['rows']:,} rows): "
+            + (", ".join(f"slope {t} {a:.3f}" for t, a in slopes.items()) + "; " if slopes else "")
             + ", ".join(f"{k} {rec['offsets'][k]:+.3f} (calibration {before[k]:.3f} → {after[k]:.3f})"
                         for k in before))
 

@@ -116,6 +116,16 @@ def test_recalibrate_on_valid_then_every_reader_sees_the_offsets(tiny_data, tmp_
     out = tmp_path / "eval.json"
     assert main(["--quiet", "evaluate", "--run", str(run), "--data", str(tiny_data), "--json", str(out)]) == 0
     assert json.loads(out.read_text())["recalibration"]["offsets"] == rec["offsets"]
+    # --form platt: a slope per task as well, folded the same way (a · raw + offset on the own logit)
+    assert main(["--quiet", "recalibrate", "--run", str(run), "--data", str(tiny_data), "--form", "platt"]) == 0
+    rec = json.loads((run / RECALIBRATION_FILE).read_text())
+    assert rec["form"] == "platt" and set(rec["slopes"]) == {"click", "conversion"}
+    assert all(v > 0 for v in rec["slopes"].values())
+    with torch.no_grad():
+        got = load_run_model(run)[0](batch)[:, 0]
+        want = rec["slopes"]["click"] * raw(batch)[:, 0] + torch.tensor(
+            [rec["offsets"][f"{names[d]}/click"] for d in batch.domain.tolist()])
+    assert torch.allclose(got, want, atol=1e-5)
 
 
 def test_cli_errors_are_clear(tiny_data, tmp_path, capsys):

@@ -110,3 +110,42 @@ def test_apply_recalibration(tmp_path):
     assert torch.allclose(holder.heads.out_b - before, torch.tensor([[0.5, 0.0], [0.0, 0.0]]))
     with pytest.raises(RecalibrationError, match="no GEM heads"):
         apply_recalibration(torch.nn.Linear(2, 2), tmp_path, schema)
+
+
+def test_a_platt_record_is_folded_into_heads_and_shortcut(tmp_path):
+    """A slope per task scales the heads' output weights and bias and the shortcut's weights of that
+    task: the folded model's logits equal chain(a · raw + offsets) of the unfolded one."""
+    from opengem.data.batch import collate
+    from opengem.testing import random_table
+
+    cfg, schema = recipe("tiny"), tiny_schema()
+    save_config(tmp_path, cfg)
+    save_schema(tmp_path, schema)
+    save_base_rates(tmp_path, RATES)
+    model = materialize(build_gem(schema, cfg.model), "cpu", seed=3, base_rates=[0.1, 0.01])
+    assert model.shortcut is not None and model.shortcut.pairs is not None
+    with torch.no_grad():  # a trained shortcut: non-zero weights, or scaling them would test nothing
+        model.shortcut.linear.weight.normal_(std=0.3)
+        model.shortcut.pairs.weight.normal_(std=0.3)
+    save_checkpoint(tmp_path, 1, model, [], {"schema": schema.fingerprint(), "step": 1, "examples": 0})
+    batch = collate(random_table(schema, 64, seed=5), schema)
+    raw_model = load_run_model(tmp_path)[0]
+    seen = []
+    hook = raw_model.heads.register_forward_hook(lambda m, args, out: seen.append(args))
+    with torch.no_grad():
+        raw_model(batch)
+        hook.remove()
+        feats, domain, shortcut = seen[0]
+        assert shortcut.abs().max() > 0.1
+        raw = raw_model.heads.raw_logits(feats, domain, shortcut).double()
+    a = torch.tensor([0.6, 1.3], dtype=torch.float64)
+    add = torch.tensor([[0.2, -0.1], [-0.3, 0.4]], dtype=torch.float64)
+    save_recalibration(tmp_path, {"offsets": {"d0/click": 0.2, "d0/conversion": -0.1, "d1/click": -0.3,
+                                              "d1/conversion": 0.4}, "slopes": {"click": 0.6, "conversion": 1.3}})
+    with torch.no_grad():
+        got = load_run_model(tmp_path)[0](batch).double()
+        want = raw_model.heads.chain(raw * a + add[raw_model.heads.output_group(batch.domain)])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    save_recalibration(tmp_path, {"offsets": {}, "slopes": {"click": 0.0}})
+    with pytest.raises(RecalibrationError, match="slope 'click'"):
+        load_run_model(tmp_path)

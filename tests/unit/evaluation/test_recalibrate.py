@@ -4,7 +4,7 @@ stays near 0, an unlabelled task keeps 0 (applying and validating the offsets fi
 import pytest
 import torch
 
-from opengem.evaluation.recalibrate import fit_offsets
+from opengem.evaluation.recalibrate import fit_offsets, fit_recalibration
 from opengem.model.heads import Heads, HeadsConfig
 from opengem.run import RecalibrationError
 from opengem.testing import tiny_schema
@@ -48,3 +48,29 @@ def test_unlabelled_task_keeps_zero():
     rows["mask"][:, 1] = False
     got = fit_offsets(heads, rows, 2)
     assert got[:, 1].abs().max() == 0 and got[:, 0].abs().min() > 0.1
+
+
+def test_platt_form_recovers_known_slopes_and_offsets():
+    """Labels drawn from chain(a · raw + c_g): the ``platt`` form finds a per task and the additions
+    c per (group, task) (a loose prior: the additions here are far from the ``offset`` form's 0)."""
+    heads = Heads(8, tiny_schema(), HeadsConfig())
+    a = torch.tensor([0.6, 0.8], dtype=torch.float64)
+    c = torch.tensor([[0.3, -0.2], [-0.15, 0.25]], dtype=torch.float64)
+    g = torch.Generator().manual_seed(4)
+    n = 60_000
+    group = torch.randint(0, 2, (n,), generator=g)
+    raw = torch.stack([1.5 * torch.randn(n, generator=g) - 1.0, torch.randn(n, generator=g) - 1.0], 1).double()
+    true = heads.chain(raw * a + c[group])
+    click = torch.bernoulli(torch.sigmoid(true[:, 0]), generator=g)
+    cond = torch.sigmoid(raw[:, 1] * a[1] + c[group, 1])
+    conv = click * torch.bernoulli(cond, generator=g)
+    rows = {"raw": raw, "group": group, "labels": torch.stack([click, conv], 1).double(),
+            "mask": torch.ones(n, 2, dtype=torch.bool), "weights": torch.ones(n, dtype=torch.float64)}
+    slopes, add = fit_recalibration(heads, rows, 2, prior_std=10.0, form="platt")
+    assert torch.allclose(slopes, a, atol=0.05), slopes
+    assert torch.allclose(add, c, atol=0.1), add
+    # the offset form is the platt form with slopes held at 1
+    s1, add1 = fit_recalibration(heads, rows, 2, form="offset")
+    assert torch.equal(s1, torch.ones(2, dtype=torch.float64)) and torch.equal(add1, fit_offsets(heads, rows, 2))
+    with pytest.raises(RecalibrationError, match="form"):
+        fit_recalibration(heads, rows, 2, form="isotonic")
