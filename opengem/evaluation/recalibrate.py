@@ -45,14 +45,14 @@ FORMS = ("offset", "platt")
 @torch.no_grad()
 def head_inputs(model: torch.nn.Module, schema: FeatureSchema, data_dir: str | Path, split: str,
                 batch_size: int, progress: bool = True) -> dict[str, torch.Tensor]:
-    """Each row's raw (pre-chain) logits [R, T], output group [R], labels, label mask [R, T] and
-    weight [R] on ``split``, read through a forward hook on the heads (any model with GEM heads)."""
+    """Each row's raw (pre-chain) logits [R, T], output group [R], labels, label mask [R, T], weight
+    and user id [R] on ``split``, read through a forward hook on the heads (any model with GEM heads)."""
     heads = gem_heads(model)
     loader = ShardLoader(data_dir, split, batch_size, schema, shuffle=False, epochs=1,
                          max_seq_len=model.max_seq_len(), prefetch=2)
     seen: list[tuple] = []
     hook = heads.register_forward_hook(lambda m, args, out: seen.append(args))
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("raw", "group", "labels", "mask", "weights")}
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("raw", "group", "labels", "mask", "weights", "user_id")}
     try:
         for batch in tqdm(loader, desc=f"recalibrate on {split}", unit="batch", disable=not progress):
             seen.clear()
@@ -63,6 +63,7 @@ def head_inputs(model: torch.nn.Module, schema: FeatureSchema, data_dir: str | P
             parts["labels"].append(batch.labels.double())
             parts["mask"].append(batch.label_mask)
             parts["weights"].append(batch.weights.double())
+            parts["user_id"].append(batch.user_id)
     finally:
         hook.remove()
     if not parts["raw"]:
@@ -159,3 +160,32 @@ def recalibrate_run(run_dir: str | Path, data_dir: str | Path, split: str = "val
     record.update(calibration_before=before, calibration_after=after)
     save_recalibration(run_dir, record)
     return record
+
+
+def crossfit_forms(run_dir: str | Path, data_dir: str | Path, split: str = "valid", prior_std: float = 0.1,
+                   batch_size: int | None = None) -> dict:
+    """Which recalibration form carries to rows it was not fitted on, read on ``split`` alone: its
+    rows halved by user (even / odd id), each form fitted on one half and scored on the other, both
+    ways. Returns task → {"raw", "offset", "platt": mean log loss over the held-out halves}."""
+    require_tuning_split(split, "the choice of recalibration form")
+    model, _, schema = load_run_model(run_dir, recalibrated=False)
+    heads = gem_heads(model)
+    rows = head_inputs(model, schema, data_dir, split, batch_size or EVAL_BATCH, progress=False)
+    half = rows.pop("user_id") % 2 == 0
+    G, T = heads.out_b.shape[0], rows["raw"].shape[1]
+    losses = {t: {f: 0.0 for f in ("raw", *FORMS)} for t in schema.task_names}
+    counts = dict.fromkeys(schema.task_names, 0.0)
+    for fit_on in (half, ~half):
+        part = {k: v[fit_on] for k, v in rows.items()}
+        other = {k: v[~fit_on] for k, v in rows.items()}
+        fits = {"raw": (torch.ones(T, dtype=torch.float64), torch.zeros(G, T, dtype=torch.float64))}
+        fits.update({f: fit_recalibration(heads, part, G, prior_std, f) for f in FORMS})
+        for f, (a, add) in fits.items():
+            with torch.no_grad():
+                z = heads.chain(other["raw"] * a + add[other["group"]])
+            for t, task in enumerate(schema.task_names):
+                w = other["mask"][:, t].double() * other["weights"]
+                bce = F.binary_cross_entropy_with_logits(z[:, t], other["labels"][:, t], reduction="none")
+                losses[task][f] += float((bce * w).sum())
+                counts[task] += float(w.sum()) if f == "raw" else 0.0
+    return {t: {f: v / counts[t] for f, v in fs.items()} for t, fs in losses.items() if counts[t] > 0}

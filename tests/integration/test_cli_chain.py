@@ -6,6 +6,7 @@ import math
 import pytest
 
 from opengem.cli import main
+from opengem.discipline import DisciplineError
 from opengem.run import BASE_RATES_FILE, EVALUATION_FILE, FINAL_FILE, METRICS_FILE, RECALIBRATION_FILE
 
 
@@ -126,6 +127,14 @@ def test_recalibrate_on_valid_then_every_reader_sees_the_offsets(tiny_data, tmp_
         want = rec["slopes"]["click"] * raw(batch)[:, 0] + torch.tensor(
             [rec["offsets"][f"{names[d]}/click"] for d in batch.domain.tolist()])
     assert torch.allclose(got, want, atol=1e-5)
+    # the forms compared on valid halves (each fitted on the other half), never on test
+    from opengem.evaluation.recalibrate import crossfit_forms
+
+    forms = crossfit_forms(run, tiny_data)
+    assert set(forms) == {"click", "conversion"} and set(forms["click"]) == {"raw", "offset", "platt"}
+    assert all(0 < v < 1 for v in forms["click"].values())
+    with pytest.raises(DisciplineError):
+        crossfit_forms(run, tiny_data, "test")
 
 
 def test_cli_errors_are_clear(tiny_data, tmp_path, capsys):
