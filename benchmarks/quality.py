@@ -268,8 +268,8 @@ def crossfit_summary(models: list[str], crossfits: dict) -> dict:
 
 def figures(models: list[str], worlds: dict, real: dict) -> dict:
     """Per held-out world and real dataset: each model's captured, oracle's, AUC and NE (click), GEM's
-    ratio to the oracle (click and conversion) and whether it beats every peer; each model's ratio
-    mean, std and min over the worlds."""
+    ratio to the oracle (click and conversion) and whether it beats every peer; each model's click
+    ratio and GEM's conversion ratio, mean, std and min over the worlds."""
     out: dict = {}
     per_world = {}
     for w, summary in worlds.items():
@@ -287,6 +287,11 @@ def figures(models: list[str], worlds: dict, real: dict) -> dict:
         if ratios:
             out[f"{m}_over_oracle"] = {"mean": mean_std(ratios)[0], "std": mean_std(ratios)[1],
                                        "min": round(min(ratios), 5)}
+    conv = [r["gem_over_oracle_conversion"][0] for r in per_world.values() if "gem_over_oracle_conversion" in r]
+    conv = [r for r in conv if r is not None]
+    if conv:  # rare labels: a few dozen test conversions a world at --quick's size, read with its spread
+        out["gem_over_oracle_conversion"] = {"mean": mean_std(conv)[0], "std": mean_std(conv)[1],
+                                             "min": round(min(conv), 5)}
     for name, summary in real.items():
         out[name] = {m: {k: summary[m]["click"][k] for k in ("auc", "ne")} for m in summary}
         if "gem" in summary:

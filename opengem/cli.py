@@ -76,8 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--signal", action="store_true",
                    help="synthetic data: slope of the model's logit on each true term of the world")
 
-    r = sub.add_parser("recalibrate", help="fit a logit offset per (domain, task), --form platt also a slope per task, on held-out days "
-                         "(RUN/recalibration.json)")
+    r = sub.add_parser("recalibrate", help="fit a logit offset per (domain, task) (--form platt: and a slope per task) "
+                                           "on held-out days (RUN/recalibration.json)")
     r.add_argument("--run", required=True)
     r.add_argument("--data", required=True)
     r.add_argument("--split", default="valid", help="the days to fit on (never test)")

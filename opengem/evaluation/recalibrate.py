@@ -1,4 +1,4 @@
-"""Recalibration: a logit offset per (domain, task) (and a slope per task), fitted on held-out days, folded into the heads.
+"""Recalibration: a logit offset per (domain, task) (``platt``: also a slope per task) from held-out days.
 
 Legend: R rows of the fitting split, T tasks, G output groups (domains, or 1 with shared heads).
 

@@ -28,3 +28,31 @@ def test_a_world_is_generated_once_and_a_half_written_one_again(tmp_path):
     (out / MANIFEST).unlink()  # as if generation had been killed before its last write
     q.synthetic_world(tmp_path, 0, mode)
     assert (out / MANIFEST).exists()
+
+
+def _summary(ratio_gem, ratio_peer, auc_gem=0.8, conv=0.5):
+    def s(ratio, auc, ne):
+        return {"click": {"captured": [ratio * 0.5, 0.0], "oracle_captured": [0.5, 0.0], "auc": [auc, 0.0],
+                          "ne": [ne, 0.0], "captured_over_oracle": [ratio, 0.01]},
+                "conversion": {"captured_over_oracle": [conv, 0.1]}}
+    return {"gem": s(ratio_gem, auc_gem, 0.8), "din": s(ratio_peer, 0.75, 0.85)}
+
+
+def test_the_json_line_holds_raw_and_recalibrated_ratios_and_the_dev_crossfit_rule():
+    q = _quality()
+    mode = q.Mode(dev_worlds=[0, 1], held_out=[1000, 1001], train_seeds=[0], world=[], dense_lrs=(1e-3,),
+                  table_lrs=(0.1,), max_epochs=1)
+    raw = {1000: _summary(0.6, 0.4), 1001: _summary(0.7, 0.5, auc_gem=0.7)}
+    recal = {1000: _summary(0.65, 0.45), 1001: _summary(0.75, 0.55)}
+    out = q.headline("quick", mode, ["gem", "din"], {}, raw, {}, 1.0, recal, {})
+    assert (out["gem_over_oracle_mean"], out["gem_over_oracle_min"]) == (0.65, 0.6)
+    assert (out["gem_over_oracle_recalibrated_mean"], out["gem_over_oracle_recalibrated_min"]) == (0.7, 0.65)
+    assert out["worlds"]["1000"]["gem_beats_every_peer"] and not out["worlds"]["1001"]["gem_beats_every_peer"]
+    assert out["recalibrated"]["worlds"]["1001"]["gem_beats_every_peer"]
+    assert out["gem_over_oracle_conversion"] == {"mean": 0.5, "std": 0.0, "min": 0.5}
+    fits = {("gem", 0): {"click": {"ne": 0.9, "ne_platt": 0.89}, "conversion": {"ne": 0.8, "ne_platt": 0.81}},
+            ("gem", 1): {"click": {"ne": 0.9, "ne_platt": 0.88}, "conversion": {"ne": 0.8, "ne_platt": 0.82}}}
+    got = q.crossfit_summary(["gem"], fits)
+    assert got["adopt"] and got["gem"]["click"][0] == -0.015 and got["gem"]["conversion"][0] == 0.015
+    fits[("gem", 1)]["click"]["ne_platt"] = 0.95  # mean gain now < 0: not adopted
+    assert not q.crossfit_summary(["gem"], fits)["adopt"]
