@@ -34,6 +34,7 @@ from opengem.data.base_rates import as_1d, check_labels
 __all__ = [
     "auc",
     "calibration",
+    "calibration_slope",
     "captured",
     "entropy",
     "gauc",
@@ -279,6 +280,46 @@ def calibration(p: Any, y: Any, w: Any = None) -> float:
     return expected / observed
 
 
+def calibration_slope(p: Any, y: Any, eps: float = 1e-7) -> float:
+    """Slope a of the logistic fit ``y ~ σ(a · logit(p) + c)`` (Cox 1958), by Newton's method.
+
+    1: the predictions are as spread as the labels support; < 1: over-spread (over-confident: too
+    high where high, too low where low), what an offset cannot fix (``opengem recalibrate --form
+    platt`` can); > 1: under-spread. ``calibration`` (Σp/Σy) says nothing of this. ``nan`` without
+    both classes, with constant predictions, or when the fit does not converge (separable labels).
+    """
+    p, y, _ = _check_py(p, y)
+    if p.shape[0] == 0 or y.min() == y.max():
+        return math.nan
+    q = np.clip(p.astype(np.float64), eps, 1 - eps)
+    z = np.log(q) - np.log1p(-q)
+    if z.std() == 0 or z[y > 0].min() >= z[y < 1].max():  # constant, or separated: the slope is infinite
+        return math.nan
+    x = np.stack([z, np.ones_like(z)], 1)
+
+    def nll(theta: np.ndarray) -> float:  # mean −log-likelihood, overflow-free
+        v = x @ theta
+        return float(np.mean(np.logaddexp(0.0, v) - y * v))
+
+    theta = np.array([1.0, 0.0])
+    f = nll(theta)
+    for _ in range(100):  # Newton with step halving: a plain step from a = 1 can overshoot
+        mu = 0.5 * (1.0 + np.tanh(0.5 * (x @ theta)))  # σ without overflow
+        hess = x.T @ (x * (mu * (1 - mu))[:, None])
+        step = np.linalg.lstsq(hess, x.T @ (y - mu), rcond=None)[0]
+        for _ in range(30):
+            f_new = nll(theta + step)
+            if f_new <= f:
+                break
+            step = step / 2
+        theta, f = theta + step, f_new
+        if not np.all(np.isfinite(theta)) or np.abs(theta).max() > 1e6:
+            return math.nan
+        if np.abs(step).max() < 1e-9:
+            return float(theta[0])
+    return math.nan
+
+
 def summarize(
     p: Any,
     y: Any,
@@ -288,7 +329,8 @@ def summarize(
 ) -> dict[str, float | int]:
     """All metrics of one slice, as JSON-serialisable python numbers (NaN for undefined).
 
-    Keys: ``ne``, ``auc``, ``gauc`` (NaN without ``groups``), ``calibration``, ``logloss``, ``n``
+    Keys: ``ne``, ``auc``, ``gauc`` (NaN without ``groups``), ``calibration``, ``calibration_slope``,
+    ``logloss``, ``n``
     (rows), ``positives``; with ``p_true`` also ``ne_bayes`` and ``captured``. ``base_rate`` is the
     training positive rate used by NE; ``None`` means "unknown" and gives NaN for the NE-based keys.
     A numeric ``base_rate`` outside (0, 1) raises ValueError.
@@ -307,6 +349,7 @@ def summarize(
         "auc": auc(p, y),
         "gauc": gauc(p, y, groups) if groups is not None else math.nan,
         "calibration": calibration(p, y),
+        "calibration_slope": calibration_slope(p, y),
         "logloss": logloss(p, y),
         "n": n,
         "positives": int(y.sum()),

@@ -12,6 +12,7 @@ import pytest
 from opengem.evaluation.metrics import (
     auc,
     calibration,
+    calibration_slope,
     captured,
     entropy,
     gauc,
@@ -207,7 +208,7 @@ def test_captured():
 def test_summarize_keys_and_types():
     g = np.array([1, 1, 2, 2])
     out = summarize(P4, Y4, 0.25, groups=g)
-    assert set(out) == {"ne", "auc", "gauc", "calibration", "logloss", "n", "positives"}
+    assert set(out) == {"ne", "auc", "gauc", "calibration", "calibration_slope", "logloss", "n", "positives"}
     assert out["n"] == 4 and type(out["n"]) is int
     assert out["positives"] == 2 and type(out["positives"]) is int
     assert out["ne"] == pytest.approx(0.9607640352, abs=1e-9)
@@ -236,7 +237,7 @@ def test_summarize_with_true_probs():
 def test_summarize_empty():
     out = summarize([], [], 0.3, groups=[])
     assert out["n"] == 0 and out["positives"] == 0
-    assert all(math.isnan(out[k]) for k in ("ne", "auc", "gauc", "calibration", "logloss"))
+    assert all(math.isnan(out[k]) for k in ("ne", "auc", "gauc", "calibration", "calibration_slope", "logloss"))
 
 
 # ---------------------------------------------------------------------------------- errors
@@ -276,3 +277,16 @@ def test_other_input_errors():
         summarize(P4, Y4, 0.3, p_true=[0.1, 0.2])
     with pytest.raises(ValueError, match="base_rate"):
         summarize(P4, Y4, 0.0)
+
+
+def test_calibration_slope_reads_how_spread_the_logits_are():
+    rng = np.random.default_rng(0)
+    z = rng.normal(-2.0, 1.5, 50_000)
+    y = rng.random(z.size) < 1 / (1 + np.exp(-z))  # labels drawn from σ(z)
+    sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
+    assert calibration_slope(sig(z), y) == pytest.approx(1.0, abs=0.04)  # calibrated
+    assert calibration_slope(sig(2 * z), y) == pytest.approx(0.5, abs=0.02)  # logits twice too spread
+    assert calibration_slope(sig(0.5 * z + 1.0), y) == pytest.approx(2.0, abs=0.08)  # an offset does not matter
+    assert math.isnan(calibration_slope(sig(z), np.zeros(z.size)))  # one class
+    assert math.isnan(calibration_slope(np.full(z.size, 0.1), y))  # constant predictions
+    assert math.isnan(calibration_slope([0.1, 0.2, 0.8, 0.9], [0, 0, 1, 1]))  # separable: no finite fit
