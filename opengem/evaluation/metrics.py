@@ -38,9 +38,11 @@ __all__ = [
     "captured",
     "entropy",
     "gauc",
+    "logistic_fit",
     "logloss",
     "ne",
     "ne_bayes",
+    "separated",
     "summarize",
 ]
 
@@ -281,7 +283,7 @@ def calibration(p: Any, y: Any, w: Any = None) -> float:
 
 
 def calibration_slope(p: Any, y: Any, eps: float = 1e-7) -> float:
-    """Slope a of the logistic fit ``y ~ σ(a · logit(p) + c)`` (Cox 1958), by Newton's method.
+    """Slope a of the logistic fit ``y ~ σ(a · logit(p) + c)`` (Cox 1958; ``logistic_fit``).
 
     1: the predictions are as spread as the labels support; < 1: over-spread (over-confident: too
     high where high, too low where low), what an offset cannot fix (``opengem recalibrate --form
@@ -289,12 +291,26 @@ def calibration_slope(p: Any, y: Any, eps: float = 1e-7) -> float:
     both classes, with constant predictions, or when the fit does not converge (separable labels).
     """
     p, y, _ = _check_py(p, y)
-    if p.shape[0] == 0 or y.min() == y.max():
-        return math.nan
     q = np.clip(p.astype(np.float64), eps, 1 - eps)
-    z = np.log(q) - np.log1p(-q)
-    if z.std() == 0 or z[y > 0].min() >= z[y < 1].max():  # constant, or separated: the slope is infinite
-        return math.nan
+    return logistic_fit(np.log(q) - np.log1p(-q), y)[0]
+
+
+def separated(z: Any, y: Any) -> int:
+    """+1 if every positive scores at least every negative (no finite logistic fit: a → +∞), −1 if
+    at most (a → −∞), 0 otherwise; labels of both classes assumed."""
+    z, y = np.asarray(z), np.asarray(y)
+    pos, neg = z[y > 0], z[y < 1]
+    return 1 if pos.min() >= neg.max() else -1 if pos.max() <= neg.min() else 0
+
+
+def logistic_fit(z: Any, y: Any) -> tuple[float, float]:
+    """Maximum-likelihood (a, c) of ``y ~ σ(a z + c)`` by Newton's method with step halving (a plain
+    step from the identity can overshoot); (nan, nan) without both classes, with constant ``z``, when
+    the classes are separated by ``z`` (``separated``: the slope is infinite) or when it does not converge. The one
+    two-number logistic fit of the project: ``calibration_slope`` and ``evaluation.platt`` use it."""
+    z, y = np.asarray(z, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if z.shape[0] == 0 or y.min() == y.max() or z.std() == 0 or separated(z, y) != 0:
+        return math.nan, math.nan
     x = np.stack([z, np.ones_like(z)], 1)
 
     def nll(theta: np.ndarray) -> float:  # mean −log-likelihood, overflow-free
@@ -303,7 +319,7 @@ def calibration_slope(p: Any, y: Any, eps: float = 1e-7) -> float:
 
     theta = np.array([1.0, 0.0])
     f = nll(theta)
-    for _ in range(100):  # Newton with step halving: a plain step from a = 1 can overshoot
+    for _ in range(100):
         mu = 0.5 * (1.0 + np.tanh(0.5 * (x @ theta)))  # σ without overflow
         hess = x.T @ (x * (mu * (1 - mu))[:, None])
         step = np.linalg.lstsq(hess, x.T @ (y - mu), rcond=None)[0]
@@ -314,10 +330,10 @@ def calibration_slope(p: Any, y: Any, eps: float = 1e-7) -> float:
             step = step / 2
         theta, f = theta + step, f_new
         if not np.all(np.isfinite(theta)) or np.abs(theta).max() > 1e6:
-            return math.nan
+            break
         if np.abs(step).max() < 1e-9:
-            return float(theta[0])
-    return math.nan
+            return float(theta[0]), float(theta[1])
+    return math.nan, math.nan
 
 
 def summarize(

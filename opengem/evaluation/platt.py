@@ -12,7 +12,7 @@ the same fit on its valid split (``evaluation.oracle``), so no side gets a corre
 Choices where the record is silent: one (a, c) per task over all domains (not per domain: a slice
 of ~150 clicks would fit noise), on the task's *final* probability (for a chained task p(task), not
 the conditional: the same form for models with and without an ESMM chain, GBDT included), by
-maximum likelihood (L-BFGS, no prior: two numbers from thousands of rows) with the slope kept ≥ 0,
+maximum likelihood (Newton, no prior: two numbers from thousands of rows) with the slope kept ≥ 0,
 so a fit never reverses a model's ranking. The pipeline's own
 recalibration (``evaluation.recalibrate``) stays an offset per (domain, task) folded into the heads.
 """
@@ -24,41 +24,30 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from opengem.discipline import require_tuning_split
+from opengem.evaluation.metrics import logistic_fit, separated
 
 EPS = 1e-7  # probabilities are clipped to [EPS, 1 - EPS] before the logit: a saturated score stays finite
 
 
 def fit_platt(z: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """(a, c) minimising the mean log loss of ``σ(a z + c)`` against ``y`` (L-BFGS from the identity),
-    with a ≥ 0: where the best fit would reverse the model's ranking (a < 0, a model with no signal on
-    a small split), the slope is held at 0 and only c is fitted (every row gets the split's rate)."""
-    z, y = torch.as_tensor(z).double(), torch.as_tensor(y).double()
-    if z.numel() == 0 or not bool(((y >= 0) & (y <= 1)).all()):
-        raise ValueError(f"a Platt fit needs rows with labels in [0, 1] (got {z.numel()} rows)")
-    a, c = _lbfgs(z, y, torch.tensor([1.0, 0.0], dtype=torch.float64))
-    if a < 0:
-        a, c = _lbfgs(z, y, torch.tensor([0.0, c], dtype=torch.float64), slope=False)
-    if not (math.isfinite(a) and math.isfinite(c)):
-        raise ValueError("the Platt fit diverged (labels of one class only?)")
+    """(a, c) minimising the mean log loss of ``σ(a z + c)`` against ``y`` (``metrics.logistic_fit``),
+    with a ≥ 0: where the best fit would reverse the model's ranking (a < 0, or the scores separate the
+    labels the wrong way round: a model with no signal on a small split) or the scores are constant,
+    the slope is held at 0 and c is the split's rate. Where
+    the scores separate the labels (no finite fit: a few positives, all on top) the scores are kept
+    as they are, (1, 0)."""
+    z, y = torch.as_tensor(z).double().numpy(), torch.as_tensor(y).double().numpy()
+    if z.size == 0 or not bool(((y >= 0) & (y <= 1)).all()):
+        raise ValueError(f"a Platt fit needs rows with labels in [0, 1] (got {z.size} rows)")
+    a, c = logistic_fit(z, y)
+    if math.isnan(a) and 0 < y.mean() < 1 and separated(z, y) > 0:
+        return 1.0, 0.0
+    if math.isnan(a) or a < 0:
+        rate = float(np.clip(y.mean(), EPS, 1 - EPS))
+        return 0.0, math.log(rate / (1 - rate))
     return a, c
-
-
-def _lbfgs(z: torch.Tensor, y: torch.Tensor, start: torch.Tensor, slope: bool = True) -> tuple[float, float]:
-    ab = start.clone().requires_grad_(True)
-    opt = torch.optim.LBFGS([ab], max_iter=100, line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        loss = F.binary_cross_entropy_with_logits((ab[0] if slope else 0.0) * z + ab[1], y)
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    a, c = (float(v) for v in ab.detach())
-    return (a if slope else 0.0), c
 
 
 def _logit(p: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,8 @@ def test_task_platt_per_task_keeps_type_and_leaves_a_one_class_task_alone():
     assert masked.params == [None, None]
     with pytest.raises(ValueError, match="labels in"):
         fit_platt(z, y + 1.0)
+    # scores that separate the labels have no finite fit: they are kept as they are
+    assert fit_platt(torch.tensor([-3.0, -2.0, 1.0, 2.0]), torch.tensor([0.0, 0.0, 1.0, 1.0])) == (1.0, 0.0)
 
 
 @pytest.fixture(scope="module")
