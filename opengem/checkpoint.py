@@ -3,6 +3,7 @@
 Layout::
 
     RUN/checkpoints/step-00000100/   DCP files: model + both optimizers (dense AdamW, sparse row-wise Adagrad)
+                                     (+ the training weights when ``model`` holds an EMA: ``train.ema``)
         trainer_state-rank0.pt       step, examples seen, loader position, RNG, schema fingerprint
     RUN/checkpoints/LATEST           name of the newest complete checkpoint
     RUN/checkpoints/best/            ``train.keep_best``: the model (no optimizer) of the best held-out
@@ -89,7 +90,8 @@ def _failures(e: BaseException) -> list[BaseException]:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, optimizers: list,
-                    trainer_state: dict, keep: int = 2) -> Path:
+                    trainer_state: dict, keep: int = 2, extra: dict | None = None) -> Path:
+    """``extra``: more named tensors to save beside model and optimizers (read back with ``load_tensors``)."""
     root = checkpoint_dir(run_dir)
     name = f"step-{step:08d}"
     final, tmp = root / name, root / f"{name}.tmp"
@@ -99,7 +101,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, opti
         tmp.mkdir(parents=True)
     _barrier()
     msd, osd = get_state_dict(model, [o for o in optimizers if o is not None])
-    _write(tmp, {"model": msd, "optim": osd}, trainer_state, root)
+    _write(tmp, {"model": msd, "optim": osd, **(extra or {})}, trainer_state, root)
     if os.environ.get("OPENGEM_FAULT_SLEEP_IN_SAVE"):
         time.sleep(float(os.environ["OPENGEM_FAULT_SLEEP_IN_SAVE"]))
     _barrier()
@@ -245,6 +247,15 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizers: list |
     else:
         model.load_state_dict(state["model"])
     return trainer_state
+
+
+def load_tensors(path: str | Path, state: dict) -> None:
+    """Load the entries of ``state`` (nested dicts of tensors, e.g. a ``save_checkpoint`` extra) from the
+    checkpoint at ``path``, in place; a ``CheckpointError`` when they are missing or do not fit."""
+    try:
+        dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(flatten_sharded_tensors=False))
+    except (Exception, dcp.CheckpointException) as e:
+        raise CheckpointError(f"{path}: cannot load {sorted(state)} ({'; '.join(map(str, _failures(e)[1:] or [e]))})") from e
 
 
 def _diff(saved: object, expected: object, where: str = "") -> str:

@@ -219,6 +219,7 @@ def start_stream(r, ckpt: Path | None, warm: bool, resume: bool, plain_run: Call
         r.schedule.total = stream.horizon
         return
     state = load_checkpoint(ckpt, r.model, r.optimizers, expect=r.identity())
+    r.ema.resume(ckpt, state)
     r.step, r.examples = state["step"], state["examples"]
     r.start_examples = r.examples
     torch.set_rng_state(state["rng"])
@@ -285,6 +286,7 @@ def publish(r, days: list[int]) -> Path:
     """Publish the model of ``r`` as the snapshot of the last of ``days`` (every day it has seen)."""
     meta = {"last_day": days[-1], "days": days, "step": r.step, "examples": r.examples,
             "schema": r.schema.fingerprint(), "recipe": r.cfg.recipe}
-    path = save_snapshot(r.run, days[-1], r.model, {**r.identity(), "step": r.step, "examples": r.examples}, meta)
+    with r.ema.applied():  # a snapshot is what gets served: the EMA weights when on
+        path = save_snapshot(r.run, days[-1], r.model, {**r.identity(), "step": r.step, "examples": r.examples}, meta)
     log.info("published %s (days up to %d, step %d)", path, days[-1], r.step)
     return path

@@ -62,6 +62,7 @@ def resume_run(r, ckpt: Path | None) -> None:
             truncate_metrics(r.run / METRICS_FILE, 0)
         return
     state = load_checkpoint(ckpt, r.model, r.optimizers, expect=r.identity())
+    r.ema.resume(ckpt, state)
     r.step, r.examples = state["step"], state["examples"]
     r.start_examples = r.examples
     torch.set_rng_state(state["rng"])

@@ -83,6 +83,7 @@ from opengem.run import (
     save_schema,
 )
 from opengem.train.continual import DayStream, check_stream_config, continue_config, publish, start_stream
+from opengem.train.ema import DenseEMA, dense_ema
 from opengem.train.hooks import EvalHook, Evaluator
 from opengem.train.observe import RunLog
 from opengem.train.optim import Schedule, build_optimizers
@@ -132,6 +133,10 @@ class _Run:
     eval_s: float = 0.0  # seconds this process spent in evaluations (not training time)
     publish_end: bool = False  # publish the final model as a snapshot (a plain run; a stream publishes daily)
     downsampling: dict | None = None  # RUN/downsampling.json's record when negatives are down-sampled
+    ema: DenseEMA = field(init=False)  # train.ema_decay: the averaged dense weights (off: a no-op)
+
+    def __post_init__(self) -> None:
+        self.ema = dense_ema(self.model, self.cfg.train.ema_decay)
 
     @property
     def distributed(self) -> bool:
@@ -144,7 +149,7 @@ class _Run:
     def trainer_state(self) -> dict:
         evals = {"evals": self.evals.state_dict()} if self.evals is not None else {}
         return {**self.identity(), "step": self.step, "examples": self.examples,
-                "loader": self.loader.state_dict(), "rng": torch.get_rng_state(), **evals}
+                "loader": self.loader.state_dict(), "rng": torch.get_rng_state(), **evals, **self.ema.state()}
 
     def identity(self) -> dict:
         """What a checkpoint must match to be resumed by this run (checked by ``load_checkpoint``)."""
@@ -385,7 +390,7 @@ def _loop(r: _Run) -> None:
                     break
                 saved = bool(cfg.train.ckpt_every) and r.step % cfg.train.ckpt_every == 0
                 if saved:
-                    save_checkpoint(r.run, r.step, r.model, r.optimizers, r.trainer_state())
+                    _save(r)
                 if _any_rank(r.sigterm.is_set(), r.distributed):
                     _preempt(r, saved)
             if r.evals and ended and r.evals.due_at_end(r.step):  # the final model, not a stop_at pause
@@ -402,13 +407,21 @@ def _evaluate(r: _Run, mlog, started: float) -> None:
     # Down-sampled negatives: score the corrected model, as every later stage does (run.LogitShift).
     model = r.model if r.downsampling is None else LogitShift(r.model, offsets_tensor(
         gem_heads(r.model), r.downsampling["offsets"], r.schema))
-    record, best = r.evals.evaluate(model, r.step)
-    if best and r.cfg.train.keep_best:
-        save_best(r.run, r.model, {**r.identity(), "step": r.step, "examples": r.examples,
-                                   "eval_metric": record["eval_metric"]})
+    with r.ema.applied():  # the weights that are kept and served are the ones judged
+        record, best = r.evals.evaluate(model, r.step)
+        if best and r.cfg.train.keep_best:
+            save_best(r.run, r.model, {**r.identity(), "step": r.step, "examples": r.examples,
+                                       "eval_metric": record["eval_metric"]})
     train_s, dt = t0 - started - r.eval_s, time.perf_counter() - t0
     r.eval_s += dt
     mlog.log(r.step, {"examples": r.examples, "train_s": train_s, "eval_s": dt, **record})
+
+
+def _save(r: _Run) -> None:
+    """A checkpoint: ``model`` holds the weights that are served (the EMA when on), the training weights
+    travel beside them (``opengem.train.ema``)."""
+    with r.ema.applied():
+        save_checkpoint(r.run, r.step, r.model, r.optimizers, r.trainer_state(), extra=r.ema.extra())
 
 
 def _any_rank(flag: bool, distributed: bool) -> bool:
@@ -417,7 +430,7 @@ def _any_rank(flag: bool, distributed: bool) -> bool:
 
 def _preempt(r: _Run, saved: bool) -> None:
     if not saved:
-        save_checkpoint(r.run, r.step, r.model, r.optimizers, r.trainer_state())
+        _save(r)
     msg = (f"SIGTERM: stopped after step {r.step} of {r.total} and saved {latest_checkpoint(r.run)}; "
            f"exiting with code {EXIT_PREEMPTED}; continue with `opengem train … --resume`")
     if r.info.is_main:
@@ -450,6 +463,7 @@ def _step(r: _Run, batch: Batch, task_w: torch.Tensor, dense_params: list) -> tu
                                   dense_params=dense_params)
     except TrainingError as e:
         raise TrainingError(f"{e} at step {r.step}; last checkpoint: {latest_checkpoint(r.run)}") from None
+    r.ema.update()
     return value, table, lr_f
 
 
@@ -490,10 +504,11 @@ def _table(table: torch.Tensor, schema: FeatureSchema) -> dict[str, float]:
 # ---------------------------------------------------------------------------------- summary
 def _finish(r: _Run, wall: float) -> dict:
     """Final checkpoint, final.json (rank 0); every rank returns the same summary."""
-    save_checkpoint(r.run, r.step, r.model, r.optimizers, r.trainer_state())
+    _save(r)
     quarantined, repaired, rss = _gather_counts(r)
     parameters = count_parameters(build_gem(r.schema, r.cfg.model))  # on meta: no memory
-    sha, why = _fingerprint(r, parameters["total"])
+    with r.ema.applied():  # the fingerprint of the weights that are served
+        sha, why = _fingerprint(r, parameters["total"])
     final = {
         "steps": r.step, "examples": r.examples, "params_sha256": sha, "parameters": parameters, "wall_s": wall,
         "examples_per_s": (r.examples - r.start_examples) / max(wall - r.eval_s, 1e-9), "recipe": r.cfg.recipe,
