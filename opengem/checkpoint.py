@@ -255,7 +255,8 @@ def load_tensors(path: str | Path, state: dict) -> None:
     try:
         dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(flatten_sharded_tensors=False))
     except (Exception, dcp.CheckpointException) as e:
-        raise CheckpointError(f"{path}: cannot load {sorted(state)} ({'; '.join(map(str, _failures(e)[1:] or [e]))})") from e
+        why = "; ".join(map(str, _failures(e)[1:] or [e]))
+        raise CheckpointError(f"{path}: cannot load {sorted(state)} ({why})") from e
 
 
 def _diff(saved: object, expected: object, where: str = "") -> str:

@@ -17,7 +17,7 @@ DIAL = {"recipe", "model.embedding_dim", "model.max_seq_len", "model.sparse.max_
         "model.wukong.num_layers", "model.wukong.num_fm", "model.wukong.num_lc", "model.wukong.fm_rank",
         "model.wukong.mlp_dims", "model.sequence.num_heads", "model.sequence.recent_len",
         "model.sequence.num_pooled", "model.heads.trunk_dims", "model.heads.task_dims",
-        "data.batch_size", "optim.lr", "optim.sparse_lr", "optim.warmup_steps"}
+        "data.batch_size", "optim.lr", "optim.sparse_lr", "optim.warmup_steps", "train.ema_decay"}
 
 
 @pytest.mark.parametrize("name", ["tiny", "demo"])
