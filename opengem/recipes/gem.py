@@ -96,7 +96,7 @@ def demo() -> Config:
     Those three were read off the test day of world seed 0 before ``opengem.discipline`` existed, so
     the demo's own figure is a development world's, not a held-out one's; the figures to quote are
     ``benchmarks/quality.py``'s, on held-out world seeds, where learning rates are chosen on valid. The EMA
-    decay 0.99 (a horizon of ~100 of the pass's ~1,540 steps) was chosen on valid of development worlds 0
+    decay 0.99 (a horizon of ~100 of the pass's ~1,940 steps) was chosen on valid of development worlds 0
     and 1 at this size (docs/experiments.md)."""
     return GEMSize(embedding_dim=32, num_layers=2, num_tokens=8, fm_rank=8, fm_mlp=(256,), num_heads=2,
                    recent_len=16, num_pooled=4, trunk_dims=(256, 128), batch_size=256, lr=3e-3,
