@@ -28,6 +28,10 @@ Held-out evaluation, early stopping and the best checkpoint are hooks (``opengem
 caller passes ``evaluator=`` (the CLI: ``evaluation.evaluate.held_out_evaluator``) and ``train.eval_*``
 keys say when; with them off the loop runs exactly as without them.
 
+``train.ema_decay`` > 0 (the ``tiny`` and ``demo`` recipes): an average of the dense weights is what
+evaluations score and what checkpoints, snapshots and ``final.json``'s ``params_sha256`` hold; training
+itself is unchanged and its weights travel beside the average (``opengem.train.ema``).
+
 Continuous training (``days=``; ``opengem train --continue RUN --days …``): one pass over each of
 those days in order, warm-started from the run's checkpoint, a snapshot published after each day's
 last step; ``opengem.train.continual`` says how (schedule, snapshots, resume). Without ``days`` the
