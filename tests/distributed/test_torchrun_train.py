@@ -66,6 +66,20 @@ def test_layouts_agree_and_the_checkpoint_loads_in_one_process(tiny_data, run_a,
 
     model, _, _ = load_run_model(run_a)  # the plain single-process model from the 2-rank checkpoint
     assert params_sha256(model) == a["params_sha256"]
+    # The tiny recipe's EMA: every rank wrote its shards of the average as the model and of the training
+    # weights beside it; both load into one process, and they differ.
+    import torch
+
+    from opengem.checkpoint import latest_checkpoint, load_tensors
+    from opengem.train.ema import EMA_KEY, dense_ema
+
+    ckpt = latest_checkpoint(run_a)
+    for rank in (0, 1):
+        state = torch.load(ckpt / f"trainer_state-rank{rank}.pt", weights_only=False)
+        assert state["ema"] == {"decay": 0.9, "updates": STEPS}
+    trained, _, _ = load_run_model(run_a)
+    load_tensors(ckpt, {EMA_KEY: dense_ema(trained, 0.9).params})
+    assert params_sha256(trained) != a["params_sha256"]
     out = tmp_path / "eval.json"
     assert main(["--quiet", "evaluate", "--run", str(run_a), "--data", str(tiny_data), "--json", str(out)]) == 0
     ev = json.loads(out.read_text())

@@ -102,3 +102,20 @@ def test_a_resumed_run_is_the_uninterrupted_one(tiny, tmp_path):
     best, _, _ = load_run_model(tmp_path / "ref", recalibrated=False, best=True)
     assert params_sha256(best) == seen["ref"][0]
     assert json.loads((tmp_path / "ref" / "final.json").read_text())["params_sha256"] == ref["params_sha256"]
+
+
+def test_turning_the_average_on_or_off_at_a_resume(tiny, tmp_path):
+    plain = train(_cfg("train.ema_decay=0"), tiny, tmp_path / "plain")
+    # Written with an average, resumed without: training goes on from the training weights, not the average.
+    train(_cfg("train.ema_decay=0.5", "train.stop_at=3"), tiny, tmp_path / "off")
+    off = train(_cfg("train.ema_decay=0"), tiny, tmp_path / "off", resume=True)
+    assert off["params_sha256"] == plain["params_sha256"]
+    assert "ema" not in torch.load(latest_checkpoint(tmp_path / "off") / "trainer_state-rank0.pt", weights_only=False)
+    # Written without, resumed with: a fresh average from the next step on.
+    train(_cfg("train.ema_decay=0", "train.stop_at=3"), tiny, tmp_path / "on")
+    on = train(_cfg("train.ema_decay=0.5"), tiny, tmp_path / "on", resume=True)
+    state = torch.load(latest_checkpoint(tmp_path / "on") / "trainer_state-rank0.pt", weights_only=False)
+    assert state["ema"] == {"decay": 0.5, "updates": 3} and on["params_sha256"] != plain["params_sha256"]
+    trained, _, _ = load_run_model(tmp_path / "on", recalibrated=False)
+    load_tensors(latest_checkpoint(tmp_path / "on"), {EMA_KEY: dense_ema(trained, 0.5).params})
+    assert params_sha256(trained) == plain["params_sha256"]
