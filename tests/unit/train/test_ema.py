@@ -8,18 +8,10 @@ import torch
 
 from opengem.checkpoint import latest_checkpoint, load_tensors
 from opengem.config import ConfigError, apply_overrides
-from opengem.data.synthetic import generate
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
 from opengem.run import load_run_model
 from opengem.train.ema import EMA_KEY, DenseEMA, dense_ema
 from opengem.train.trainer import params_sha256, train
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    data = tmp_path_factory.mktemp("tiny") / "data"
-    generate(world_config("tiny", seed=0), data, progress=False)
-    return data
 
 
 def _cfg(*overrides):

@@ -11,19 +11,11 @@ import torch
 from opengem.config import apply_overrides
 from opengem.data.dense_stats import train_dense_stats
 from opengem.data.loader import ShardLoader
-from opengem.data.synthetic import generate
 from opengem.features.schema import FeatureSchema
 from opengem.model.interaction_arch import CrossLayerConnection
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
 from opengem.run import load_run_model
 from opengem.train.trainer import train
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    data = tmp_path_factory.mktemp("tiny") / "data"
-    generate(world_config("tiny", seed=0), data, progress=False)
-    return data
 
 
 def _cfg(*overrides):

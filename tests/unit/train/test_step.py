@@ -8,22 +8,14 @@ import torch
 
 from opengem.config import apply_overrides
 from opengem.data.loader import ShardLoader
-from opengem.data.synthetic import generate
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, materialize
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
 from opengem.train.optim import build_optimizers
 from opengem.train.step import TrainingError, train_step
 from opengem.train.trainer import train
 
 FP8_TOL = 3e-2  # the fp8 lever's stated tolerance (tests/unit/bench/test_levers.py)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    data = tmp_path_factory.mktemp("tiny") / "data"
-    generate(world_config("tiny", seed=0), data, progress=False)
-    return data
 
 
 def _model(data):

@@ -10,20 +10,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from opengem.checkpoint import CheckpointError, best_checkpoint
 from opengem.config import ConfigError, apply_overrides
-from opengem.data.synthetic import generate
 from opengem.evaluation.evaluate import held_out_evaluator
 from opengem.parallel.launch import DistInfo
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
 from opengem.run import load_run_model
 from opengem.train.hooks import EvalHook
 from opengem.train.trainer import params_sha256, train
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    data = tmp_path_factory.mktemp("tiny") / "data"
-    generate(world_config("tiny", seed=0), data, progress=False)
-    return data
 
 
 def _cfg(*overrides):
