@@ -127,6 +127,10 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     fp8_activations: bool = False  # store saved activations >= 64 KiB as e4m3 (opengem.ops.fp8)
     ema_decay: float = 0.0  # > 0: evaluate, keep and serve an EMA of the dense weights (opengem.train.ema)
+    # Runs whose mean predicted probability is mixed into the labels, the share ``soft_label_weight``: one
+    # model distilled from an ensemble of trained runs (opengem.train.soft_labels). () = the labels as they are.
+    soft_label_runs: tuple[str, ...] = ()
+    soft_label_weight: float = 1.0
     # --resume at another world size (docs/distributed.md): "exact" resumes only where the saved
     # per-rank data positions meet at a shard boundary and refuses otherwise; "rewind" restarts
     # the data at the last boundary all ranks had passed (no row lost, rows read after it repeated).
@@ -163,6 +167,10 @@ class TrainConfig:
             raise ConfigError("train.max_steps/stop_at/ckpt_every must be >= 0 and train.log_every >= 1")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"train.ema_decay must be in [0, 1) (0 = off), got {self.ema_decay}")
+        if not 0.0 < self.soft_label_weight <= 1.0:
+            raise ConfigError(f"train.soft_label_weight must be in (0, 1], got {self.soft_label_weight}")
+        if any(not isinstance(r, str) or not r for r in self.soft_label_runs):
+            raise ConfigError(f"train.soft_label_runs must be run directories, got {self.soft_label_runs!r}")
         if self.resume_reshard not in ("exact", "rewind"):
             raise ConfigError(f"train.resume_reshard must be exact or rewind, got {self.resume_reshard!r}")
         if self.eval_every < 0 or self.early_stop_patience < 0 or any(s < 1 for s in self.eval_at):

@@ -92,6 +92,7 @@ from opengem.train.hooks import EvalHook, Evaluator
 from opengem.train.observe import RunLog
 from opengem.train.optim import Schedule, build_optimizers
 from opengem.train.resume import EXIT_PREEMPTED, Preempted, SigtermFlag, resume_run
+from opengem.train.soft_labels import SoftLabels, soft_labels
 from opengem.train.step import TrainingError, train_step
 
 log = logging.getLogger(__name__)
@@ -138,9 +139,12 @@ class _Run:
     publish_end: bool = False  # publish the final model as a snapshot (a plain run; a stream publishes daily)
     downsampling: dict | None = None  # RUN/downsampling.json's record when negatives are down-sampled
     ema: DenseEMA = field(init=False)  # train.ema_decay: the averaged dense weights (off: a no-op)
+    soft: SoftLabels | None = field(init=False)  # train.soft_label_runs: the teachers of the labels, or None
 
     def __post_init__(self) -> None:
         self.ema = dense_ema(self.model, self.cfg.train.ema_decay)
+        t = self.cfg.train
+        self.soft = soft_labels(t.soft_label_runs, t.soft_label_weight, self.schema, self.info.device)
 
     @property
     def distributed(self) -> bool:
@@ -461,6 +465,8 @@ def _next_batch(batches, r: _Run) -> tuple[Batch | None, int]:
 def _step(r: _Run, batch: Batch, task_w: torch.Tensor, dense_params: list) -> tuple[float, torch.Tensor, float]:
     """One optimizer step; returns (loss of the global batch, this rank's per-(domain, task) table, lr factor)."""
     lr_f = r.schedule.set(r.step)  # before the forward: the fused CPU table kernel takes its lr there
+    if r.soft is not None:
+        batch = r.soft(batch)
     try:
         value, table = train_step(r.model, r.optimizers, batch, task_w, r.schema.num_domains,
                                   grad_clip=r.cfg.optim.grad_clip, fp8=r.cfg.train.fp8_activations,
