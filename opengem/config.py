@@ -208,6 +208,11 @@ class Config:
             # would tune on it: the choice belongs to a held-out split of its own.
             raise ConfigError(f"train.eval_split={self.train.eval_split!r} is data.eval_split, the split a run "
                               "reports on: early stopping and keep_best must choose on another (e.g. valid)")
+        if self.train.soft_label_runs and (self.data.negative_rate < 1 or self.data.negative_rate_by_domain):
+            # The teachers' probabilities are of all rows (load_run_model corrects for sampling); a loss on
+            # the kept rows would need them in the sampled space, per teacher: not built.
+            raise ConfigError("train.soft_label_runs cannot be combined with negative down-sampling "
+                              "(data.negative_rate / negative_rate_by_domain)")
         try:
             self.model.validate()  # module configs raise ValueError: one error type for the CLI and callers
         except ValueError as e:

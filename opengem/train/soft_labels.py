@@ -16,7 +16,8 @@ The teachers are loaded as evaluation loads a run (``opengem.run.load_run_model`
 checkpoint where the run kept one, else its latest; with its recalibration and down-sampling
 correction), on every rank in full: the use is small data, where the teachers are small. Their
 schema must be the data's (checked at start, the run named). The targets are probabilities, so the
-loss stays the trainer's BCE; the labels the trainer counts and logs are the mixed ones.
+loss stays the trainer's BCE; the labels the trainer counts and logs are the mixed ones. Negative
+down-sampling is refused beside it (``Config.validate``): the teachers' probabilities are of all rows.
 """
 
 from __future__ import annotations

@@ -55,6 +55,8 @@ def test_the_config_and_the_teachers_are_checked(tiny, tmp_path):
     for bad in ("0", "1.5"):
         with pytest.raises(ConfigError, match="soft_label_weight"):
             _cfg(f"train.soft_label_weight={bad}")
+    with pytest.raises(ConfigError, match="down-sampling"):
+        _cfg(_runs(tmp_path), "data.negative_rate=0.5")
     with pytest.raises(ConfigError, match="not a run directory"):
         train(_cfg(_runs(tmp_path / "nowhere")), tiny, tmp_path / "student")
     schema = FeatureSchema.load(tiny)
