@@ -31,6 +31,8 @@ keys say when; with them off the loop runs exactly as without them.
 ``train.ema_decay`` > 0 (the ``tiny`` and ``demo`` recipes): an average of the dense weights is what
 evaluations score and what checkpoints, snapshots and ``final.json``'s ``params_sha256`` hold; training
 itself is unchanged and its weights travel beside the average (``opengem.train.ema``).
+``train.soft_label_runs``: before each step the batch's labels are mixed with the mean probability of
+those trained runs (``opengem.train.soft_labels``); the step itself is the same.
 
 Continuous training (``days=``; ``opengem train --continue RUN --days …``): one pass over each of
 those days in order, warm-started from the run's checkpoint, a snapshot published after each day's
