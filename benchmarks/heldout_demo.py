@@ -2,6 +2,7 @@
 
     python benchmarks/heldout_demo.py --quick      # world 1000 at 1/16 of the demo's users (< 5 min, 2 cores)
     python benchmarks/heldout_demo.py              # worlds 1000-1002 at the demo's size (~6 min each, 2 idle cores)
+    python benchmarks/heldout_demo.py --tune --worlds 0 1 --work DIR   # the demo recipe's lr grid, valid only
 
 ``benchmarks/quality.py --quick`` compares tuned peers on 1,500-user held-out worlds, 65x less data
 than the demo world, where GEM captures ~0.57 of what the oracle does against 0.945 on the demo
@@ -16,6 +17,15 @@ once per world for the figure. Peers are not run (at this size each would need i
 Prints one line per world and ends with one JSON line: per world click/conversion captured,
 oracle_captured, captured_over_oracle, AUC, NE, train seconds; ``gem_over_oracle`` mean/std/min over
 worlds (click) and ``gem_over_oracle_conversion`` likewise.
+
+``--tune`` is where the demo recipe's learning rates are chosen: on development worlds (structure seed
+= data seed < 100) at the demo's full size, one pass per point as the demo trains, scored on the
+**valid** split (``bench.tune.train_point``; test is never read). The grid is the race's table rates
+(0.3, 0.8) and dense rates 3e-3 (the recipe's, read off the demo world's test day before the
+discipline existed) up to 1e-2 (the race's pick at 6,000 users, the top of its grid); 1.5e-3 was
+already worse there. Each trial is written to WORK/tune/world-W/ and skipped when present, so worlds
+can run in parallel processes and a last call with every world prints the choice: the best mean valid
+click NE over worlds, with each point's conversion NE beside it.
 """
 
 from __future__ import annotations
@@ -47,6 +57,51 @@ def run_world(work: Path, world_seed: int, users: int | None) -> dict:
     return out
 
 
+TUNE_GRID = ((3e-3, 0.3), (3e-3, 0.8), (6e-3, 0.3), (6e-3, 0.8), (1e-2, 0.3), (1e-2, 0.8))
+
+
+def tune_world(work: Path, world_seed: int, grid=TUNE_GRID) -> dict:
+    """Each grid point of the ``demo`` recipe on development world ``world_seed`` at the demo's size, scored
+    on valid; returns {point: (valid click NE, valid conversion NE, train seconds)}, trials cached on disk."""
+    from opengem.bench.tune import train_point
+    from opengem.data.synthetic import generate
+    from opengem.evaluation.oracle import OracleCollector
+    from opengem.recipes import recipe, world_config
+
+    if world_seed >= 100:
+        raise SystemExit(f"--tune chooses on development worlds (seeds < 100), not held-out ones; got {world_seed}")
+    root = work / "tune" / f"world-{world_seed}"
+    data = root / "data"
+    if not (data / "dataset.json").exists():
+        generate(world_config("demo", seed=world_seed, overrides=[f"structure_seed={world_seed}"]), data,
+                 progress=False, observer=OracleCollector)
+    out = {}
+    for point in grid:
+        done = root / f"lr{point[0]:g}-tables{point[1]:g}.json"
+        if not done.exists():
+            trial = train_point(recipe("demo"), data, root / f"run-{done.stem}", point)
+            done.write_text(json.dumps({"click_ne": trial.value, "wall_s": trial.wall_s,
+                                        "conversion_ne": trial.valid["all/conversion"]["ne"]}))
+        r = json.loads(done.read_text())
+        out[point] = (r["click_ne"], r["conversion_ne"], r["wall_s"])
+        print(f"[heldout_demo --tune] world {world_seed} point {point}: valid click NE {r['click_ne']:.4f}, "
+              f"conversion NE {r['conversion_ne']:.4f} ({r['wall_s']:.0f} s)", flush=True)
+    return out
+
+
+def tune(work: Path, worlds: list[int]) -> dict:
+    """The grid on every world; the chosen point by mean valid click NE (``bench.tune.choose``)."""
+    from opengem.bench.tune import choose
+
+    per_world = {w: tune_world(work, w) for w in worlds}
+    mean = {p: [statistics.fmean(per_world[w][p][i] for w in worlds) for i in (0, 1)] for p in TUNE_GRID}
+    chosen = choose({p: [per_world[w][p][0] for w in worlds] for p in TUNE_GRID})
+    return {"worlds": worlds, "chosen": list(chosen),
+            "grid": [{"point": list(p), "click_ne_mean": mean[p][0], "conversion_ne_mean": mean[p][1],
+                      "click_ne": [per_world[w][p][0] for w in worlds],
+                      "conversion_ne": [per_world[w][p][1] for w in worlds]} for p in TUNE_GRID]}
+
+
 def _spread(xs: list[float]) -> dict:
     return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0, "min": min(xs),
             "per_world": xs}
@@ -58,7 +113,13 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="*", default=None, help="structure seeds (default 1000 1001 1002)")
     ap.add_argument("--users", type=int, default=None, help="sizes.num_users (default: the demo's)")
     ap.add_argument("--work", default=None, help="keep worlds and runs here (default: a temporary directory)")
+    ap.add_argument("--tune", action="store_true", help="the demo recipe's lr grid on development --worlds, valid")
     args = ap.parse_args()
+    if args.tune:
+        if not args.worlds or not args.work:
+            raise SystemExit("--tune needs --worlds (development seeds < 100) and --work (trials are kept there)")
+        print(json.dumps(tune(Path(args.work), args.worlds), default=float))
+        return
     worlds = args.worlds or ([1000] if args.quick else [1000, 1001, 1002])
     if any(w < 1000 for w in worlds):
         raise SystemExit(f"held-out worlds are structure seeds >= 1000; got {worlds}")
