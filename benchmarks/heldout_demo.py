@@ -3,6 +3,7 @@
     python benchmarks/heldout_demo.py --quick      # world 1000 at 1/16 of the demo's users (< 5 min, 2 cores)
     python benchmarks/heldout_demo.py              # worlds 1000-1002 at the demo's size (~6 min each, 2 idle cores)
     python benchmarks/heldout_demo.py --tune --worlds 0 1 --work DIR   # the demo recipe's lr grid, valid only
+    python benchmarks/heldout_demo.py --epochs 2 ...   # up to 2 passes, early stopping on valid, best kept
 
 ``benchmarks/quality.py --quick`` compares tuned peers on 1,500-user held-out worlds, 65x less data
 than the demo world, where GEM captures ~0.57 of what the oracle does against 0.945 on the demo
@@ -40,14 +41,17 @@ from pathlib import Path
 REPORTED = ("captured", "oracle_captured", "captured_over_oracle", "auc", "ne", "calibration")
 
 
-def run_world(work: Path, world_seed: int, users: int | None) -> dict:
-    """``opengem demo`` (no distillation, no serving) on world ``world_seed``; its test metrics."""
+def run_world(work: Path, world_seed: int, users: int | None, epochs: int = 1) -> dict:
+    """``opengem demo`` (no distillation, no serving) on world ``world_seed``; its test metrics. With
+    ``epochs`` > 1 the run stops early on valid and keeps its best checkpoint (``bench.tune.search_overrides``)."""
+    from opengem.bench.tune import search_overrides
     from opengem.pipeline import demo
 
     sizes = [f"sizes.num_users={users}"] if users else []
     t = time.perf_counter()
-    res = demo(work / f"world-{world_seed}", "demo", seed=world_seed, distil=False, serve=False, progress=False,
-               world_overrides=[f"structure_seed={world_seed}", *sizes])
+    overrides = search_overrides("valid", epochs) if epochs > 1 else []
+    res = demo(work / f"world-{world_seed}", "demo", seed=world_seed, overrides=overrides, distil=False,
+               serve=False, progress=False, world_overrides=[f"structure_seed={world_seed}", *sizes])
     ev = res["evaluation"]
     out = {task: {k: ev["metrics"][f"all/{task}"].get(k) for k in REPORTED}
            for task in ("click", "conversion") if f"all/{task}" in ev["metrics"]}
@@ -60,10 +64,11 @@ def run_world(work: Path, world_seed: int, users: int | None) -> dict:
 TUNE_GRID = ((3e-3, 0.3), (3e-3, 0.8), (6e-3, 0.3), (6e-3, 0.8), (1e-2, 0.3), (1e-2, 0.8))
 
 
-def tune_world(work: Path, world_seed: int, grid=TUNE_GRID) -> dict:
+def tune_world(work: Path, world_seed: int, grid=TUNE_GRID, epochs: int = 1) -> dict:
     """Each grid point of the ``demo`` recipe on development world ``world_seed`` at the demo's size, scored
     on valid; returns {point: (valid click NE, valid conversion NE, train seconds)}, trials cached on disk."""
     from opengem.bench.tune import train_point
+    from opengem.data.parquet import MANIFEST
     from opengem.data.synthetic import generate
     from opengem.evaluation.oracle import OracleCollector
     from opengem.recipes import recipe, world_config
@@ -72,16 +77,16 @@ def tune_world(work: Path, world_seed: int, grid=TUNE_GRID) -> dict:
         raise SystemExit(f"--tune chooses on development worlds (seeds < 100), not held-out ones; got {world_seed}")
     root = work / "tune" / f"world-{world_seed}"
     data = root / "data"
-    if not (data / "dataset.json").exists():
+    if not (data / MANIFEST).exists():  # written last: a cut-off generation is made again
         generate(world_config("demo", seed=world_seed, overrides=[f"structure_seed={world_seed}"]), data,
                  progress=False, observer=OracleCollector)
     out = {}
     for point in grid:
-        done = root / f"lr{point[0]:g}-tables{point[1]:g}.json"
+        done = root / f"lr{point[0]:g}-tables{point[1]:g}{f'-epochs{epochs}' if epochs > 1 else ''}.json"
         if not done.exists():
-            trial = train_point(recipe("demo"), data, root / f"run-{done.stem}", point)
+            trial = train_point(recipe("demo"), data, root / f"run-{done.stem}", point, max_epochs=epochs)
             done.write_text(json.dumps({"click_ne": trial.value, "wall_s": trial.wall_s,
-                                        "conversion_ne": trial.valid["all/conversion"]["ne"]}))
+                                        "conversion_ne": trial.valid["all/conversion"]["ne"], "step": trial.step}))
         r = json.loads(done.read_text())
         out[point] = (r["click_ne"], r["conversion_ne"], r["wall_s"])
         print(f"[heldout_demo --tune] world {world_seed} point {point}: valid click NE {r['click_ne']:.4f}, "
@@ -89,17 +94,17 @@ def tune_world(work: Path, world_seed: int, grid=TUNE_GRID) -> dict:
     return out
 
 
-def tune(work: Path, worlds: list[int]) -> dict:
+def tune(work: Path, worlds: list[int], grid=TUNE_GRID, epochs: int = 1) -> dict:
     """The grid on every world; the chosen point by mean valid click NE (``bench.tune.choose``)."""
     from opengem.bench.tune import choose
 
-    per_world = {w: tune_world(work, w) for w in worlds}
-    mean = {p: [statistics.fmean(per_world[w][p][i] for w in worlds) for i in (0, 1)] for p in TUNE_GRID}
-    chosen = choose({p: [per_world[w][p][0] for w in worlds] for p in TUNE_GRID})
-    return {"worlds": worlds, "chosen": list(chosen),
+    per_world = {w: tune_world(work, w, grid, epochs) for w in worlds}
+    mean = {p: [statistics.fmean(per_world[w][p][i] for w in worlds) for i in (0, 1)] for p in grid}
+    chosen = choose({p: [per_world[w][p][0] for w in worlds] for p in grid})
+    return {"worlds": worlds, "epochs": epochs, "chosen": list(chosen),
             "grid": [{"point": list(p), "click_ne_mean": mean[p][0], "conversion_ne_mean": mean[p][1],
                       "click_ne": [per_world[w][p][0] for w in worlds],
-                      "conversion_ne": [per_world[w][p][1] for w in worlds]} for p in TUNE_GRID]}
+                      "conversion_ne": [per_world[w][p][1] for w in worlds]} for p in grid]}
 
 
 def _spread(xs: list[float]) -> dict:
@@ -114,11 +119,15 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=None, help="sizes.num_users (default: the demo's)")
     ap.add_argument("--work", default=None, help="keep worlds and runs here (default: a temporary directory)")
     ap.add_argument("--tune", action="store_true", help="the demo recipe's lr grid on development --worlds, valid")
+    ap.add_argument("--epochs", type=int, default=1, help="up to this many passes, early stopping on valid")
+    ap.add_argument("--point", type=float, nargs=2, default=None, metavar=("LR", "TABLE_LR"),
+                    help="--tune only this (dense lr, table lr) point instead of the grid")
     args = ap.parse_args()
     if args.tune:
         if not args.worlds or not args.work:
             raise SystemExit("--tune needs --worlds (development seeds < 100) and --work (trials are kept there)")
-        print(json.dumps(tune(Path(args.work), args.worlds), default=float))
+        grid = (tuple(args.point),) if args.point else TUNE_GRID
+        print(json.dumps(tune(Path(args.work), args.worlds, grid, args.epochs), default=float))
         return
     worlds = args.worlds or ([1000] if args.quick else [1000, 1001, 1002])
     if any(w < 1000 for w in worlds):
@@ -128,13 +137,14 @@ def main() -> None:
         work = Path(args.work or tmp)
         results = {}
         for w in worlds:
-            r = results[w] = run_world(work, w, users)
+            r = results[w] = run_world(work, w, users, args.epochs)
             line = "  ".join(f"{task} captured {r[task]['captured']:.4f} / oracle {r[task]['oracle_captured']:.4f} "
                              f"= {r[task]['captured_over_oracle']:.3f} "
                              f"(AUC {r[task]['auc']:.4f}, NE {r[task]['ne']:.4f})"
                              for task in ("click", "conversion") if task in r)
             print(f"[heldout_demo] world {w}: {line}; train {r['train_s']:.0f} s", flush=True)
-    summary = {"worlds": worlds, "users": users or "demo", "per_world": {str(w): r for w, r in results.items()},
+    summary = {"worlds": worlds, "users": users or "demo", "epochs": args.epochs,
+               "per_world": {str(w): r for w, r in results.items()},
                "gem_over_oracle": _spread([r["click"]["captured_over_oracle"] for r in results.values()])}
     if all("conversion" in r for r in results.values()):
         summary["gem_over_oracle_conversion"] = _spread([r["conversion"]["captured_over_oracle"]
