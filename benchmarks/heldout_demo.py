@@ -4,6 +4,7 @@
     python benchmarks/heldout_demo.py              # worlds 1000-1002 at the demo's size (~6 min each, 2 idle cores)
     python benchmarks/heldout_demo.py --tune --worlds 0 1 --work DIR   # the demo recipe's lr grid, valid only
     python benchmarks/heldout_demo.py --epochs 2 ...   # up to 2 passes, early stopping on valid, best kept
+    python benchmarks/heldout_demo.py --set model.embedding_dim=48 ...   # a recipe override, either mode
 
 ``benchmarks/quality.py --quick`` compares tuned peers on 1,500-user held-out worlds, 65x less data
 than the demo world, where GEM captures ~0.57 of what the oracle does against 0.945 on the demo
@@ -41,15 +42,16 @@ from pathlib import Path
 REPORTED = ("captured", "oracle_captured", "captured_over_oracle", "auc", "ne", "calibration")
 
 
-def run_world(work: Path, world_seed: int, users: int | None, epochs: int = 1) -> dict:
+def run_world(work: Path, world_seed: int, users: int | None, epochs: int = 1, overrides: tuple[str, ...] = ()) -> dict:
     """``opengem demo`` (no distillation, no serving) on world ``world_seed``; its test metrics. With
-    ``epochs`` > 1 the run stops early on valid and keeps its best checkpoint (``bench.tune.search_overrides``)."""
+    ``epochs`` > 1 the run stops early on valid and keeps its best checkpoint (``bench.tune.search_overrides``);
+    ``overrides`` (``key=value``) go to the ``demo`` recipe."""
     from opengem.bench.tune import search_overrides
     from opengem.pipeline import demo
 
     sizes = [f"sizes.num_users={users}"] if users else []
     t = time.perf_counter()
-    overrides = search_overrides("valid", epochs) if epochs > 1 else []
+    overrides = [*overrides, *(search_overrides("valid", epochs) if epochs > 1 else [])]
     res = demo(work / f"world-{world_seed}", "demo", seed=world_seed, overrides=overrides, distil=False,
                serve=False, progress=False, world_overrides=[f"structure_seed={world_seed}", *sizes])
     ev = res["evaluation"]
@@ -64,10 +66,11 @@ def run_world(work: Path, world_seed: int, users: int | None, epochs: int = 1) -
 TUNE_GRID = ((3e-3, 0.3), (3e-3, 0.8), (6e-3, 0.3), (6e-3, 0.8), (1e-2, 0.3), (1e-2, 0.8))
 
 
-def tune_world(work: Path, world_seed: int, grid=TUNE_GRID, epochs: int = 1) -> dict:
+def tune_world(work: Path, world_seed: int, grid=TUNE_GRID, epochs: int = 1, overrides: tuple[str, ...] = ()) -> dict:
     """Each grid point of the ``demo`` recipe on development world ``world_seed`` at the demo's size, scored
     on valid; returns {point: (valid click NE, valid conversion NE, train seconds)}, trials cached on disk."""
     from opengem.bench.tune import train_point
+    from opengem.config import apply_overrides
     from opengem.data.parquet import MANIFEST
     from opengem.data.synthetic import generate
     from opengem.evaluation.oracle import OracleCollector
@@ -80,11 +83,13 @@ def tune_world(work: Path, world_seed: int, grid=TUNE_GRID, epochs: int = 1) -> 
     if not (data / MANIFEST).exists():  # written last: a cut-off generation is made again
         generate(world_config("demo", seed=world_seed, overrides=[f"structure_seed={world_seed}"]), data,
                  progress=False, observer=OracleCollector)
+    cfg = apply_overrides(recipe("demo"), list(overrides))
+    tag = "".join(f"-{o.replace('=', '')}" for o in (*overrides, *([f"epochs={epochs}"] if epochs > 1 else [])))
     out = {}
     for point in grid:
-        done = root / f"lr{point[0]:g}-tables{point[1]:g}{f'-epochs{epochs}' if epochs > 1 else ''}.json"
+        done = root / f"lr{point[0]:g}-tables{point[1]:g}{tag}.json"
         if not done.exists():
-            trial = train_point(recipe("demo"), data, root / f"run-{done.stem}", point, max_epochs=epochs)
+            trial = train_point(cfg, data, root / f"run-{done.stem}", point, max_epochs=epochs)
             done.write_text(json.dumps({"click_ne": trial.value, "wall_s": trial.wall_s,
                                         "conversion_ne": trial.valid["all/conversion"]["ne"], "step": trial.step}))
         r = json.loads(done.read_text())
@@ -94,14 +99,14 @@ def tune_world(work: Path, world_seed: int, grid=TUNE_GRID, epochs: int = 1) -> 
     return out
 
 
-def tune(work: Path, worlds: list[int], grid=TUNE_GRID, epochs: int = 1) -> dict:
+def tune(work: Path, worlds: list[int], grid=TUNE_GRID, epochs: int = 1, overrides: tuple[str, ...] = ()) -> dict:
     """The grid on every world; the chosen point by mean valid click NE (``bench.tune.choose``)."""
     from opengem.bench.tune import choose
 
-    per_world = {w: tune_world(work, w, grid, epochs) for w in worlds}
+    per_world = {w: tune_world(work, w, grid, epochs, overrides) for w in worlds}
     mean = {p: [statistics.fmean(per_world[w][p][i] for w in worlds) for i in (0, 1)] for p in grid}
     chosen = choose({p: [per_world[w][p][0] for w in worlds] for p in grid})
-    return {"worlds": worlds, "epochs": epochs, "chosen": list(chosen),
+    return {"worlds": worlds, "epochs": epochs, "overrides": list(overrides), "chosen": list(chosen),
             "grid": [{"point": list(p), "click_ne_mean": mean[p][0], "conversion_ne_mean": mean[p][1],
                       "click_ne": [per_world[w][p][0] for w in worlds],
                       "conversion_ne": [per_world[w][p][1] for w in worlds]} for p in grid]}
@@ -122,12 +127,15 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=1, help="up to this many passes, early stopping on valid")
     ap.add_argument("--point", type=float, nargs=2, default=None, metavar=("LR", "TABLE_LR"),
                     help="--tune only this (dense lr, table lr) point instead of the grid")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a demo-recipe override (repeatable), e.g. model.embedding_dim=64")
     args = ap.parse_args()
     if args.tune:
         if not args.worlds or not args.work:
             raise SystemExit("--tune needs --worlds (development seeds < 100) and --work (trials are kept there)")
         grid = (tuple(args.point),) if args.point else TUNE_GRID
-        print(json.dumps(tune(Path(args.work), args.worlds, grid, args.epochs), default=float))
+        print(json.dumps(tune(Path(args.work), args.worlds, grid, args.epochs, tuple(args.set)),
+                         default=float))
         return
     worlds = args.worlds or ([1000] if args.quick else [1000, 1001, 1002])
     if any(w < 1000 for w in worlds):
@@ -137,13 +145,13 @@ def main() -> None:
         work = Path(args.work or tmp)
         results = {}
         for w in worlds:
-            r = results[w] = run_world(work, w, users, args.epochs)
+            r = results[w] = run_world(work, w, users, args.epochs, tuple(args.set))
             line = "  ".join(f"{task} captured {r[task]['captured']:.4f} / oracle {r[task]['oracle_captured']:.4f} "
                              f"= {r[task]['captured_over_oracle']:.3f} "
                              f"(AUC {r[task]['auc']:.4f}, NE {r[task]['ne']:.4f})"
                              for task in ("click", "conversion") if task in r)
             print(f"[heldout_demo] world {w}: {line}; train {r['train_s']:.0f} s", flush=True)
-    summary = {"worlds": worlds, "users": users or "demo", "epochs": args.epochs,
+    summary = {"worlds": worlds, "users": users or "demo", "epochs": args.epochs, "overrides": args.set,
                "per_world": {str(w): r for w, r in results.items()},
                "gem_over_oracle": _spread([r["click"]["captured_over_oracle"] for r in results.values()])}
     if all("conversion" in r for r in results.values()):

@@ -32,7 +32,7 @@ def test_tune_refuses_held_out_worlds_and_reuses_its_trials(tmp_path, monkeypatc
         (out / MANIFEST).write_text("{}")
 
     def fake_train_point(cfg, data, run, point, max_epochs=1):
-        calls.append((point, max_epochs))
+        calls.append((point, max_epochs, cfg.model.embedding_dim))
         assert cfg.optim.lr == 3e-3 and cfg.train.ema_decay == 0.99  # the demo recipe, rates set by train_point
         # world 1 prefers the smaller dense lr a little less than world 0 prefers the larger: the mean decides
         world = int(Path(data).parent.name.split("-")[1])
@@ -49,4 +49,6 @@ def test_tune_refuses_held_out_worlds_and_reuses_its_trials(tmp_path, monkeypatc
     assert len(calls) == 4
     assert h.tune(tmp_path, [0, 1], grid) == out and len(calls) == 4  # every trial read back, none trained again
     h.tune(tmp_path, [0], grid[:1], epochs=2)
-    assert calls[-1] == ((3e-3, 0.3), 2) and len(calls) == 5  # more epochs: another trial
+    assert calls[-1] == ((3e-3, 0.3), 2, 32) and len(calls) == 5  # more epochs: another trial
+    out = h.tune(tmp_path, [0], grid[:1], overrides=("model.embedding_dim=48",))
+    assert calls[-1] == ((3e-3, 0.3), 1, 48) and len(calls) == 6 and out["overrides"] == ["model.embedding_dim=48"]
