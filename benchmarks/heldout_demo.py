@@ -130,6 +130,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a demo-recipe override (repeatable), e.g. model.embedding_dim=64")
     args = ap.parse_args()
+    if args.point and not args.tune:
+        raise SystemExit("--point is a --tune trial; a held-out read trains the demo recipe's own rates")
     if args.tune:
         if not args.worlds or not args.work:
             raise SystemExit("--tune needs --worlds (development seeds < 100) and --work (trials are kept there)")

@@ -52,3 +52,10 @@ def test_tune_refuses_held_out_worlds_and_reuses_its_trials(tmp_path, monkeypatc
     assert calls[-1] == ((3e-3, 0.3), 2, 32) and len(calls) == 5  # more epochs: another trial
     out = h.tune(tmp_path, [0], grid[:1], overrides=("model.embedding_dim=48",))
     assert calls[-1] == ((3e-3, 0.3), 1, 48) and len(calls) == 6 and out["overrides"] == ["model.embedding_dim=48"]
+
+
+def test_a_point_outside_tune_is_refused_not_ignored(monkeypatch):
+    h = _heldout_demo()
+    monkeypatch.setattr(sys, "argv", ["heldout_demo.py", "--point", "0.006", "0.3"])
+    with pytest.raises(SystemExit, match="--point is a --tune trial"):
+        h.main()
