@@ -138,7 +138,7 @@ class TrainConfig:
     # Held-out evaluation while training (opengem.train.hooks; the caller passes the evaluator). All off by default.
     eval_every: int = 0  # after every N-th step (0 = never)
     eval_each_epoch: bool = False  # after the step that finishes each epoch
-    eval_at: tuple[int, ...] = ()  # after these steps
+    eval_at: tuple[int, ...] = ()  # after these steps; 0: the untrained model, before the first step
     eval_split: str = "valid"
     eval_metric: str = "all/click:ne"  # slice:metric that early stopping and keep_best follow
     early_stop_patience: int = 0  # stop after this many evaluations in a row without a better metric (0 = never)
@@ -173,8 +173,8 @@ class TrainConfig:
             raise ConfigError(f"train.soft_label_runs must be run directories, got {self.soft_label_runs!r}")
         if self.resume_reshard not in ("exact", "rewind"):
             raise ConfigError(f"train.resume_reshard must be exact or rewind, got {self.resume_reshard!r}")
-        if self.eval_every < 0 or self.early_stop_patience < 0 or any(s < 1 for s in self.eval_at):
-            raise ConfigError("train.eval_every/early_stop_patience must be >= 0 and train.eval_at steps >= 1")
+        if self.eval_every < 0 or self.early_stop_patience < 0 or any(s < 0 for s in self.eval_at):
+            raise ConfigError("train.eval_every/early_stop_patience must be >= 0 and train.eval_at steps >= 0")
         self.eval_goal()
         if (self.early_stop_patience or self.keep_best) and not self.evaluates:
             raise ConfigError("train.early_stop_patience and train.keep_best follow held-out evaluations: "

@@ -43,9 +43,12 @@ def lr_grid(dense: Sequence[float] = DENSE_LRS, tables: Sequence[float] = TABLE_
 
 def search_overrides(split: str = "valid", max_epochs: int = 1, patience: int = 1,
                      metric: str = "all/click:ne") -> list[str]:
-    """The ``train.*`` keys of one trial: evaluate on ``split`` after each epoch, stop early, keep the best."""
+    """The ``train.*`` keys of one trial: evaluate on ``split`` before training and after each epoch, stop
+    early, keep the best. The untrained model (heads at the training base rates) is a candidate, so a
+    model that learns nothing on valid falls back to the base rate rather than to noise, alike for
+    every model in a comparison."""
     require_tuning_split(split, "the learning-rate search")
-    return [f"train.eval_split={split}", "train.eval_each_epoch=true", "train.keep_best=true",
+    return [f"train.eval_split={split}", "train.eval_at=[0]", "train.eval_each_epoch=true", "train.keep_best=true",
             f"train.epochs={max_epochs}", f"train.early_stop_patience={patience}", f"train.eval_metric={metric}"]
 
 

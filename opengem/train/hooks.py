@@ -11,7 +11,8 @@ and ``train.*`` keys turn it on (all off by default; then the loop is exactly th
 
     eval_every=N                after every N-th step
     eval_each_epoch=true        after the step that finishes an epoch (on every rank)
-    eval_at=[s1,s2,…]           after these steps (the race's schedule)
+    eval_at=[s1,s2,…]           after these steps (the race's schedule); 0: before the first step
+                                (the untrained model, whose heads predict the training base rates)
     eval_metric=all/click:ne    what the next two follow: ne, logloss lower is better; auc, gauc, captured higher
     early_stop_patience=P       stop after P evaluations in a row without a better value
     keep_best=true              RUN/checkpoints/best: the model of the best evaluation so far
@@ -88,6 +89,13 @@ class EvalHook:
             epoch = min_over_ranks(loader_epoch, self.info.backend is not None)
             epoch_done, self.state.epoch = epoch > self.state.epoch, max(epoch, self.state.epoch)
         return every or epoch_done or step in self.at
+
+    def due_at_start(self) -> bool:
+        """``eval_at`` names step 0 and nothing has been evaluated yet: score the model before it trains.
+        Why: its heads start at the training base rates, so on data with no learnable signal (Open
+        Bandit's ~200 training clicks) ``keep_best`` can keep the base rate instead of a model that
+        fits noise, and every model in a comparison gets the same fallback."""
+        return 0 in self.at and self.state.last_step < 0
 
     def due_at_end(self, step: int) -> bool:
         return step != self.state.last_step

@@ -379,6 +379,8 @@ def _loop(r: _Run) -> None:
     try:
         # purge_step: after a resume TensorBoard hides the old events of the steps about to be redone
         with RunLog(r.run, enabled=r.info.is_main, purge_step=r.step + 1) as mlog:
+            if r.evals and r.step == 0 and r.evals.due_at_start():  # the untrained model is a candidate too
+                _evaluate(r, mlog, started)
             # checked before the loader hands out (and counts) another batch
             while r.step < stop and not (r.evals and r.evals.stopped):
                 batch, rows = _next_batch(batches, r)

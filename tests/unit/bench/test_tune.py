@@ -11,7 +11,8 @@ from opengem.discipline import DisciplineError
 
 def test_grid_is_the_product_and_the_search_refuses_test():
     assert lr_grid((1e-3, 3e-3), (0.1,)) == [(1e-3, 0.1), (3e-3, 0.1)]
-    assert "train.eval_split=valid" in search_overrides("valid", max_epochs=3, patience=2)
+    keys = search_overrides("valid", max_epochs=3, patience=2)
+    assert "train.eval_split=valid" in keys and "train.eval_at=[0]" in keys  # the untrained model is a candidate
     with pytest.raises(DisciplineError, match="learning-rate search"):
         search_overrides("test")
 
@@ -47,7 +48,8 @@ def test_a_trial_stops_on_valid_and_keeps_the_best(tmp_path):
     cfg.train.progress, cfg.train.threads = False, 1
     t = train_point(cfg, data, tmp_path / "run", (3e-3, 0.1), max_epochs=2, patience=1)
     evals = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
-    assert [e["eval_split"] for e in evals] == ["valid"] * len(evals) and 1 <= len(evals) <= 2
+    assert [e["eval_split"] for e in evals] == ["valid"] * len(evals) and 2 <= len(evals) <= 3
+    assert evals[0]["step"] == 0 and evals[0]["eval"]["all/click"]["ne"] > t.value  # the untrained model, beaten
     assert t.value == min(e["eval"]["all/click"]["ne"] for e in evals) and t.valid["all/click"]["ne"] == t.value
     best = evaluate_run(tmp_path / "run", data, "valid", progress=False, best=True)["metrics"]["all/click"]["ne"]
     assert best == pytest.approx(t.value, abs=1e-6)  # the kept checkpoint is the evaluation's model

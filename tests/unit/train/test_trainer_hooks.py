@@ -82,6 +82,25 @@ def test_early_stopping_after_patience_and_the_best_checkpoint(tiny, tmp_path):
     assert params_sha256(load_run_model(tmp_path / "run", recalibrated=False)[0]) == final["params_sha256"]
 
 
+def test_step_zero_scores_the_untrained_model_and_keep_best_can_keep_it(tiny, tmp_path):
+    # Nothing after training beats the untrained model: the best checkpoint is the model at init,
+    # whose heads predict the training base rates (the fallback for data without learnable signal).
+    ev = Scripted([0.7, 0.8, 0.9, 0.95])
+    cfg = _cfg("train.max_steps=6", "train.eval_at=[0,2]", "train.eval_every=4", "train.keep_best=true",
+               "train.early_stop_patience=2", "train.ema_decay=0.9")
+    final = train(cfg, tiny, tmp_path / "run", evaluator=ev)
+    assert [x["step"] for x in _lines(tmp_path / "run") if "eval" in x] == [0, 2, 4]  # stopped: patience 2
+    assert final["steps"] == 4 and final["evaluation"]["best_step"] == 0 and final["evaluation"]["stopped_early"]
+    first = _lines(tmp_path / "run")[0]
+    assert (first["step"], first["examples"]) == (0, 0) and "loss" not in first  # scored before any batch
+    best = best_checkpoint(tmp_path / "run")
+    assert torch.load(best / "trainer_state-rank0.pt", weights_only=False)["step"] == 0
+    model, _, _ = load_run_model(tmp_path / "run", recalibrated=False, best=True)
+    assert params_sha256(model) == ev.seen[0] != ev.seen[1] and ev.seen[0] != final["params_sha256"]
+    with pytest.raises(ConfigError, match="eval_at steps >= 0"):
+        _cfg("train.eval_at=[-1]")
+
+
 def test_which_way_is_better_follows_the_metric():
     values = iter([0.9, 0.8, math.nan, 0.85, 0.91])
 
