@@ -8,7 +8,8 @@ and from the world's id attributes, nothing latent):
 
 * click: one-hot ``ad_id``, ``advertiser_id``, ``campaign_id`` (the per-entity effects), ``domain``,
   ``position``, ``device``, ``format`` and the cross domain × format; for every interaction pair the
-  one-hot cross of its two fields' values (one weight per cell, not the low-rank factors); the exact
+  one-hot cross of its two fields' values (one weight per cell, not the low-rank factors; a field of
+  the advertiser's cluster, which no column holds, is crossed as ``advertiser_id``); the exact
   history statistic of every history effect (true form, τ and match key), the true transform of every
   numeric effect and ``hour_sin`` / ``hour_cos`` (the hour term is linear in them) as scalar columns;
   with ad content vectors (``click.content_dim`` = k > 0) the k floats of the row's ``ad_content``
@@ -69,6 +70,14 @@ TAG_ORACLE = 4  # rng tag of that subsample, after synthetic_world's
 REPORTED = ("ne", "ne_bayes", "captured", "auc")
 
 
+def observable_field(name: str) -> str:
+    """The field an oracle cross reads for an interaction field: itself, but for the advertiser's
+    cluster, which no column holds (the world draws it per advertiser with the data seed, a parameter,
+    not the form): the oracle crosses with ``advertiser_id`` instead, the finest grouping a learner
+    sees, one weight per (user value, advertiser) cell."""
+    return "advertiser_id" if name == "advertiser_cluster" else name
+
+
 class Layout:
     """Which one-hot groups and scalar columns one oracle model (``click`` | ``conversion``) has."""
 
@@ -90,7 +99,8 @@ class Layout:
             groups += [("advertiser_id", sizes.num_advertisers, "advertiser_id"), ("domain", len(SURFACES), "domain")]
             self.numeric = []
         for it in s.interactions:
-            groups.append((f"cross_{it.name}", field_size(cfg, it.user) * field_size(cfg, it.ad), (it.user, it.ad)))
+            ad = observable_field(it.ad)
+            groups.append((f"cross_{it.name}", field_size(cfg, it.user) * field_size(cfg, ad), (it.user, ad)))
         self.groups = groups
         self.history = [h for h in s.history if h.form != "none"]
         self.offsets = np.cumsum([0] + [n for _, n, _ in groups])

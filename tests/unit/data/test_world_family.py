@@ -165,6 +165,25 @@ def test_oracle_between_base_rate_and_bayes(world7):
     assert _plain(refit(path)) == o  # from the shards and the manifest alone
 
 
+def test_the_oracle_reads_no_latent_cluster(tmp_path):
+    # World 0 crosses country with the advertiser's cluster, which no column holds: the oracle's cross
+    # is country × advertiser_id (what a learner sees), and its rows do not move when the latent
+    # cluster assignment does.
+    from opengem.evaluation.oracle import Layout
+
+    cfg, m = _gen(tmp_path, "sizes.num_users=200")
+    world = World(cfg)
+    layout = Layout(world, "click")
+    cross = dict((name, cells) for name, cells, _ in layout.groups)["cross_country_cluster"]
+    assert cross == 20 * cfg.sizes.num_advertisers
+    c = columns_from_table(_table(tmp_path, m))
+    stats = history_stats(world, c)
+    before = layout.rows(c, stats)
+    world.advertiser_cluster = (world.advertiser_cluster + 1) % cfg.sizes.num_advertiser_clusters
+    after = layout.rows(c, stats)
+    assert np.array_equal(before[0], after[0]) and np.array_equal(before[1], after[1])
+
+
 def test_the_l2_choice_never_reads_test(world7):
     rng = np.random.default_rng(0)
 
