@@ -7,8 +7,8 @@
     python benchmarks/heldout_demo.py --set model.embedding_dim=48 ...   # a recipe override, either mode
 
 ``benchmarks/quality.py --quick`` compares tuned peers on 1,500-user held-out worlds, 65x less data
-than the demo world, where GEM captures ~0.57 of what the oracle does against 0.945 on the demo
-world it was developed on. This benchmark runs exactly what ``make demo`` runs (the ``demo`` world
+than the demo world, so its gap to the oracle mixes the world's form with the lack of data (figures:
+docs/results.md). This benchmark runs exactly what ``make demo`` runs (the ``demo`` world
 preset and recipe: generate with the oracle fitted, train with early stopping on valid, recalibrate
 on valid, evaluate on test) on structure seeds >= 1000 (``structure_seed`` = data seed = the world
 seed), so the distance that remains at the demo's scale is the distance due to the world's form.
