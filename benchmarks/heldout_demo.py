@@ -13,8 +13,8 @@ preset and recipe: generate with the oracle fitted, train with early stopping on
 on valid, evaluate on test) on structure seeds >= 1000 (``structure_seed`` = data seed = the world
 seed), so the distance that remains at the demo's scale is the distance due to the world's form.
 No choice is made here: the recipe is the demo's, chosen on development worlds, and test is read
-once per world for the figure. Peers are not run (at this size each would need its own lr search:
-``quality.py`` is where peers are tuned alike).
+once per world for the figure. Peers are not run here: ``quality.py --demo`` trains GEM and every peer
+at this size, each tuned alike on development worlds.
 
 Prints one line per world and ends with one JSON line: per world click/conversion captured,
 oracle_captured, captured_over_oracle, AUC, NE, train seconds; ``gem_over_oracle`` mean/std/min over

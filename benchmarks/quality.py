@@ -4,6 +4,8 @@
                                              # grid 2 x 2, up to 2 epochs (< 30 min on 2 cores)
     python benchmarks/quality.py             # 5 held-out worlds x 3 training seeds, 6,000 users, grid 3 x 3,
                                              # up to 3 epochs (hours)
+    python benchmarks/quality.py --demo      # 3 held-out worlds x 2 training seeds at the demo's size (36,000
+                                             # users, the demo recipe, one pass), grid 2 x 2, no real data (~2 h)
 
 Models: ``gem`` (GEM as its recipe builds it), TorchRec ``dlrm`` and ``dlrm_dcn``, ``din`` (DIN's
 target attention over each history, ``opengem.model.peers``) and ``lightgbm`` (``opengem.bench.gbdt``:
@@ -16,7 +18,7 @@ The discipline (``opengem.discipline``), which this file follows step by step:
    LightGBM gets a grid of the same size (learning rate x leaves) with early stopping on valid.
 2. **Synthetic: chosen on development worlds, reported on held-out ones.** Each model's point is the
    one with the best mean valid NE (all/click) over the development world seeds (quick 0, 1; full
-   0, 1, 2: a world's structure seed is its data seed); that point is then trained on each held-out world (1000, …) and
+   0, 1, 2; demo 0, 1: a world's structure seed is its data seed); that point is then trained on each held-out world (1000, …) and
    scored on test, once, with the best-on-valid checkpoint. No held-out world's valid or test split
    chooses a learning rate; its valid split only stops training, as it would for a user.
 3. **Real data: chosen on its valid split, reported on its test split** (there is one world).
@@ -85,11 +87,12 @@ class Mode:
     dev_worlds: list[int]
     held_out: list[int]
     train_seeds: list[int]
-    world: list[str]  # WorldConfig overrides of the ``tiny`` preset
+    world: list[str]  # WorldConfig overrides of the ``preset`` world
     dense_lrs: tuple[float, ...]
     table_lrs: tuple[float, ...]
     max_epochs: int
     recipe: str = "tiny"
+    preset: str = "tiny"  # the world preset
     real: dict[str, list[str]] = field(default_factory=lambda: {"ml100k": ["model.max_seq_len=64"], "obd": []})
 
 
@@ -103,6 +106,14 @@ QUICK = Mode(dev_worlds=[0, 1], held_out=held_out_world_seeds(3), train_seeds=[0
              real=QUICK_REAL)
 FULL = Mode(dev_worlds=[0, 1, 2], held_out=held_out_world_seeds(5), train_seeds=[0, 1, 2],
             world=["sizes.num_users=6000"], dense_lrs=(1e-3, 3e-3, 1e-2), table_lrs=(0.03, 0.1, 0.3), max_epochs=3)
+# The demo's size: --quick's 1,500 users are 1/24 of the demo world, so its gap to the oracle mixes the
+# world's form with the lack of data. Here every model trains as `make demo` trains GEM (the demo world and
+# recipe, one pass; per-model overrides as above). The grid is the 2 x 2 core of the demo recipe's own lr
+# grid (benchmarks/heldout_demo.py --tune, docs/experiments.md). Real datasets have their own sizes: --quick
+# reads them.
+DEMO = Mode(dev_worlds=[0, 1], held_out=held_out_world_seeds(3), train_seeds=[0, 1], world=[],
+            dense_lrs=(3e-3, 6e-3), table_lrs=(0.3, 0.8), max_epochs=1, recipe="demo", preset="demo", real={})
+MODES = {"quick": QUICK, "full": FULL, "demo": DEMO}
 REAL_SOURCES = {"ml100k": ("movielens", "movielens-100k"), "obd": ("open_bandit", "open-bandit-small")}
 
 
@@ -115,7 +126,7 @@ def synthetic_world(work: Path, world_seed: int, mode: Mode) -> Path:
 
     out = work / "data" / f"world-{world_seed}"
     if not (out / MANIFEST).exists():  # written last by generate: a world cut off half-way is made again
-        cfg = world_config("tiny", seed=world_seed, overrides=[*mode.world, f"structure_seed={world_seed}"])
+        cfg = world_config(mode.preset, seed=world_seed, overrides=[*mode.world, f"structure_seed={world_seed}"])
         generate(cfg, out, progress=False, observer=OracleCollector)
     return out
 
@@ -304,7 +315,9 @@ def figures(models: list[str], worlds: dict, real: dict) -> dict:
 # ------------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="3 held-out worlds x 2 seeds, 1,500 users, grid 2x2")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="3 held-out worlds x 2 seeds, 1,500 users, grid 2x2")
+    size.add_argument("--demo", action="store_true", help="3 held-out worlds x 2 seeds at the demo's size, grid 2x2")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel, one thread each")
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
     ap.add_argument("--real", default="ml100k,obd", help="real datasets ('' for none)")
@@ -312,7 +325,8 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="where data and runs go (default: a temporary directory)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mode_name, mode = ("quick", QUICK) if args.quick else ("full", FULL)
+    mode_name = "quick" if args.quick else "demo" if args.demo else "full"
+    mode = MODES[mode_name]
     for w in mode.dev_worlds:
         require_dev_world(w, "the benchmark's learning-rate choice")
     models = args.models.split(",")
@@ -329,7 +343,10 @@ def main() -> None:
                 apply_overrides(recipe(mode.recipe), [*ov, *NEURAL[model]])
     grid = lr_grid(mode.dense_lrs, mode.table_lrs)
     worlds = {w: synthetic_world(work, w, mode) for w in [*mode.dev_worlds, *mode.held_out]}
-    real = {n: d for n in filter(None, args.real.split(",")) if (d := real_dataset(work, n, Path(args.shared)))}
+    names = [n for n in filter(None, args.real.split(",")) if n in mode.real]
+    if len(names) < len(list(filter(None, args.real.split(",")))):
+        print(f"[quality] the {mode_name} mode reads real data only from {sorted(mode.real) or 'none'}", flush=True)
+    real = {n: d for n in names if (d := real_dataset(work, n, Path(args.shared)))}
     print(f"[quality] data ready in {time.perf_counter() - t0:.0f} s under {work}", flush=True)
 
     def applies(model: str, data: Path) -> bool:
