@@ -18,9 +18,10 @@ The discipline (``opengem.discipline``), which this file follows step by step:
    LightGBM gets a grid of the same size (learning rate x leaves) with early stopping on valid.
 2. **Synthetic: chosen on development worlds, reported on held-out ones.** Each model's point is the
    one with the best mean valid NE (all/click) over the development world seeds (quick 0, 1; full
-   0, 1, 2; demo 0, 1: a world's structure seed is its data seed); that point is then trained on each held-out world (1000, …) and
-   scored on test, once, with the best-on-valid checkpoint. No held-out world's valid or test split
-   chooses a learning rate; its valid split only stops training, as it would for a user.
+   0, 1, 2; demo 0, 1: a world's structure seed is its data seed); that point is then trained on each
+   held-out world (1000, …) and scored on test, once, with the best-on-valid checkpoint. No held-out
+   world's valid or test split chooses a learning rate; its valid split only stops training, as it
+   would for a user.
 3. **Real data: chosen on its valid split, reported on its test split** (there is one world).
 4. **The figure that travels across worlds**: ``captured / oracle_captured``, where the oracle is a
    logistic model of the world's exact structure fitted on the same train rows
@@ -343,8 +344,9 @@ def main() -> None:
                 apply_overrides(recipe(mode.recipe), [*ov, *NEURAL[model]])
     grid = lr_grid(mode.dense_lrs, mode.table_lrs)
     worlds = {w: synthetic_world(work, w, mode) for w in [*mode.dev_worlds, *mode.held_out]}
-    names = [n for n in filter(None, args.real.split(",")) if n in mode.real]
-    if len(names) < len(list(filter(None, args.real.split(",")))):
+    asked = [n for n in args.real.split(",") if n]
+    names = [n for n in asked if n in mode.real]
+    if names != asked:
         print(f"[quality] the {mode_name} mode reads real data only from {sorted(mode.real) or 'none'}", flush=True)
     real = {n: d for n in names if (d := real_dataset(work, n, Path(args.shared)))}
     print(f"[quality] data ready in {time.perf_counter() - t0:.0f} s under {work}", flush=True)
