@@ -1,6 +1,8 @@
 """benchmarks/quality.py makes each world once under ``--work``: a rerun reuses it, a cut-off one is made again."""
 
+import dataclasses
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -31,14 +33,12 @@ def test_a_world_is_generated_once_and_a_half_written_one_again(tmp_path):
 
 
 def test_the_demo_mode_makes_the_demo_world_and_trains_the_demo_recipe(tmp_path):
-    import json
-
     q = _quality()
     assert (q.DEMO.preset, q.DEMO.recipe, q.DEMO.world, q.DEMO.max_epochs) == ("demo", "demo", [], 1)
     assert min(q.DEMO.held_out) >= 1000 and max(q.DEMO.dev_worlds) < 100 and q.DEMO.real == {}
-    small = q.Mode(**{**q.DEMO.__dict__, "world": ["sizes.num_users=60"]})
+    small = dataclasses.replace(q.DEMO, world=["sizes.num_users=60"])
     out = q.synthetic_world(tmp_path, 0, small)
-    tiny = q.synthetic_world(tmp_path / "tiny", 0, q.Mode(**{**small.__dict__, "preset": "tiny"}))
+    tiny = q.synthetic_world(tmp_path / "tiny", 0, dataclasses.replace(small, preset="tiny"))
     demo_cfg = json.loads((out / MANIFEST).read_text())["source"]["config"]
     tiny_cfg = json.loads((tiny / MANIFEST).read_text())["source"]["config"]
     assert demo_cfg["sizes"]["num_users"] == tiny_cfg["sizes"]["num_users"] == 60
