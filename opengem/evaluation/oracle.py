@@ -17,6 +17,12 @@ and from the world's id attributes, nothing latent):
 * conversion given click: one-hot ``advertiser_id`` and ``domain``, the crosses of its pairs and its
   history statistic, fitted on the clicked train rows; p(conversion) = p_click · p_cvr.
 
+``crosses="all"`` (``refit(..., crosses="all")``; never what ``generate`` stores) is the same model blind
+to which pairs interact: it crosses every user field with every observable ad field (category, format,
+advertiser_id: 7 × 3 crosses, each model), still with the exact history statistics and numeric
+transforms. Its captured over the oracle's is what knowing the pairs is worth at a world's size, the
+part of the gap no learner that must find them can close from that many rows.
+
 The drift by day is left out: a future day's drift cannot be known. The model is
 ``logit = b + Σ_groups w_g[index_g] + Σ_c β_c x_c`` with the L2 penalty ``λ/2 (Σ w² + Σ β²)``
 (dense columns standardised on the train rows), fitted full-batch by L-BFGS in float64 with a
@@ -55,6 +61,7 @@ from opengem.data.synthetic_world import (
     rng_for,
     sigmoid,
 )
+from opengem.data.world_structure import AD_FIELDS, USER_FIELDS
 from opengem.discipline import require_tuning_split
 from opengem.evaluation.accumulator import ALL_DOMAIN, MetricAccumulator
 from opengem.evaluation.metrics import captured, entropy
@@ -69,6 +76,7 @@ MAX_ITER, TOLERANCE = 300, 1e-8
 MAX_TRAIN_ROWS = 4_000_000  # beyond, fit on a subsample of users (demo: 497k rows, small: ~2.1M)
 TAG_ORACLE = 4  # rng tag of that subsample, after synthetic_world's
 REPORTED = ("ne", "ne_bayes", "captured", "auc")
+CROSSES = ("true", "all")  # the world's own interaction pairs | every user field × observable ad field
 
 
 def observable_field(name: str) -> str:
@@ -80,9 +88,12 @@ def observable_field(name: str) -> str:
 
 
 class Layout:
-    """Which one-hot groups and scalar columns one oracle model (``click`` | ``conversion``) has."""
+    """Which one-hot groups and scalar columns one oracle model (``click`` | ``conversion``) has;
+    ``crosses`` (``CROSSES``): the world's interaction pairs, or all of them (module docstring)."""
 
-    def __init__(self, world: World, model: str):
+    def __init__(self, world: World, model: str, crosses: str = "true"):
+        if crosses not in CROSSES:
+            raise ValueError(f"oracle crosses must be one of {CROSSES}, got {crosses!r}")
         cfg, st = world.cfg, world.structure
         self.world, self.model = world, model
         sizes = cfg.sizes
@@ -99,9 +110,13 @@ class Layout:
             s = st.conversion
             groups += [("advertiser_id", sizes.num_advertisers, "advertiser_id"), ("domain", len(SURFACES), "domain")]
             self.numeric = []
-        for it in s.interactions:
-            ad = observable_field(it.ad)
-            groups.append((f"cross_{it.name}", field_size(cfg, it.user) * field_size(cfg, ad), (it.user, ad)))
+        if crosses == "true":
+            pairs = [(f"cross_{it.name}", it.user, observable_field(it.ad)) for it in s.interactions]
+        else:  # domain x format is a group of the click model already
+            ads = dict.fromkeys(observable_field(a) for a in AD_FIELDS)
+            pairs = [(f"cross_{u}_{a}", u, a) for u in USER_FIELDS for a in ads
+                     if not (model == "click" and (u, a) == ("domain", "format"))]
+        groups += [(name, field_size(cfg, u) * field_size(cfg, a), (u, a)) for name, u, a in pairs]
         self.groups = groups
         self.history = [h for h in s.history if h.form != "none"]
         self.offsets = np.cumsum([0] + [n for _, n, _ in groups])
@@ -252,9 +267,10 @@ class OracleCollector:
 
     stats_key = "oracle"  # where ``generate`` stores ``result()`` (a ``synthetic.ShardObserver``)
 
-    def __init__(self, world: World, split_of: dict[int, str], max_train_rows: int = MAX_TRAIN_ROWS):
+    def __init__(self, world: World, split_of: dict[int, str], max_train_rows: int = MAX_TRAIN_ROWS,
+                 crosses: str = "true"):
         self.world, self.split_of = world, split_of
-        self.layouts = {m: Layout(world, m) for m in ("click", "conversion")}
+        self.layouts = {m: Layout(world, m, crosses) for m in ("click", "conversion")}
         self.parts: dict[str, list[dict]] = {}
         self.rates = RateCounter(list(SURFACES), ["click", "conversion"])
         sizes = world.cfg.sizes
@@ -351,16 +367,17 @@ def _xent(q, p) -> np.ndarray:
     return -(q * np.log(p) + (1 - q) * np.log1p(-p))
 
 
-def refit(data_dir) -> dict:
+def refit(data_dir, crosses: str = "true") -> dict:
     """The oracle of a written synthetic dataset, from its shards and manifest alone (what ``generate``
-    stores in ``source.stats.oracle``, before rounding)."""
+    stores in ``source.stats.oracle``, before rounding); ``crosses="all"``: the pair-blind form (module
+    docstring)."""
     from opengem.data.events import ShardReader
     from opengem.data.synthetic import columns_from_table, world_from_manifest
     from opengem.features.schema import FeatureSchema
 
     manifest = DatasetManifest.load(data_dir)
     split_of = {d: s for s, days in manifest.splits.items() for d in days}
-    rows = OracleCollector(world_from_manifest(manifest), split_of)
+    rows = OracleCollector(world_from_manifest(manifest), split_of, crosses=crosses)
     schema = FeatureSchema.load(data_dir)
     reader = ShardReader(data_dir, manifest, schema)  # v2: histories joined from the event logs
     for f in manifest.files:

@@ -184,6 +184,27 @@ def test_the_oracle_reads_no_latent_cluster(tmp_path):
     assert np.array_equal(before[0], after[0]) and np.array_equal(before[1], after[1])
 
 
+def test_the_pair_blind_oracle_crosses_every_user_field_with_every_ad_field(world7):
+    # crosses="all": the oracle's model without knowing which pairs interact (every user field x
+    # category, format, advertiser_id; domain x format is a click group already), the exact history
+    # statistics and transforms kept. Never what generate stores.
+    from opengem.evaluation.oracle import Layout
+
+    cfg, path, m = world7
+    world = world_from_manifest(m)
+    click, conv = Layout(world, "click", "all"), Layout(world, "conversion", "all")
+    crosses = [name for name, _, _ in click.groups if name.startswith("cross_")]
+    assert len(crosses) == len(USER_FIELDS) * 3 - 1 and "cross_domain_format" not in crosses
+    assert len([n for n, _, _ in conv.groups if n.startswith("cross_")]) == len(USER_FIELDS) * 3
+    assert click.dense_names == Layout(world, "click").dense_names  # the same scalar columns
+    blind = refit(path, crosses="all")
+    assert blind["parameters"]["click"] > m.source["stats"]["oracle"]["parameters"]["click"]
+    e = blind["valid"]["all/click"]
+    assert e["ne_bayes"] < e["ne"] < 1
+    with pytest.raises(ValueError, match="crosses"):
+        Layout(world, "click", "pairs")
+
+
 def test_the_l2_choice_never_reads_test(world7):
     rng = np.random.default_rng(0)
 
