@@ -76,3 +76,16 @@ def random_table(schema: FeatureSchema, n: int, seed: int = 0, lengths: dict[str
         cols[f.name] = pa.FixedSizeListArray.from_arrays(pa.array(rng.normal(size=n * f.dim).astype(np.float32)),
                                                          f.dim).cast(pa.list_(pa.float32()))
     return pa.table(cols)
+
+
+def with_events(table: pa.Table, row: int, stream: str, ts: list[int], attrs: dict[str, int]) -> pa.Table:
+    """``table`` with events at times ``ts`` appended (newest) to ``row``'s history of ``stream``: item
+    and event type 0, and each attribute named in ``attrs`` at its value (the caller extends any other
+    attribute column of the stream)."""
+    for name in ("item", "event", "ts", *attrs):
+        col = f"{stream}.{name}"
+        values = table.column(col).to_pylist()
+        values[row] = values[row] + (ts if name == "ts" else [attrs.get(name, 0)] * len(ts))
+        flat = np.concatenate([np.asarray(v, dtype=np.int64) for v in values])
+        table = table.set_column(table.schema.get_field_index(col), col, list_array(flat, [len(v) for v in values]))
+    return table

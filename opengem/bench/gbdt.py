@@ -61,7 +61,8 @@ def _lightgbm():
 # ------------------------------------------------------------------------------------ features
 @dataclass
 class GBDTRows:
-    """One split as LightGBM reads it, row-aligned with the evaluator's batches.
+    """One split as LightGBM (or the logistic-regression peer, ``bench.linear``) reads it, row-aligned
+    with the evaluator's batches.
 
     X [n, k] float64 (NaN = missing), ``names``/``categorical`` the feature names, labels and mask
     [n, T] (labels 0 where the mask is false), domain and user_id [n], true_probs [n, T] or None.
@@ -141,17 +142,20 @@ def batch_features(batch: Batch, schema: FeatureSchema) -> np.ndarray:
 
 
 def features(data_dir: str | Path, split: str, schema: FeatureSchema | None = None,
-             max_seq_len: dict[str, int] | None = None, batch_size: int = FEATURE_BATCH) -> GBDTRows:
+             max_seq_len: dict[str, int] | None = None, batch_size: int = FEATURE_BATCH,
+             columns=None) -> GBDTRows:
     """``split`` of ``data_dir`` read through GEM's loader (unshuffled, one pass) as ``GBDTRows``.
 
     ``max_seq_len`` caps each stream's history as a GEM run's loader does (default: the schema's).
+    ``columns``: an object with ``names``, ``categorical`` and ``batch(batch) -> [B, k]`` that builds X
+    in place of this module's features (``bench.linear.LinearColumns``).
     """
     schema = schema or FeatureSchema.load(data_dir)
-    names, cats = feature_names(schema)
+    names, cats = feature_names(schema) if columns is None else (columns.names, columns.categorical)
     loader = ShardLoader(data_dir, split, batch_size, schema, shuffle=False, epochs=1, max_seq_len=max_seq_len)
     parts: dict[str, list[np.ndarray]] = {k: [] for k in ("X", "labels", "mask", "domain", "user_id", "true_probs")}
     for batch in loader:
-        parts["X"].append(batch_features(batch, schema))
+        parts["X"].append(batch_features(batch, schema) if columns is None else columns.batch(batch))
         parts["labels"].append(batch.labels.numpy())
         parts["mask"].append(batch.label_mask.numpy())
         parts["domain"].append(batch.domain.numpy())
@@ -187,11 +191,11 @@ def fit_task(X: np.ndarray, y: np.ndarray, X_valid: np.ndarray, y_valid: np.ndar
                      callbacks=[lgb.early_stopping(PATIENCE, verbose=False)])
 
 
-def _parents(schema: FeatureSchema) -> list[int]:
+def task_parents(schema: FeatureSchema) -> list[int]:
     return [schema.task_names.index(t.requires) if t.requires else -1 for t in schema.tasks]
 
 
-def _task_rows(rows: GBDTRows, t: int, parent: int) -> np.ndarray:
+def task_rows(rows: GBDTRows, t: int, parent: int) -> np.ndarray:
     """Rows a task's model fits: labelled, and with the required task's label 1 for a chained one."""
     keep = rows.mask[:, t].copy()
     if parent >= 0:
@@ -205,8 +209,8 @@ def fit(train: GBDTRows, valid: GBDTRows, schema: FeatureSchema, point: dict, se
     params = {"objective": "binary", "metric": "binary_logloss", **point, "seed": seed, "num_threads": threads,
               "deterministic": True, "force_row_wise": True, "verbose": -1}
     models = []
-    for t, p in enumerate(_parents(schema)):
-        tr, va = _task_rows(train, t, p), _task_rows(valid, t, p)
+    for t, p in enumerate(task_parents(schema)):
+        tr, va = task_rows(train, t, p), task_rows(valid, t, p)
         models.append(fit_task(train.X[tr], train.labels[tr, t], valid.X[va], valid.labels[va, t],
                                train.names, train.categorical, params, f"task {schema.task_names[t]!r}"))
     return models
@@ -214,16 +218,20 @@ def fit(train: GBDTRows, valid: GBDTRows, schema: FeatureSchema, point: dict, se
 
 def predict(models: list, rows: GBDTRows, schema: FeatureSchema) -> np.ndarray:
     """[n, T] probabilities; a chained task's is p(required) · p(task | required)."""
-    parents = _parents(schema)
-    raw = [m.predict(rows.X, num_iteration=m.best_iteration) for m in models]
-    out: list[np.ndarray | None] = [None] * len(models)
+    return chain([m.predict(rows.X, num_iteration=m.best_iteration) for m in models], schema)
+
+
+def chain(raw: list[np.ndarray], schema: FeatureSchema) -> np.ndarray:
+    """[n, T] probabilities from each task's own [n] (a chained task's: p(task | required))."""
+    parents = task_parents(schema)
+    out: list[np.ndarray | None] = [None] * len(raw)
 
     def prob(t: int) -> np.ndarray:
         if out[t] is None:
             out[t] = raw[t] if parents[t] < 0 else prob(parents[t]) * raw[t]
         return out[t]
 
-    return np.stack([prob(t) for t in range(len(models))], axis=1)
+    return np.stack([prob(t) for t in range(len(raw))], axis=1)
 
 
 def metrics(probs: np.ndarray, rows: GBDTRows, schema: FeatureSchema, base_rates: dict) -> dict:
@@ -234,7 +242,7 @@ def metrics(probs: np.ndarray, rows: GBDTRows, schema: FeatureSchema, base_rates
 
 
 # ------------------------------------------------------------------------------------ the run
-def _choice_task(schema: FeatureSchema) -> int:
+def choice_task(schema: FeatureSchema) -> int:
     return next(t for t, task in enumerate(schema.tasks) if task.requires is None)
 
 
@@ -267,7 +275,7 @@ def run_gbdt(data_dir: str | Path, grid: list[dict] | None = None, seed: int = 0
     _lightgbm()
     rates = train_base_rates(data_dir, schema, "train")
     train, valid = (features(data_dir, s, schema, max_seq_len) for s in ("train", tune_split))
-    c = _choice_task(schema)
+    c = choice_task(schema)
     trials, best = [], None
     for point in grid:
         models = fit(train, valid, schema, point, seed, threads)

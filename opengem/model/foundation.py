@@ -116,6 +116,18 @@ def embedding_tokens(proj: nn.ModuleList, schema: FeatureSchema, emb_BE: torch.T
     return out
 
 
+def match_flags(pairs: list[tuple[str, str, int]], batch: Batch, lengths: torch.Tensor) -> torch.Tensor:
+    """[N, A] bool: where event n's attribute a equals its row's candidate id of that name
+    (``pairs``: a stream's ``match_attributes``; lengths [B] its events per row). OOV never matches."""
+    row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    seq, sparse = batch.sequences.to_dict(), batch.sparse.to_dict()
+    flags = []
+    for col, feat, oov in pairs:
+        ids = seq[col].values()
+        flags.append((ids == sparse[feat].values()[row]) & (ids != oov))
+    return torch.stack(flags, dim=1)
+
+
 class HistoryCounts(nn.Module):
     """One X_0 token from time-decayed event counts of each stream: per event type and decay time τ,
     log1p(Σ_e e^(−age_e/τ)) over all of a row's events and over those whose attribute matches the
@@ -339,14 +351,7 @@ class GEM(TableModel):
         return self.input_norm(x_BND) if self.input_norm is not None else x_BND
 
     def _match_flags(self, batch: Batch, stream: str, lengths: torch.Tensor) -> torch.Tensor:
-        """[N, A] float: 1 where event n's attribute a equals its row's candidate id of that name."""
-        row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
-        seq, sparse = batch.sequences.to_dict(), batch.sparse.to_dict()
-        flags = []
-        for col, feat, oov in self.match_pairs[stream]:
-            ids = seq[col].values()
-            flags.append((ids == sparse[feat].values()[row]) & (ids != oov))  # OOV never matches
-        return torch.stack(flags, dim=1)
+        return match_flags(self.match_pairs[stream], batch, lengths)
 
     def _features(self, x_BND: torch.Tensor, seqs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         x_sum, s_sum, _ = self.interformer(x_BND, seqs)

@@ -8,7 +8,6 @@ import pytest
 pytest.importorskip("lightgbm")
 
 import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 from opengem.bench.gbdt import (  # noqa: E402
@@ -34,7 +33,7 @@ from opengem.evaluation.accumulator import MetricAccumulator  # noqa: E402
 from opengem.evaluation.platt import TaskPlatt  # noqa: E402
 from opengem.features.schema import FeatureSchema  # noqa: E402
 from opengem.recipes import world_config  # noqa: E402
-from opengem.testing import random_table, tiny_schema  # noqa: E402
+from opengem.testing import random_table, tiny_schema, with_events  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -44,24 +43,13 @@ def world(tmp_path_factory):
     return data
 
 
-def _with_events(table: pa.Table, row: int, stream: str, ts: list[int], attrs: dict[str, int]) -> pa.Table:
-    """``table`` with events at times ``ts`` appended (newest) to ``row``'s history of ``stream``."""
-    for name in ("item", "event", "ts", *attrs):
-        col = f"{stream}.{name}"
-        values = table.column(col).to_pylist()
-        values[row] = values[row] + (ts if name == "ts" else [attrs.get(name, 0)] * len(ts))
-        flat = np.concatenate([np.asarray(v, dtype=np.int64) for v in values])
-        table = table.set_column(table.schema.get_field_index(col), col, list_array(flat, [len(v) for v in values]))
-    return table
-
-
 def test_history_features_of_a_drawn_row():
     schema = tiny_schema()
     table = random_table(schema, 3, seed=0, lengths={"s0": np.array([0, 0, 0]), "s1": np.array([0, 0, 0])})
     req = table.column("request_ts").to_pylist()[1]
     cat = table.column("category").to_pylist()[1]
     ages = [8 * 86400, 2 * 86400, 7200, 600]  # oldest first; the last two match the candidate's category
-    table = _with_events(table, 1, "s0", [req - a for a in ages], {})
+    table = with_events(table, 1, "s0", [req - a for a in ages], {})
     cats = table.column("s0.category").to_pylist()
     cats[1] = [(cat + 1) % 5, (cat + 1) % 5, cat, cat]
     table = table.set_column(table.schema.get_field_index("s0.category"), "s0.category",
@@ -81,7 +69,7 @@ def test_events_at_or_after_the_request_change_nothing():
     before = batch_features(collate(table, schema), schema)
     req = table.column("request_ts").to_pylist()[0]
     cat = table.column("category").to_pylist()[0]
-    later = _with_events(table, 0, "s0", [req, req + 60], {"category": cat})  # collate does not quarantine
+    later = with_events(table, 0, "s0", [req, req + 60], {"category": cat})  # collate does not quarantine
     after = batch_features(collate(later, schema), schema)
     np.testing.assert_array_equal(after, before)  # NaN == NaN here
 
