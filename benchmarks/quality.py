@@ -8,14 +8,17 @@
                                              # users, the demo recipe, one pass), grid 2 x 2, no real data (~2 h)
 
 Models: ``gem`` (GEM as its recipe builds it), TorchRec ``dlrm`` and ``dlrm_dcn``, ``din`` (DIN's
-target attention over each history, ``opengem.model.peers``) and ``lightgbm`` (``opengem.bench.gbdt``:
-generic history summaries, the strongest tabular baseline). ``--models`` adds GEM's ablations.
+target attention over each history, ``opengem.model.peers``), ``lightgbm`` (``opengem.bench.gbdt``:
+generic history summaries) and ``logreg`` (``opengem.bench.linear``: one-hot ids, their user x ad
+crosses and history counters, L2 chosen on valid). ``--models`` adds GEM's ablations.
 
 The discipline (``opengem.discipline``), which this file follows step by step:
 
 1. **Same search for everyone.** Each neural model gets the same grid of (dense lr, table lr)
    (``opengem.bench.tune``), the same batch, recipe sizes and epochs with early stopping on valid;
-   LightGBM gets a grid of the same size (learning rate x leaves) with early stopping on valid.
+   LightGBM gets a grid of the same size (learning rate x leaves) with early stopping on valid. The
+   logistic regression's one knob, its L2 strength, is chosen on each dataset's own valid split, as
+   early stopping chooses each neural run's step there; it is deterministic, so it runs once a world.
 2. **Synthetic: chosen on development worlds, reported on held-out ones.** Each model's point is the
    one with the best mean valid NE (all/click) over the development world seeds (quick 0, 1; full
    0, 1, 2; demo 0, 1: a world's structure seed is its data seed); that point is then trained on each
@@ -74,8 +77,10 @@ NEURAL: dict[str, list[str]] = {
     "gem_no_interleave": ["model.interformer.interleave=false"],
 }
 GBDT = "lightgbm"
-DEFAULT_MODELS = ("gem", "dlrm", "dlrm_dcn", "din", GBDT)
-PEERS = ("dlrm", "dlrm_dcn", "din", GBDT)
+LINEAR = "logreg"
+TABULAR = (GBDT, LINEAR)  # not trained by opengem's trainer: no recipe, no lr grid
+DEFAULT_MODELS = ("gem", "dlrm", "dlrm_dcn", "din", GBDT, LINEAR)
+PEERS = ("dlrm", "dlrm_dcn", "din", GBDT, LINEAR)
 SEQUENCE_ABLATIONS = ("gem_no_seq", "gem_no_interleave")  # without streams these are GEM itself
 REPORTED = ("auc", "ne", "captured", "oracle_captured", "captured_over_oracle", "calibration")
 TASKS = ("click", "conversion")
@@ -213,6 +218,20 @@ def gbdt_trial(data: str, grid: list | None, seed: int, score_test: bool, max_se
     return r
 
 
+def linear_trial(data: str, max_seq_len: int) -> dict:
+    """The logistic regression, L2 chosen on valid, test read once, with the oracle beside."""
+    _quiet()
+    from opengem.bench.linear import run_linear
+    from opengem.evaluation.evaluate import add_oracle
+    from opengem.features.schema import FeatureSchema
+
+    caps = {s.name: max_seq_len for s in FeatureSchema.load(data).sequences}
+    r = run_linear(data, max_seq_len=caps)
+    add_oracle(r["metrics"], data, "test")
+    add_oracle(r["metrics_platt"], data, "test", platt=True)
+    return r
+
+
 # ------------------------------------------------------------------------------- report
 def mean_std(xs) -> list[float | None]:
     """[mean, std] of the finite values (None, None when there are none: JSON has no NaN)."""
@@ -339,7 +358,7 @@ def main() -> None:
     from opengem.recipes import recipe
 
     for model in models:  # a bad key fails here, before any run starts, not after an hour of them
-        if model != GBDT:
+        if model not in TABULAR:
             for ov in [*mode.real.values(), []]:
                 apply_overrides(recipe(mode.recipe), [*ov, *NEURAL[model]])
     grid = lr_grid(mode.dense_lrs, mode.table_lrs)
@@ -369,7 +388,7 @@ def main() -> None:
         search: dict = {}
         for model in models:
             for kind, data in [*((f"world-{w}", worlds[w]) for w in mode.dev_worlds), *real.items()]:
-                if not applies(model, data):
+                if not applies(model, data) or model == LINEAR:  # LINEAR: nothing to choose here
                     continue
                 if model == GBDT:
                     search[(model, kind)] = pool.submit(gbdt_trial, str(data), None, 0, False, cap(kind))
@@ -386,7 +405,9 @@ def main() -> None:
         for model in models:
             for scope in ["synthetic", *real]:
                 kinds = [f"world-{w}" for w in mode.dev_worlds] if scope == "synthetic" else [scope]
-                if model == GBDT:
+                if model == LINEAR:
+                    chosen[f"{model}/{scope}"] = "l2 on each dataset's valid"
+                elif model == GBDT:
                     trials = [results[(model, k)]["trials"] for k in kinds if (model, k) in results]
                     if not trials:
                         continue
@@ -407,7 +428,8 @@ def main() -> None:
         #     point on each development world, its valid split halved by user (evaluation.platt.crossfit)
         xfit = {(model, w): pool.submit(crossfit_trial, str(worlds[w]),
                                         run_dir(f"world-{w}", model, tuple(chosen[f"{model}/synthetic"]), 0))
-                for model in models if model != GBDT and f"{model}/synthetic" in chosen for w in mode.dev_worlds}
+                for model in models if model not in TABULAR and f"{model}/synthetic" in chosen
+                for w in mode.dev_worlds}
         crossfits = {k: f.result() for k, f in xfit.items()}
 
         # 2. the report: held-out worlds and real datasets, every seed (a real dataset's seed 0 is its
@@ -419,6 +441,9 @@ def main() -> None:
                 if f"{model}/{scope}" not in chosen or not applies(model, data):
                     continue
                 point = chosen[f"{model}/{scope}"]
+                if model == LINEAR:  # deterministic: one fit a dataset
+                    report[(model, kind, 0)] = pool.submit(linear_trial, str(data), cap(kind))
+                    continue
                 for seed in mode.train_seeds:
                     if model == GBDT:
                         fut = pool.submit(gbdt_trial, str(data), [point], seed, True, cap(kind))
