@@ -27,20 +27,11 @@ from opengem.data.base_rates import train_base_rates  # noqa: E402
 from opengem.data.batch import collate  # noqa: E402
 from opengem.data.loader import ShardLoader  # noqa: E402
 from opengem.data.parquet import DataError, list_array  # noqa: E402
-from opengem.data.synthetic import generate  # noqa: E402
 from opengem.discipline import DisciplineError  # noqa: E402
 from opengem.evaluation.accumulator import MetricAccumulator  # noqa: E402
 from opengem.evaluation.platt import TaskPlatt  # noqa: E402
 from opengem.features.schema import FeatureSchema  # noqa: E402
-from opengem.recipes import world_config  # noqa: E402
 from opengem.testing import random_table, tiny_schema, with_events  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    data = tmp_path_factory.mktemp("world") / "data"
-    generate(world_config("tiny", seed=0, overrides=["sizes.num_users=1500"]), data, progress=False)
-    return data
 
 
 def test_history_features_of_a_drawn_row():

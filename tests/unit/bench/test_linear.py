@@ -11,19 +11,10 @@ import pytest
 from opengem.bench.linear import DECAY_HOURS, L2_GRID, LinearColumns, fit, predict, run_linear
 from opengem.data.batch import collate
 from opengem.data.parquet import DataError, list_array
-from opengem.data.synthetic import generate
 from opengem.discipline import DisciplineError
 from opengem.bench.gbdt import features
 from opengem.features.schema import FeatureSchema
-from opengem.recipes import world_config
 from opengem.testing import random_table, tiny_schema, with_events
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    data = tmp_path_factory.mktemp("world") / "data"
-    generate(world_config("tiny", seed=0, overrides=["sizes.num_users=1500"]), data, progress=False)
-    return data
 
 
 def test_the_columns_are_ids_their_user_by_ad_crosses_and_counters():
