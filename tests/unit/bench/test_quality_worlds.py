@@ -71,3 +71,21 @@ def test_the_json_line_holds_raw_and_recalibrated_ratios_and_the_dev_crossfit_ru
     assert got["adopt"] and got["gem"]["click"][0] == -0.015 and got["gem"]["conversion"][0] == 0.015
     fits[("gem", 1)]["click"]["ne_platt"] = 0.95  # mean gain now < 0: not adopted
     assert not q.crossfit_summary(["gem"], fits)["adopt"]
+
+
+def test_the_pair_blind_reference_is_its_test_captured_over_the_oracles(tmp_path):
+    # The reference beside the models' ratios: the oracle's formulas without its pairs, on test.
+    from opengem.evaluation.oracle import refit
+
+    q = _quality()
+    mode = q.Mode(dev_worlds=[], held_out=[1000], train_seeds=[0], world=["sizes.num_users=400"],
+                  dense_lrs=(1e-3,), table_lrs=(0.1,), max_epochs=1)
+    data = q.synthetic_world(tmp_path, 1000, mode)
+    got = q.pair_blind_trial(str(data))
+    blind, oracle = refit(data, crosses="all"), json.loads((data / MANIFEST).read_text())["source"]["stats"]["oracle"]
+    for t in ("click", "conversion"):
+        assert got[t] == blind["test"][f"all/{t}"]["captured"] / oracle["test"][f"all/{t}"]["captured"]
+    assert 0.3 < got["click"] < 1.2  # measured 0.86-1.01 on worlds 1000-1002 at 1,500 users
+    summary = q.pair_blind_summary({1000: got, 1001: {"click": 0.5, "conversion": None}})
+    assert summary["min"] == 0.5 and summary["mean"] == round((got["click"] + 0.5) / 2, 5)
+    assert summary["worlds"]["1001"] == {"click": 0.5, "conversion": None}
