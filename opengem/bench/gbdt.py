@@ -242,7 +242,7 @@ def metrics(probs: np.ndarray, rows: GBDTRows, schema: FeatureSchema, base_rates
 
 
 # ------------------------------------------------------------------------------------ the run
-def _choice_task(schema: FeatureSchema) -> int:
+def choice_task(schema: FeatureSchema) -> int:
     return next(t for t, task in enumerate(schema.tasks) if task.requires is None)
 
 
@@ -275,7 +275,7 @@ def run_gbdt(data_dir: str | Path, grid: list[dict] | None = None, seed: int = 0
     _lightgbm()
     rates = train_base_rates(data_dir, schema, "train")
     train, valid = (features(data_dir, s, schema, max_seq_len) for s in ("train", tune_split))
-    c = _choice_task(schema)
+    c = choice_task(schema)
     trials, best = [], None
     for point in grid:
         models = fit(train, valid, schema, point, seed, threads)

@@ -33,6 +33,7 @@ stopping chooses each neural run's step there; nothing is chosen on development 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -144,6 +145,31 @@ def predict(fits: list[Fit], rows: GBDTRows, cols: LinearColumns, split: str) ->
                   for t, f in enumerate(fits)], cols.schema)
 
 
+@dataclass
+class Fitted:
+    """The regression fitted on train with λ chosen on ``tune_split``: each split's rows and probabilities."""
+
+    schema: FeatureSchema
+    fits: list[Fit]
+    paths: list
+    rows: dict[str, GBDTRows]
+    probs: dict[str, np.ndarray]
+
+
+def fit_data(data_dir: str | Path, tune_split: str = "valid", max_seq_len: dict[str, int] | None = None,
+             score_test: bool = True, batch_size: int = FEATURE_BATCH) -> Fitted:
+    """Fit on train with λ chosen on ``tune_split``; rows and probabilities of it and (``score_test``) test."""
+    require_tuning_split(tune_split, "the logistic regression's L2 strength")
+    schema = FeatureSchema.load(data_dir)
+    cols = LinearColumns(schema)
+    train, valid = (features(data_dir, s, schema, max_seq_len, batch_size, cols) for s in ("train", tune_split))
+    fits, paths = fit(train, valid, cols, tune_split)
+    rows = {tune_split: valid}
+    if score_test:
+        rows[REPORT_SPLIT] = features(data_dir, REPORT_SPLIT, schema, max_seq_len, batch_size, cols)
+    return Fitted(schema, fits, paths, rows, {s: predict(fits, r, cols, s) for s, r in rows.items()})
+
+
 def run_linear(data_dir: str | Path, tune_split: str = "valid", max_seq_len: dict[str, int] | None = None,
                score_test: bool = True, batch_size: int = FEATURE_BATCH) -> dict:
     """Fit on train with λ chosen on ``tune_split``, then read test once (not without ``score_test``).
@@ -152,23 +178,18 @@ def run_linear(data_dir: str | Path, tune_split: str = "valid", max_seq_len: dic
     "valid", "chosen": {"l2": task → λ}, "trials": [{"l2": task → {λ: valid log loss}}], "wall_s"}.
     """
     t0 = time.perf_counter()
-    require_tuning_split(tune_split, "the logistic regression's L2 strength")
-    schema = FeatureSchema.load(data_dir)
-    cols = LinearColumns(schema)
+    lr = fit_data(data_dir, tune_split, max_seq_len, score_test, batch_size)
+    schema, valid, p_valid = lr.schema, lr.rows[tune_split], lr.probs[tune_split]
     rates = train_base_rates(data_dir, schema, "train")
-    train, valid = (features(data_dir, s, schema, max_seq_len, batch_size, cols) for s in ("train", tune_split))
-    fits, paths = fit(train, valid, cols, tune_split)
-    p_valid = predict(fits, valid, cols, tune_split)
     out = {}
     if score_test:
-        test = features(data_dir, REPORT_SPLIT, schema, max_seq_len, batch_size, cols)
-        p_test = predict(fits, test, cols, REPORT_SPLIT)
+        test, p_test = lr.rows[REPORT_SPLIT], lr.probs[REPORT_SPLIT]
         out["metrics"] = metrics(p_test, test, schema, rates)
         platt = TaskPlatt.fit(p_valid, valid.labels, valid.mask)  # as every peer's figures are recalibrated
         out["metrics_platt"] = metrics(platt(p_test), test, schema, rates)
         out["platt"] = platt.as_dict(schema.task_names)
     names = schema.task_names
     return {**out, "valid": metrics(p_valid, valid, schema, rates),
-            "chosen": {"l2": {names[t]: f.l2 for t, f in enumerate(fits)}},
-            "trials": [{"l2": {names[t]: {str(k): v for k, v in p.items()} for t, p in enumerate(paths)}}],
+            "chosen": {"l2": {names[t]: f.l2 for t, f in enumerate(lr.fits)}},
+            "trials": [{"l2": {names[t]: {str(k): v for k, v in p.items()} for t, p in enumerate(lr.paths)}}],
             "wall_s": round(time.perf_counter() - t0, 3)}
