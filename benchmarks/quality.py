@@ -10,7 +10,10 @@
 Models: ``gem`` (GEM as its recipe builds it), TorchRec ``dlrm`` and ``dlrm_dcn``, ``din`` (DIN's
 target attention over each history, ``opengem.model.peers``), ``lightgbm`` (``opengem.bench.gbdt``:
 generic history summaries) and ``logreg`` (``opengem.bench.linear``: one-hot ids, their user x ad
-crosses and history counters, L2 chosen on valid). ``--models`` adds GEM's ablations.
+crosses and history counters, L2 chosen on valid). ``--models`` adds GEM's ablations. Beside them
+(``--no-stack`` turns it off) each neural model's reported runs stacked with the regression,
+``<model>+logreg`` (``opengem.bench.stack``: w · p(model) + (1 − w) · p(regression), w chosen on each
+dataset's valid split).
 
 The discipline (``opengem.discipline``), which this file follows step by step:
 
@@ -84,6 +87,7 @@ LINEAR = "logreg"
 TABULAR = (GBDT, LINEAR)  # not trained by opengem's trainer: no recipe, no lr grid
 DEFAULT_MODELS = ("gem", "dlrm", "dlrm_dcn", "din", GBDT, LINEAR)
 PEERS = ("dlrm", "dlrm_dcn", "din", GBDT, LINEAR)
+STACKED = "+" + LINEAR  # a neural model's name + this: the model stacked with the regression (bench.stack)
 SEQUENCE_ABLATIONS = ("gem_no_seq", "gem_no_interleave")  # without streams these are GEM itself
 REPORTED = ("auc", "ne", "captured", "oracle_captured", "captured_over_oracle", "calibration")
 TASKS = ("click", "conversion")
@@ -235,6 +239,24 @@ def linear_trial(data: str, max_seq_len: int) -> dict:
     return r
 
 
+def stack_trial(data: str, runs: dict[str, list[str]], max_seq_len: int) -> dict[str, list[dict]]:
+    """Each neural model's runs on ``data`` stacked with one regression (``bench.stack``: the blend's
+    weight chosen on valid), test read once, the oracle beside: model → one result a run."""
+    _quiet()
+    from opengem.bench.stack import run_stack
+    from opengem.evaluation.evaluate import add_oracle
+    from opengem.features.schema import FeatureSchema
+
+    caps = {s.name: max_seq_len for s in FeatureSchema.load(data).sequences}
+    flat = [(m, r) for m, rs in runs.items() for r in rs]
+    out: dict[str, list[dict]] = {}
+    for (model, _), r in zip(flat, run_stack(data, [r for _, r in flat], max_seq_len=caps)):
+        add_oracle(r["metrics"], data, "test")
+        add_oracle(r["metrics_platt"], data, "test", platt=True)
+        out.setdefault(model, []).append(r)
+    return out
+
+
 def pair_blind_trial(data: str) -> dict:
     """The pair-blind oracle's test captured ÷ the oracle's, per task (``evaluation.oracle.refit`` with
     ``crosses="all"``): the exact history and numeric terms, every user field × ad field cross instead of
@@ -263,6 +285,10 @@ def summarize(runs: list[dict], key: str = "metrics") -> dict:
     ``key`` (``metrics``, or ``metrics_platt``: after the Platt fit on valid)."""
     return {t: {m: mean_std([r[key].get(f"all/{t}", {}).get(m) for r in runs]) for m in REPORTED}
             for t in TASKS if any(f"all/{t}" in r[key] for r in runs)}
+
+
+def stacked_name(model: str) -> str:
+    return model + STACKED
 
 
 def beats(gem: dict, peer: dict) -> bool:
@@ -298,6 +324,8 @@ def headline(mode_name: str, mode: Mode, models: list[str], chosen: dict, worlds
     for name, figs in (("gem_over_oracle", out), ("gem_over_oracle_recalibrated", out["recalibrated"])):
         if "gem_over_oracle" in figs:
             out[f"{name}_mean"], out[f"{name}_min"] = figs["gem_over_oracle"]["mean"], figs["gem_over_oracle"]["min"]
+    if (stack := out.get(f"{stacked_name('gem')}_over_oracle")) is not None:
+        out["gem_stacked_over_oracle_mean"], out["gem_stacked_over_oracle_min"] = stack["mean"], stack["min"]
     out["wall_s"] = round(wall_s, 1)
     return out
 
@@ -342,6 +370,10 @@ def figures(models: list[str], worlds: dict, real: dict) -> dict:
             row["gem_beats_every_peer"] = all(beats(summary["gem"], summary[p]) for p in PEERS if p in summary)
             if "conversion" in summary["gem"]:
                 row["gem_over_oracle_conversion"] = summary["gem"]["conversion"]["captured_over_oracle"]
+        if stacked_name("gem") in summary:  # against every peer, stacked or not
+            rivals = [*PEERS, *(stacked_name(p) for p in PEERS)]
+            row["gem_stacked_beats_every_peer"] = all(beats(summary[stacked_name("gem")], summary[p])
+                                                      for p in rivals if p in summary)
         per_world[str(w)] = row
     out["worlds"] = per_world
     for m in models:
@@ -359,6 +391,10 @@ def figures(models: list[str], worlds: dict, real: dict) -> dict:
         out[name] = {m: {k: summary[m]["click"][k] for k in ("auc", "ne")} for m in summary}
         if "gem" in summary:
             out[name]["gem_beats_every_peer"] = all(beats(summary["gem"], summary[p]) for p in PEERS if p in summary)
+        if stacked_name("gem") in summary:
+            rivals = [*PEERS, *(stacked_name(p) for p in PEERS)]
+            out[name]["gem_stacked_beats_every_peer"] = all(beats(summary[stacked_name("gem")], summary[p])
+                                                            for p in rivals if p in summary)
     return out
 
 
@@ -372,6 +408,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
     ap.add_argument("--real", default="ml100k,obd", help="real datasets ('' for none)")
     ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    ap.add_argument("--stack", action=argparse.BooleanOptionalAction, default=True,
+                    help="also report each neural model stacked with the regression (bench.stack)")
     ap.add_argument("--work", default=None, help="where data and runs go (default: a temporary directory)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -489,9 +527,24 @@ def main() -> None:
         reported = {k: f.result() for k, f in report.items()}
         pair_blind = {w: f.result() for w, f in blind.items()}
 
+        # 3. each neural model's reported runs stacked with the regression (bench.stack), per dataset
+        stacks = {}
+        for kind, data in ([*((f"world-{w}", worlds[w]) for w in mode.held_out), *real.items()]
+                           if args.stack else []):
+            scope = kind if kind in real else "synthetic"
+            runs_of = {m: [run_dir(kind, m, tuple(chosen[f"{m}/{scope}"]), s) for s in mode.train_seeds]
+                       for m in models if m not in TABULAR and f"{m}/{scope}" in chosen and applies(m, data)}
+            if runs_of:
+                stacks[kind] = pool.submit(stack_trial, str(data), runs_of, cap(kind))
+        stacked = {k: f.result() for k, f in stacks.items()}
+
     runs: dict = {}
     for (model, kind, _), r in reported.items():
         runs.setdefault(kind, {}).setdefault(model, []).append(r)
+    for kind, per_model in stacked.items():
+        for model, rs in per_model.items():
+            runs.setdefault(kind, {})[stacked_name(model)] = rs
+    models = [*models, *(stacked_name(m) for m in models if any(m in v for v in stacked.values()))]
     print(f"\n[quality] {mode_name}; runs in {work}")
     views = {}
     for key, title in (("metrics", "raw"), ("metrics_platt", "recalibrated: each side Platt-fitted on its valid")):

@@ -89,3 +89,20 @@ def test_the_pair_blind_reference_is_its_test_captured_over_the_oracles(tmp_path
     summary = q.pair_blind_summary({1000: got, 1001: {"click": 0.5, "conversion": None}})
     assert summary["min"] == 0.5 and summary["mean"] == round((got["click"] + 0.5) / 2, 5)
     assert summary["worlds"]["1001"] == {"click": 0.5, "conversion": None}
+
+
+def test_the_json_line_holds_the_stacks_and_whether_gems_beats_every_peer_stacked_or_not():
+    q = _quality()
+    mode = q.Mode(dev_worlds=[0], held_out=[1000, 1001], train_seeds=[0], world=[], dense_lrs=(1e-3,),
+                  table_lrs=(0.1,), max_epochs=1)
+    raw = {w: _summary(0.6, 0.4) for w in (1000, 1001)}
+    for w, (gem_stack, din_stack) in {1000: (0.8, 0.7), 1001: (0.8, 0.9)}.items():
+        s = _summary(gem_stack, din_stack, auc_gem=0.9 if w == 1000 else 0.7)
+        raw[w]["gem+logreg"], raw[w]["din+logreg"] = s["gem"], s["din"]
+    models = ["gem", "din", "gem+logreg", "din+logreg"]
+    out = q.headline("quick", mode, models, {}, raw, {}, 1.0, raw, {})
+    assert (out["gem_stacked_over_oracle_mean"], out["gem_stacked_over_oracle_min"]) == (0.8, 0.8)
+    assert out["din+logreg_over_oracle"]["min"] == 0.7
+    assert out["worlds"]["1000"]["gem_stacked_beats_every_peer"]  # din and din+logreg both behind
+    assert not out["worlds"]["1001"]["gem_stacked_beats_every_peer"]  # din+logreg's AUC 0.75 > 0.7
+    assert q.stacked_name("gem") == "gem+" + q.LINEAR
