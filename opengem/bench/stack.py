@@ -1,9 +1,9 @@
-"""A trained run stacked with the logistic regression: w · p(run) + (1 − w) · p(regression), w chosen on valid.
+"""A trained run stacked with the logistic regression: w·p(run) + (1 − w)·p(regression), w chosen on valid.
 
 Legend: n rows of a split, T tasks.
 
-    run (best held-out checkpoint) ─► evaluate.score_rows ─► p_run [n, T] ─┐
-    bench.linear.fit_data (L2 on valid) ─────────────────► p_lr  [n, T] ─┴─► w · p_run + (1 − w) · p_lr
+    run (best checkpoint) ─► evaluate.score_rows ─► p_run [n, T] ─┐
+    bench.linear.fit_data (L2 on valid) ────────► p_lr  [n, T] ─┴─► w · p_run + (1 − w) · p_lr
 
 Why: on little data a deep model and a convex one err differently. At ``quality.py --quick``'s size
 (1,500 users, ~7,500 training rows) the regression beats GEM on two of three held-out worlds, GEM beats
@@ -13,8 +13,9 @@ classic wide-and-deep pairing (Cheng et al. 2016) done in two stages, each part 
 regression convex with its own L2, the run as trained. Where the record is silent (GEM's papers do not
 name a linear part) this is a choice, made per dataset on valid, never inside GEM's forward.
 
-The weight: probabilities, not logits, are averaged (both ways measured at ``--quick``'s size; within
-0.01 of the oracle's ratio of each other); one weight for every task and domain, the one of ``WEIGHTS``
+The weight: probabilities, not logits, are averaged (chosen on development worlds 0-4 at ``--quick``'s
+size, valid: best valid click NE 0.0024 ± 0.0008 lower, on 11 of 15 runs; docs/experiments.md); one
+weight for every task and domain, the one of ``WEIGHTS``
 with the lowest valid NE of the choice task (the first task that requires no other), ties going to the
 larger weight on the run. Chained tasks' probabilities are joint (p(click) · p(conv | click)) on both
 sides, so their average is too. Serving the stack is not built: ``opengem export`` exports the run.

@@ -47,6 +47,7 @@ def test_it_refuses_test_and_names_a_run_of_another_schema(world, gem_run, tmp_p
     from opengem.recipes import world_config
 
     other = tmp_path / "other"
-    generate(world_config("tiny", seed=0, overrides=["sizes.num_users=200", "surface_task.enabled=true"]), other, progress=False)
+    cfg = world_config("tiny", seed=0, overrides=["sizes.num_users=200", "surface_task.enabled=true"])
+    generate(cfg, other, progress=False)
     with pytest.raises(SchemaError, match="another schema"):
         run_stack(other, [gem_run])
