@@ -7,18 +7,18 @@ Legend: n rows of a split, T tasks.
 
 Why: on little data a deep model and a convex one err differently. At ``quality.py --quick``'s size
 (1,500 users, ~7,500 training rows) the regression beats GEM on two of three held-out worlds, GEM beats
-it on the third, and their blend beats both on all three; DLRM and DIN add almost nothing to the
-regression (docs/results.md). At the demo's size the chosen weight moves toward the run. This is the
-classic wide-and-deep pairing (Cheng et al. 2016) done in two stages, each part fitted its own way: the
-regression convex with its own L2, the run as trained. Where the record is silent (GEM's papers do not
-name a linear part) this is a choice, made per dataset on valid, never inside GEM's forward.
+it on the third, and their blend's NE beats both on all three; stacked alike, DLRM, DIN and DLRM-DCN add
+almost nothing to the regression (docs/results.md). At the demo's size the chosen weight moves toward the
+run and the stack still gains. This is the classic wide-and-deep pairing (Cheng et al. 2016) done in two
+stages, each part fitted its own way: the regression convex with its own L2, the run as trained. Where
+the record is silent (GEM's papers name no linear part) this is a choice, made per dataset on valid.
 
 The weight: probabilities, not logits, are averaged (chosen on development worlds 0-4 at ``--quick``'s
 size, valid: best valid click NE 0.0024 ± 0.0008 lower, on 11 of 15 runs; docs/experiments.md); one
-weight for every task and domain, the one of ``WEIGHTS``
-with the lowest valid NE of the choice task (the first task that requires no other), ties going to the
-larger weight on the run. Chained tasks' probabilities are joint (p(click) · p(conv | click)) on both
-sides, so their average is too. Serving the stack is not built: ``opengem export`` exports the run.
+weight for every task and domain, the one of ``WEIGHTS`` with the lowest valid NE of the choice task (the
+first task that requires no other), ties going to the larger weight on the run. Chained tasks'
+probabilities are joint (p(click) · p(conv | click)) on both sides, so their average is too. Serving the
+stack is not built: ``opengem export`` exports the run alone.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def run_stack(data_dir: str | Path, runs: Sequence[str | Path], tune_split: str 
         scored = {}
         for split in (tune_split, REPORT_SPLIT):
             rows = score_rows(model.eval(), schema, data_dir, split)
-            if not np.array_equal(rows["labels"].numpy(), lr.rows[split].labels):
+            if not np.array_equal(rows["labels"].numpy(), lr.rows[split].labels, equal_nan=True):
                 raise ValueError(f"{data_dir} {split}: the run's rows and the regression's are not in the same order")
             scored[split] = (rows, rows["probs"].numpy(), lr.probs[split])
         rows, p_run, p_lr = scored[tune_split]

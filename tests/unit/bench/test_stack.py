@@ -51,3 +51,18 @@ def test_it_refuses_test_and_names_a_run_of_another_schema(world, gem_run, tmp_p
     generate(cfg, other, progress=False)
     with pytest.raises(SchemaError, match="another schema"):
         run_stack(other, [gem_run])
+
+
+def test_rows_in_another_order_than_the_regressions_are_named(world, gem_run, monkeypatch):
+    # The blend is row by row: a scorer that read the split in another order must fail, not blend
+    # one row's run probability with another row's regression probability.
+    import opengem.bench.stack as stack
+
+    score = stack.score_rows
+
+    def reversed_rows(*args, **kwargs):
+        return {k: None if v is None else v.flip(0) for k, v in score(*args, **kwargs).items()}
+
+    monkeypatch.setattr(stack, "score_rows", reversed_rows)
+    with pytest.raises(ValueError, match="not in the same order"):
+        run_stack(world, [gem_run])
