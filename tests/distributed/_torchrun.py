@@ -43,7 +43,8 @@ def run(nproc: int, *args: str, log: Path, timeout: float = 240) -> float:
         rc = proc.wait(timeout=timeout)
     finally:
         stop(proc)
-    assert rc == 0, f"torchrun exited {rc}:\n{tail(log)}"
+    # 120 lines: torchrun's own failure report is ~40, and the failing worker's error is above it
+    assert rc == 0, f"torchrun exited {rc}:\n{tail(log, 120)}"
     return time.perf_counter() - t0
 
 
