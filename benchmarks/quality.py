@@ -298,6 +298,18 @@ def beats(gem: dict, peer: dict) -> bool:
     return g["auc"][0] > p["auc"][0] and g["ne"][0] < p["ne"][0]
 
 
+def peer_flags(summary: dict) -> dict:
+    """``gem_beats_every_peer`` (GEM against the peers) and ``gem_stacked_beats_every_peer`` (GEM's stack
+    against the peers, stacked or not), for the models ``summary`` has."""
+    out = {}
+    for flag, model, rivals in (("gem_beats_every_peer", "gem", PEERS),
+                                ("gem_stacked_beats_every_peer", stacked_name("gem"),
+                                 [*PEERS, *(stacked_name(p) for p in PEERS)])):
+        if model in summary:
+            out[flag] = all(beats(summary[model], summary[p]) for p in rivals if p in summary)
+    return out
+
+
 def print_table(title: str, summary: dict) -> None:
     print(f"\n{title}  (test, all/click; mean ± std over training seeds)")
     cols = ("auc", "ne", "captured", "captured_over_oracle")
@@ -367,13 +379,9 @@ def figures(models: list[str], worlds: dict, real: dict) -> dict:
         row = {m: {k: summary[m]["click"][k] for k in ("captured", "oracle_captured", "auc", "ne")} for m in summary}
         if "gem" in summary:
             row["gem_over_oracle"] = summary["gem"]["click"]["captured_over_oracle"]
-            row["gem_beats_every_peer"] = all(beats(summary["gem"], summary[p]) for p in PEERS if p in summary)
             if "conversion" in summary["gem"]:
                 row["gem_over_oracle_conversion"] = summary["gem"]["conversion"]["captured_over_oracle"]
-        if stacked_name("gem") in summary:  # against every peer, stacked or not
-            rivals = [*PEERS, *(stacked_name(p) for p in PEERS)]
-            row["gem_stacked_beats_every_peer"] = all(beats(summary[stacked_name("gem")], summary[p])
-                                                      for p in rivals if p in summary)
+        row.update(peer_flags(summary))
         per_world[str(w)] = row
     out["worlds"] = per_world
     for m in models:
@@ -389,12 +397,7 @@ def figures(models: list[str], worlds: dict, real: dict) -> dict:
                                              "min": round(min(conv), 5)}
     for name, summary in real.items():
         out[name] = {m: {k: summary[m]["click"][k] for k in ("auc", "ne")} for m in summary}
-        if "gem" in summary:
-            out[name]["gem_beats_every_peer"] = all(beats(summary["gem"], summary[p]) for p in PEERS if p in summary)
-        if stacked_name("gem") in summary:
-            rivals = [*PEERS, *(stacked_name(p) for p in PEERS)]
-            out[name]["gem_stacked_beats_every_peer"] = all(beats(summary[stacked_name("gem")], summary[p])
-                                                            for p in rivals if p in summary)
+        out[name].update(peer_flags(summary))
     return out
 
 

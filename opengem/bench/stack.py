@@ -72,7 +72,7 @@ def run_stack(data_dir: str | Path, runs: Sequence[str | Path], tune_split: str 
         rates = load_base_rates(run)
         scored = {}
         for split in (tune_split, REPORT_SPLIT):
-            rows = score_rows(model.eval(), schema, data_dir, split)
+            rows = score_rows(model, schema, data_dir, split)
             if not np.array_equal(rows["labels"].numpy(), lr.rows[split].labels, equal_nan=True):
                 raise ValueError(f"{data_dir} {split}: the run's rows and the regression's are not in the same order")
             scored[split] = (rows, rows["probs"].numpy(), lr.probs[split])
