@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from opengem.bench.layout import parquet_bytes
+from instruments.layout import parquet_bytes
 from opengem.data.loader import ShardLoader
 from opengem.data.synthetic import generate
 from opengem.features.schema import FeatureSchema

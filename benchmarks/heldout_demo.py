@@ -46,7 +46,7 @@ def run_world(work: Path, world_seed: int, users: int | None, epochs: int = 1, o
     """``opengem demo`` (no distillation, no serving) on world ``world_seed``; its test metrics. With
     ``epochs`` > 1 the run stops early on valid and keeps its best checkpoint (``bench.tune.search_overrides``);
     ``overrides`` (``key=value``) go to the ``demo`` recipe."""
-    from opengem.bench.tune import search_overrides
+    from instruments.tune import search_overrides
     from opengem.pipeline import demo
 
     sizes = [f"sizes.num_users={users}"] if users else []
@@ -69,7 +69,7 @@ TUNE_GRID = ((3e-3, 0.3), (3e-3, 0.8), (6e-3, 0.3), (6e-3, 0.8), (1e-2, 0.3), (1
 def tune_world(work: Path, world_seed: int, grid=TUNE_GRID, epochs: int = 1, overrides: tuple[str, ...] = ()) -> dict:
     """Each grid point of the ``demo`` recipe on development world ``world_seed`` at the demo's size, scored
     on valid; returns {point: (valid click NE, valid conversion NE, train seconds)}, trials cached on disk."""
-    from opengem.bench.tune import train_point
+    from instruments.tune import train_point
     from opengem.config import apply_overrides
     from opengem.data.parquet import MANIFEST
     from opengem.data.synthetic import generate
@@ -101,7 +101,7 @@ def tune_world(work: Path, world_seed: int, grid=TUNE_GRID, epochs: int = 1, ove
 
 def tune(work: Path, worlds: list[int], grid=TUNE_GRID, epochs: int = 1, overrides: tuple[str, ...] = ()) -> dict:
     """The grid on every world; the chosen point by mean valid click NE (``bench.tune.choose``)."""
-    from opengem.bench.tune import choose
+    from instruments.tune import choose
 
     per_world = {w: tune_world(work, w, grid, epochs, overrides) for w in worlds}
     mean = {p: [statistics.fmean(per_world[w][p][i] for w in worlds) for i in (0, 1)] for p in grid}

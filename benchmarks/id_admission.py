@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from opengem.bench.tune import train_point
+from instruments.tune import train_point
 from opengem.config import apply_overrides
 from opengem.data.parquet import MANIFEST
 from opengem.data.synthetic import generate

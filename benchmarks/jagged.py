@@ -28,7 +28,7 @@ import tempfile
 
 import torch
 
-from opengem.bench.ops import attention_case, fp8_step, table_ne, trained_tiny
+from instruments.ops import attention_case, fp8_step, table_ne, trained_tiny
 
 
 def main() -> None:

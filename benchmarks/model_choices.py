@@ -88,7 +88,7 @@ def run_variant(name: str, data: str, run: str, w: int, max_epochs: int) -> dict
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from opengem.bench.tune import best_evaluation, train_point
+    from instruments.tune import best_evaluation, train_point
     from opengem.config import apply_overrides
     from opengem.evaluation.evaluate import evaluate_run
     from opengem.recipes import recipe

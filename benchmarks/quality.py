@@ -8,17 +8,17 @@
                                              # users, the demo recipe, one pass), grid 2 x 2, no real data (~2 h)
 
 Models: ``gem`` (GEM as its recipe builds it), TorchRec ``dlrm`` and ``dlrm_dcn``, ``din`` (DIN's
-target attention over each history, ``opengem.model.peers``), ``lightgbm`` (``opengem.bench.gbdt``:
-generic history summaries) and ``logreg`` (``opengem.bench.linear``: one-hot ids, their user x ad
+target attention over each history, ``opengem.model.peers``), ``lightgbm`` (``instruments.gbdt``:
+generic history summaries) and ``logreg`` (``instruments.linear``: one-hot ids, their user x ad
 crosses and history counters, L2 chosen on valid). ``--models`` adds GEM's ablations. Beside them
 (``--no-stack`` turns it off) each neural model's reported runs stacked with the regression,
-``<model>+logreg`` (``opengem.bench.stack``: w · p(model) + (1 − w) · p(regression), w chosen on each
+``<model>+logreg`` (``instruments.stack``: w · p(model) + (1 − w) · p(regression), w chosen on each
 dataset's valid split).
 
 The discipline (``opengem.discipline``), which this file follows step by step:
 
 1. **Same search for everyone.** Each neural model gets the same grid of (dense lr, table lr)
-   (``opengem.bench.tune``), the same batch, recipe sizes and epochs with early stopping on valid;
+   (``instruments.tune``), the same batch, recipe sizes and epochs with early stopping on valid;
    LightGBM gets a grid of the same size (learning rate x leaves) with early stopping on valid. The
    logistic regression's one knob, its L2 strength, is chosen on each dataset's own valid split, as
    early stopping chooses each neural run's step there; it is deterministic, so it runs once a world.
@@ -172,7 +172,7 @@ def neural_trial(data: str, run: str, recipe_name: str, overrides: list[str], po
     """Train one model at one grid point with early stopping on valid; with ``score_test`` (only the
     chosen point's runs), the best-on-valid checkpoint's test metrics too."""
     _quiet()
-    from opengem.bench.tune import train_point
+    from instruments.tune import train_point
     from opengem.config import apply_overrides
     from opengem.evaluation.platt import evaluate_recalibrated
     from opengem.recipes import recipe
@@ -180,7 +180,7 @@ def neural_trial(data: str, run: str, recipe_name: str, overrides: list[str], po
     cfg = apply_overrides(recipe(recipe_name), ["train.threads=1", *overrides])
     cfg.train.progress = False
     if (Path(run) / FINAL_FILE).exists():  # finished in an earlier invocation with the same --work
-        from opengem.bench.tune import best_evaluation
+        from instruments.tune import best_evaluation
 
         value, step, valid = best_evaluation(run)
         out = {"valid_value": value, "best_step": step, "valid": valid, "wall_s": None, "reused": True}
@@ -213,7 +213,7 @@ def gbdt_trial(data: str, grid: list | None, seed: int, score_test: bool, max_se
     """LightGBM over ``grid`` (None: its full grid) with early stopping on valid; the history capped
     where GEM's recipe caps it, so it sees the events GEM sees."""
     _quiet()
-    from opengem.bench.gbdt import run_gbdt
+    from instruments.gbdt import run_gbdt
     from opengem.evaluation.evaluate import add_oracle
     from opengem.features.schema import FeatureSchema
 
@@ -228,7 +228,7 @@ def gbdt_trial(data: str, grid: list | None, seed: int, score_test: bool, max_se
 def linear_trial(data: str, max_seq_len: int) -> dict:
     """The logistic regression, L2 chosen on valid, test read once, with the oracle beside."""
     _quiet()
-    from opengem.bench.linear import run_linear
+    from instruments.linear import run_linear
     from opengem.evaluation.evaluate import add_oracle
     from opengem.features.schema import FeatureSchema
 
@@ -243,7 +243,7 @@ def stack_trial(data: str, runs: dict[str, list[str]], max_seq_len: int) -> dict
     """Each neural model's runs on ``data`` stacked with one regression (``bench.stack``: the blend's
     weight chosen on valid), test read once, the oracle beside: model → one result a run."""
     _quiet()
-    from opengem.bench.stack import run_stack
+    from instruments.stack import run_stack
     from opengem.evaluation.evaluate import add_oracle
     from opengem.features.schema import FeatureSchema
 
@@ -423,7 +423,7 @@ def main() -> None:
     models = args.models.split(",")
     work = Path(args.work or tempfile.mkdtemp(prefix="opengem-quality-"))
     t0 = time.perf_counter()
-    from opengem.bench.tune import choose, lr_grid
+    from instruments.tune import choose, lr_grid
     from opengem.config import apply_overrides
     from opengem.features.schema import FeatureSchema
     from opengem.recipes import recipe

@@ -11,7 +11,7 @@
 Times are one thread (``--threads 1``) on the shared 2-core machine under other jobs' load; at torch's
 default threads a loaded machine slows every run many-fold (docs/speed.md).
 
-The race (``opengem.bench.race.race``): the target is the NE on ``all/click`` of ``test`` that
+The race (``instruments.race.race``): the target is the NE on ``all/click`` of ``test`` that
 DLRM-DCN ends one pass of the demo recipe with; GEM trains 1/32, 1/16, … of its pass, each budget its
 own run with warm-up and cosine decay fitted to it, until one ends at or below the target on ``test``
 (interpolated in log-seconds). The headline is DLRM-DCN's pass time over GEM's time to the target:
@@ -64,7 +64,7 @@ def _kth(steps: int) -> int:
 
 
 def tune(data: Path) -> dict:
-    from opengem.bench.race import race_steps, tune_rates
+    from instruments.race import race_steps, tune_rates
 
     def show(r: dict) -> None:
         print(f"{r['arch']:9s} lr {r['lr']:<7g} table lr {r['sparse_lr']:<5g} valid NE {r['ne']:.4f}  "
@@ -77,7 +77,7 @@ def tune(data: Path) -> dict:
 
 
 def race_line(data: Path, runs: int, gem_overrides: list[str]) -> tuple[dict, dict]:
-    from opengem.bench.race import RATES, race, race_steps
+    from instruments.race import RATES, race, race_steps
 
     def show(t: dict) -> None:
         order = " > ".join(f"{a} {n}" for a, n in t["sequence"])
@@ -101,7 +101,7 @@ def race_line(data: Path, runs: int, gem_overrides: list[str]) -> tuple[dict, di
 
 
 def midrun_line(data: Path, gem_overrides: list[str]) -> dict:
-    from opengem.bench.race import RATES, dcn_race, eval_schedule, ne_at, race_steps
+    from instruments.race import RATES, dcn_race, eval_schedule, ne_at, race_steps
 
     steps = race_steps(data)
     at = eval_schedule(steps, steps, 20, 20) if steps <= 400 else eval_schedule(steps, steps // 4, 25, 100)

@@ -5,7 +5,7 @@
     python benchmarks/transfer.py --table [--quick]   # issue 21's table (docs/transfer.md)
 
 **The sweep**: lag {0, 1, 3, 7} days × student data {1, 3} days × objective {matched, mismatched}
-(``--quick``: lag {0, 3} × data {1, 3}, 3,000 users, 3 seeds; code: ``opengem.bench.transfer_sweep``).
+(``--quick``: lag {0, 3} × data {1, 3}, 3,000 users, 3 seeds; code: ``instruments.transfer_sweep``).
 Per seed: one world with the surface
 task on (``engage`` on video, ``opengem.data.synthetic_world.SurfaceTask``), one FM (``tiny``)
 trained *continuously* on a view of it without the task (``opengem.transfer.objectives.fm_view``)
@@ -79,7 +79,7 @@ from opengem.data.synthetic import generate
 from opengem.discipline import require_dev_world, require_tuning_split
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import count_parameters
-from opengem.bench.transfer_sweep import run_seeds
+from instruments.transfer_sweep import run_seeds
 from opengem.recipes import recipe, student_recipe, world_config
 from opengem.run import FINAL_FILE
 from opengem.train.trainer import train
@@ -325,7 +325,7 @@ def main() -> None:
         for k, v in (quick if args.quick else full).items():
             if getattr(args, k) is None:
                 setattr(args, k, v)
-        from opengem.bench.transfer_sweep import sweep_main
+        from instruments.transfer_sweep import sweep_main
 
         return sweep_main(args)
     # --quick leaves out the hierarchical rows (never candidates) to stay within 5 minutes on 2 cores

@@ -9,7 +9,7 @@
     opengem export   --run RUN --out ARTIFACT [--data DIR] [--no-compile] [--table-dtype fp32|fp16|int8]
     opengem serve    --artifact ARTIFACT [--host 127.0.0.1] [--port 8000] [--history STORE]
     opengem history-store --data DATA --out STORE   a v2 dataset's event logs → a memory-mapped history store
-    opengem bench    [--recipe R] [--data DIR] [--levers eager,compile,ac,bf16,fp8]
+    opengem bench    [--quick] [--recipe R] [--levers eager,compile,ac,bf16,fp8]   benchmarks/speed.py
     opengem import   --source S --in PATH --out DIR [--spec FILE]   real data → our Parquet layout + schema
     opengem validate DATA [--strict]      check a dataset's files, columns, ids, times and event logs
     opengem report   --run RUN [--eval EVAL_JSON] [--out DIR] [--data DIR] [--bench FILE …]
@@ -119,17 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--data", required=True)
     h.add_argument("--out", required=True)
 
-    b = sub.add_parser("bench", help="training step time by phase, each speed/memory lever, the loader alone")
-    b.add_argument("--recipe", default="demo")
-    b.add_argument("--data", default=None, help="a dataset directory (default: a fresh tiny synthetic world)")
-    b.add_argument("--levers", default="eager,compile,ac,bf16,fp8", help="comma-separated; combine with '+'")
-    b.add_argument("--steps", type=int, default=10)
-    b.add_argument("--warmup", type=int, default=3)
-    b.add_argument("--json", default=None, help="write the figures here")
-    b.add_argument("--quick", action="store_true",
-                   help="the headline figures in a few CPU minutes: jagged vs padded, loader vs training, FP8 and "
-                        "int8 memory, time to DLRM-DCN's quality; ends with one JSON line")
-    b.add_argument("overrides", nargs="*", help="config overrides key=value")
+    b = sub.add_parser("bench", help="speed figures: runs benchmarks/speed.py of a source checkout",
+                       add_help=False)
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="benchmarks/speed.py's arguments (--quick, --help)")
 
     d = sub.add_parser("demo", help="the main job: generate, train, evaluate, distil, export, serve (demo world)")
     d.add_argument("--out", default="./opengem-demo")
@@ -258,29 +250,18 @@ def cmd_history_store(args) -> dict:
 
 
 def cmd_bench(args) -> dict:
-    from opengem.bench.levers import format_bench, run_bench
-    from opengem.config import apply_overrides
-    from opengem.recipes import recipe
+    """Run ``benchmarks/speed.py``: the instruments stand beside the library, not in it, so the command
+    finds them in the checkout the package was installed from (``pip install -e .``)."""
+    from opengem.config import ConfigError
 
-    if args.quick:
-        from opengem.bench.quick import quick_bench
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    if not (bench_dir / "speed.py").is_file():
+        raise ConfigError(f"opengem bench runs benchmarks/speed.py of a source checkout; {bench_dir} has none "
+                          "(the instruments are not part of the installed package)")
+    sys.path.insert(0, str(bench_dir))
+    import speed
 
-        out = quick_bench()
-        print(json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)}))
-        if args.json:
-            Path(args.json).write_text(json.dumps(out, indent=2))
-        return out
-    import torch
-
-    cfg = apply_overrides(recipe(args.recipe), list(args.overrides))
-    if cfg.train.threads:  # as ``train`` does, so bench and training figures are comparable
-        torch.set_num_threads(cfg.train.threads)
-    out = run_bench(cfg, args.data, tuple(args.levers.split(",")), args.warmup, args.steps)
-    out["threads"] = torch.get_num_threads()
-    print(format_bench(out))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
-    return out
+    return speed.main(args.bench_args)
 
 
 def cmd_validate(args) -> dict:

@@ -1,6 +1,6 @@
 """One training step of a GEM-style model, shared by every loop that trains one.
 
-The trainer's loop calls ``train_step``; the benchmarks (``opengem.bench``) call it too, or, where
+The trainer's loop calls ``train_step``; the benchmarks (``instruments``) call it too, or, where
 they time the phases of a step, its pieces, so that what they measure is the trainer's step::
 
     schedule.set(step)                         the caller's: before the forward (the fused CPU table

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from opengem.bench.layout import layout_bytes
-from opengem.bench.quick import loader_examples_per_s
+from instruments.layout import layout_bytes
+from instruments.quick import loader_examples_per_s
 from opengem.data.synthetic import generate
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem

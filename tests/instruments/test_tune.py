@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from opengem.bench.tune import best_evaluation, choose, lr_grid, search_overrides, train_point
+from instruments.tune import best_evaluation, choose, lr_grid, search_overrides, train_point
 from opengem.discipline import DisciplineError
 
 

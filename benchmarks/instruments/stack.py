@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from opengem.bench.gbdt import choice_task
-from opengem.bench.linear import fit_data
-from opengem.bench.tune import choose
+from instruments.gbdt import choice_task
+from instruments.linear import fit_data
+from instruments.tune import choose
 from opengem.checkpoint import best_checkpoint
 from opengem.discipline import REPORT_SPLIT, require_tuning_split
 from opengem.evaluation.evaluate import metrics_of, score_rows

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from opengem.bench.gbdt import FEATURE_BATCH, GBDTRows, chain, features, metrics, task_parents, task_rows
+from instruments.gbdt import FEATURE_BATCH, GBDTRows, chain, features, metrics, task_parents, task_rows
 from opengem.data.base_rates import train_base_rates
 from opengem.data.batch import Batch
 from opengem.discipline import REPORT_SPLIT, require_tuning_split

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from opengem.data.parquet import MANIFEST
 
-QUALITY = Path(__file__).resolve().parents[3] / "benchmarks" / "quality.py"
+QUALITY = Path(__file__).resolve().parents[2] / "benchmarks" / "quality.py"
 
 
 def _quality():

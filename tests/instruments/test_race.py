@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from opengem.bench import race as race_mod
-from opengem.bench.race import budget_crossing
+from instruments import race as race_mod
+from instruments.race import budget_crossing
 from opengem.discipline import DisciplineError
 from opengem.recipes import recipe
 
@@ -14,7 +14,7 @@ FP8_TOL = 3e-2  # the fp8 lever's stated tolerance (tests/unit/bench/test_levers
 
 
 def test_time_to_quality_interpolates_the_first_crossing():
-    from opengem.bench.race import time_to_quality
+    from instruments.race import time_to_quality
 
     gem = {"curve": [(1.0, 100, 0.99), (2.0, 200, 0.95), (3.0, 300, 0.90)], "final_ne": 0.90}
     peer = {"curve": [(0.5, 300, 0.95)], "final_ne": 0.95, "train_s": 4.0}
@@ -30,7 +30,7 @@ def test_time_to_quality_interpolates_the_first_crossing():
 
 
 def test_time_to_quality_sustained_crossing_ignores_a_dip():
-    from opengem.bench.race import time_to_quality
+    from instruments.race import time_to_quality
 
     # Dips below 0.93 at t = 2, spikes back to 0.97 at t = 3, then stays below from t = 4 on.
     gem = {"curve": [(1.0, 100, 0.99), (2.0, 200, 0.92), (3.0, 300, 0.97), (4.0, 400, 0.91), (5.0, 500, 0.90)],
@@ -46,7 +46,7 @@ def test_time_to_quality_sustained_crossing_ignores_a_dip():
 
 
 def test_train_with_evals_records_a_learning_curve(tmp_path):
-    from opengem.bench.race import train_with_evals
+    from instruments.race import train_with_evals
     from opengem.data.synthetic import generate
     from opengem.recipes import world_config
 
@@ -63,7 +63,7 @@ def test_train_with_evals_records_a_learning_curve(tmp_path):
 
 
 def test_widen_to_params_matches_gems_dense_size(tmp_path):
-    from opengem.bench.race import training_examples_per_s, widen_to_params
+    from instruments.race import training_examples_per_s, widen_to_params
     from opengem.config import apply_overrides
     from opengem.data.synthetic import generate
     from opengem.features.schema import FeatureSchema
@@ -81,7 +81,7 @@ def test_widen_to_params_matches_gems_dense_size(tmp_path):
 
 
 def test_eval_schedule_and_reading_a_curve_at_a_time():
-    from opengem.bench.race import eval_schedule, ne_at
+    from instruments.race import eval_schedule, ne_at
 
     assert eval_schedule(100, 40, 10, 25) == [10, 20, 30, 40, 65, 90, 100]  # dense, then sparse, then the end
     assert eval_schedule(30, 100, 20, 20) == [20, 30]
@@ -104,7 +104,7 @@ def test_budget_crossing_interpolates_in_log_seconds():
 
 
 def test_a_budget_run_stops_and_decays_at_its_budget(tmp_path):
-    from opengem.bench.race import race_steps, train_with_evals
+    from instruments.race import race_steps, train_with_evals
     from opengem.data.synthetic import generate
     from opengem.recipes import world_config
     from opengem.train.optim import lr_factor
@@ -123,7 +123,7 @@ def test_a_budget_run_stops_and_decays_at_its_budget(tmp_path):
 def test_budget_race_doubles_gems_budget_until_it_reaches_dcns_ne_read_on_test(tmp_path, monkeypatch):
     import itertools
 
-    from opengem.bench.race import budget_race
+    from instruments.race import budget_race
     from opengem.data.synthetic import generate
     from opengem.recipes import world_config
 
@@ -184,7 +184,7 @@ class _Meta:
 
 
 def test_tuning_refuses_the_test_split_and_held_out_worlds(monkeypatch):
-    from opengem.bench.race import tune_rates
+    from instruments.race import tune_rates
 
     calls = fake_training(monkeypatch)
     with pytest.raises(DisciplineError, match="test split"):
@@ -199,7 +199,7 @@ def test_tuning_refuses_the_test_split_and_held_out_worlds(monkeypatch):
 
 
 def test_tuning_scores_every_point_one_pass_on_valid_and_keeps_each_sides_best(monkeypatch):
-    from opengem.bench.race import tune_rates
+    from instruments.race import tune_rates
 
     # GEM's NE: best at lr 3e-3 and table lr 0.8; DLRM-DCN's does not depend on the rates here,
     # so its first point (the lowest NE, ties to the first) is kept.
@@ -217,7 +217,7 @@ def test_tuning_scores_every_point_one_pass_on_valid_and_keeps_each_sides_best(m
 
 
 def test_race_order_alternates_which_side_trains_first():
-    from opengem.bench.race import race_order
+    from instruments.race import race_order
 
     assert [race_order(i)[0] for i in range(1, 5)] == ["gem", "dlrm_dcn", "gem", "dlrm_dcn"]
     assert race_order(2) == ("dlrm_dcn", "gem")
@@ -226,7 +226,7 @@ def test_race_order_alternates_which_side_trains_first():
 
 
 def test_the_race_interleaves_its_runs_and_reads_them_on_test(monkeypatch):
-    from opengem.bench.race import race
+    from instruments.race import race
 
     calls = fake_training(monkeypatch)
     seen = []
@@ -254,7 +254,7 @@ def test_the_race_interleaves_its_runs_and_reads_them_on_test(monkeypatch):
 
 
 def test_a_gem_first_run_without_a_guess_stops_at_the_rounded_eighth(monkeypatch):
-    from opengem.bench.race import budget_ladder, budget_race
+    from instruments.race import budget_ladder, budget_race
 
     fake_training(monkeypatch, dcn_ne=(0.0,), steps=1939)  # a target no budget reaches: GEM climbs the whole ladder
     assert budget_ladder(1939)[:4] == [61, 121, 242, 485]  # 1/8 of 1,939 steps rounds to 242, not 242.4
@@ -263,7 +263,7 @@ def test_a_gem_first_run_without_a_guess_stops_at_the_rounded_eighth(monkeypatch
 
 
 def test_spread_is_the_median_and_min_max_with_missing_runs_ranked_slowest():
-    from opengem.bench.race import spread
+    from instruments.race import spread
 
     assert spread([1.2, 0.9, 1.5]) == {"median": 1.2, "min": 0.9, "max": 1.5, "runs": 3, "missing": 0}
     assert spread([1.0, 4.0, 2.0, 3.0])["median"] == 2.5

@@ -3,7 +3,7 @@ each figure is computed from real runs and has the value its definition implies.
 
 import pytest
 
-from opengem.bench import ops as bench_ops
+from instruments import ops as bench_ops
 
 
 def test_attention_case_figures_follow_their_definitions():

@@ -22,7 +22,7 @@ On the levers' ``tiny`` world (seed 0, 3,972 rows) the bench also trains the ``t
   and raw. The full comparison (rate 0.5, NE, equal steps, seeds) stays in ``benchmarks/downsampling.py``.
 
 ``dataset_bytes_v1_over_v2``: the demo world's shape at 2,048 users (one user block, 8 days, data
-seed 1000) written in both layouts (``opengem.bench.layout``): all Parquet bytes of v1 over v2's.
+seed 1000) written in both layouts (``instruments.layout``): all Parquet bytes of v1 over v2's.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from opengem.bench.layout import layout_bytes
-from opengem.bench.levers import run_bench
-from opengem.bench.ops import attention_case
-from opengem.bench.race import (
+from instruments.layout import layout_bytes
+from instruments.levers import run_bench
+from instruments.ops import attention_case
+from instruments.race import (
     RATES,
     budget_config,
     race,

@@ -3,9 +3,9 @@ the two models alone, the stack is no worse on valid than either, and mismatches
 
 import pytest
 
-from opengem.bench.linear import run_linear
-from opengem.bench.stack import WEIGHTS, blend, run_stack
-from opengem.bench.tune import train_point
+from instruments.linear import run_linear
+from instruments.stack import WEIGHTS, blend, run_stack
+from instruments.tune import train_point
 from opengem.config import apply_overrides
 from opengem.discipline import DisciplineError
 from opengem.evaluation.evaluate import evaluate_run
@@ -56,7 +56,7 @@ def test_it_refuses_test_and_names_a_run_of_another_schema(world, gem_run, tmp_p
 def test_rows_in_another_order_than_the_regressions_are_named(world, gem_run, monkeypatch):
     # The blend is row by row: a scorer that read the split in another order must fail, not blend
     # one row's run probability with another row's regression probability.
-    import opengem.bench.stack as stack
+    import instruments.stack as stack
 
     score = stack.score_rows
 

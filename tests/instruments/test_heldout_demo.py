@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from opengem.bench.tune import Trial
+from instruments.tune import Trial
 from opengem.data.parquet import MANIFEST
 
-HELDOUT_DEMO = Path(__file__).resolve().parents[3] / "benchmarks" / "heldout_demo.py"
+HELDOUT_DEMO = Path(__file__).resolve().parents[2] / "benchmarks" / "heldout_demo.py"
 
 
 def _heldout_demo():
@@ -41,7 +41,7 @@ def test_tune_refuses_held_out_worlds_and_reuses_its_trials(tmp_path, monkeypatc
         return Trial(point, click, 10, {"all/conversion": {"ne": 0.7}}, str(run), 1.0)
 
     monkeypatch.setattr("opengem.data.synthetic.generate", fake_generate)
-    monkeypatch.setattr("opengem.bench.tune.train_point", fake_train_point)
+    monkeypatch.setattr("instruments.tune.train_point", fake_train_point)
     grid = ((3e-3, 0.3), (6e-3, 0.3))
     out = h.tune(tmp_path, [0, 1], grid)
     assert out["chosen"] == [6e-3, 0.3]

@@ -10,7 +10,7 @@ pytest.importorskip("lightgbm")
 import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from opengem.bench.gbdt import (  # noqa: E402
+from instruments.gbdt import (  # noqa: E402
     GRID,
     GRID_POINTS,
     _lightgbm,

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from opengem.bench.tune import choose, lr_grid
+from instruments.tune import choose, lr_grid
 from opengem.config import Config
 from opengem.data.loader import ShardLoader
 from opengem.discipline import require_dev_world, require_tuning_split
