@@ -25,12 +25,12 @@ import time
 from pathlib import Path
 
 import torch
-
 from instruments.layout import parquet_bytes
+
 from opengem.data.loader import ShardLoader
-from opengem.data.synthetic import generate
 from opengem.features.schema import FeatureSchema
-from opengem.recipes import world_config
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 QUICK_USERS = 6144  # 3 user buckets of the demo's 2,048: more than the loader caches (2 per stream)
 

@@ -56,12 +56,13 @@ from pathlib import Path
 import torch
 
 from opengem.config import apply_overrides
-from opengem.data.synthetic import generate
 from opengem.discipline import require_dev_world, require_tuning_split
 from opengem.evaluation.evaluate import evaluate_model
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
 from opengem.run import load_base_rates, load_run_model
 from opengem.train.trainer import train
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 RATES = (1.0, 0.5, 0.1)
 SPLIT = "valid"

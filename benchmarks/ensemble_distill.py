@@ -31,6 +31,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import quality  # benchmarks/quality.py: the worlds, one run at a point, the discipline's modes
+
 from opengem.discipline import held_out_world_seeds, require_dev_world
 
 # quality.py --quick's choices on development worlds 0 and 1 (at 3d6ca6e, docs/results.md): every neural

@@ -47,6 +47,7 @@ def run_world(work: Path, world_seed: int, users: int | None, epochs: int = 1, o
     ``epochs`` > 1 the run stops early on valid and keeps its best checkpoint (``bench.tune.search_overrides``);
     ``overrides`` (``key=value``) go to the ``demo`` recipe."""
     from instruments.tune import search_overrides
+
     from opengem.pipeline import demo
 
     sizes = [f"sizes.num_users={users}"] if users else []
@@ -70,11 +71,13 @@ def tune_world(work: Path, world_seed: int, grid=TUNE_GRID, epochs: int = 1, ove
     """Each grid point of the ``demo`` recipe on development world ``world_seed`` at the demo's size, scored
     on valid; returns {point: (valid click NE, valid conversion NE, train seconds)}, trials cached on disk."""
     from instruments.tune import train_point
+
     from opengem.config import apply_overrides
     from opengem.data.parquet import MANIFEST
-    from opengem.data.synthetic import generate
-    from opengem.evaluation.oracle import OracleCollector
-    from opengem.recipes import recipe, world_config
+    from opengem.recipes import recipe
+    from opengem.world.generate import generate
+    from opengem.world.oracle import OracleCollector
+    from opengem.world.presets import world_config
 
     if world_seed >= 100:
         raise SystemExit(f"--tune chooses on development worlds (seeds < 100), not held-out ones; got {world_seed}")

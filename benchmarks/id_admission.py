@@ -5,7 +5,7 @@ frequency admission (``model.sparse.min_count`` k), on development worlds, valid
     python benchmarks/id_admission.py --worlds 0 --ks 5
 
 Per world seed w: the ``tiny`` world at 1,500 users with ``structure_seed=w`` and its oracle; its
-schema omits ``user_id`` as a feature (``opengem.data.synthetic.build_schema``), so a second data
+schema omits ``user_id`` as a feature (``opengem.world.generate.build_schema``), so a second data
 directory shares the shards and lists ``user_id`` (the column every row carries) as a sparse
 feature. Each variant is one ``bench.tune.train_point`` at the recipe's learning rates (up to 2
 epochs, early stopping and the best checkpoint on valid); it reports the best valid all/click and
@@ -25,16 +25,17 @@ import warnings
 from pathlib import Path
 
 import torch
-
 from instruments.tune import train_point
+
 from opengem.config import apply_overrides
 from opengem.data.parquet import MANIFEST
-from opengem.data.synthetic import generate
 from opengem.discipline import require_dev_world
 from opengem.evaluation.evaluate import evaluate_run
-from opengem.evaluation.oracle import OracleCollector
 from opengem.features.schema import SCHEMA_FILE, FeatureSchema, SparseFeature
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
+from opengem.world.generate import generate
+from opengem.world.oracle import OracleCollector
+from opengem.world.presets import world_config
 
 
 def world_dirs(root: Path, w: int, users: int) -> tuple[Path, Path]:

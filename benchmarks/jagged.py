@@ -27,7 +27,6 @@ import json
 import tempfile
 
 import torch
-
 from instruments.ops import attention_case, fp8_step, table_ne, trained_tiny
 
 

@@ -29,10 +29,9 @@ import torch
 
 from opengem.config import apply_overrides, apply_prefixed_overrides
 from opengem.data.parquet import MANIFEST
-from opengem.data.synthetic import generate
 from opengem.discipline import require_dev_world, require_tuning_split
 from opengem.features.schema import FeatureSchema
-from opengem.recipes import recipe, student_recipe, world_config
+from opengem.recipes import recipe, student_recipe
 from opengem.run import FINAL_FILE
 from opengem.train.trainer import train
 from opengem.transfer.config import techniques_config
@@ -40,6 +39,8 @@ from opengem.transfer.distill import make_trainer
 from opengem.transfer.stream import SliceStream, domain_ids, slice_rates
 from opengem.transfer.teacher import TeacherService
 from opengem.transfer.trainer import evaluate_students, train_students, transfer_ratio
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 TEACHER_DAYS, STUDENT_DAYS = 3, 2
 VARIANTS = [("alone", "", 1.0)] + [(f"{t} τ={tau:g}", t, tau) for t in ("kd", "kd+adapter") for tau in (1.0, 2.0)]

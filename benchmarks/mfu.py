@@ -22,12 +22,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from opengem.data.loader import ShardLoader
-from opengem.data.synthetic import generate
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, materialize
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
 from opengem.train.losses import masked_bce
 from opengem.train.optim import build_optimizers
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 
 def _step(model, batch, opts, task_w, autocast_dtype):

@@ -69,10 +69,10 @@ VARIANTS: dict[str, list[str]] = {
 
 def world(root: Path, w: int, users: int) -> Path:
     from opengem.data.parquet import MANIFEST
-    from opengem.data.synthetic import generate
     from opengem.discipline import require_dev_world
-    from opengem.evaluation.oracle import OracleCollector
-    from opengem.recipes import world_config
+    from opengem.world.generate import generate
+    from opengem.world.oracle import OracleCollector
+    from opengem.world.presets import world_config
 
     require_dev_world(w, "the model choices")
     out = root / f"w{w}-u{users}"
@@ -89,6 +89,7 @@ def run_variant(name: str, data: str, run: str, w: int, max_epochs: int) -> dict
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     from instruments.tune import best_evaluation, train_point
+
     from opengem.config import apply_overrides
     from opengem.evaluation.evaluate import evaluate_run
     from opengem.recipes import recipe

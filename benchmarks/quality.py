@@ -31,7 +31,7 @@ The discipline (``opengem.discipline``), which this file follows step by step:
 3. **Real data: chosen on its valid split, reported on its test split** (there is one world).
 4. **The figure that travels across worlds**: ``captured / oracle_captured``, where the oracle is a
    logistic model of the world's exact structure fitted on the same train rows
-   (``opengem.evaluation.oracle``); ``gem_over_oracle`` is GEM's, mean ± std over held-out worlds
+   (``opengem.world.oracle``); ``gem_over_oracle`` is GEM's, mean ± std over held-out worlds
    (each world's value the mean over training seeds), with the minimum. Beside it,
    ``pair_blind_oracle_over_oracle``: the same oracle fitted without knowing which field pairs
    interact (every user field x ad field crossed). Where it is below a goal's ratio, the goal asks a
@@ -133,9 +133,9 @@ REAL_SOURCES = {"ml100k": ("movielens", "movielens-100k"), "obd": ("open_bandit"
 # ------------------------------------------------------------------------------- data
 def synthetic_world(work: Path, world_seed: int, mode: Mode) -> Path:
     """World ``world_seed`` (structure seed = data seed), with its oracle, generated once under ``work``."""
-    from opengem.data.synthetic import generate
-    from opengem.evaluation.oracle import OracleCollector
-    from opengem.recipes import world_config
+    from opengem.world.generate import generate
+    from opengem.world.oracle import OracleCollector
+    from opengem.world.presets import world_config
 
     out = work / "data" / f"world-{world_seed}"
     if not (out / MANIFEST).exists():  # written last by generate: a world cut off half-way is made again
@@ -173,6 +173,7 @@ def neural_trial(data: str, run: str, recipe_name: str, overrides: list[str], po
     chosen point's runs), the best-on-valid checkpoint's test metrics too."""
     _quiet()
     from instruments.tune import train_point
+
     from opengem.config import apply_overrides
     from opengem.evaluation.platt import evaluate_recalibrated
     from opengem.recipes import recipe
@@ -214,6 +215,7 @@ def gbdt_trial(data: str, grid: list | None, seed: int, score_test: bool, max_se
     where GEM's recipe caps it, so it sees the events GEM sees."""
     _quiet()
     from instruments.gbdt import run_gbdt
+
     from opengem.evaluation.evaluate import add_oracle
     from opengem.features.schema import FeatureSchema
 
@@ -229,6 +231,7 @@ def linear_trial(data: str, max_seq_len: int) -> dict:
     """The logistic regression, L2 chosen on valid, test read once, with the oracle beside."""
     _quiet()
     from instruments.linear import run_linear
+
     from opengem.evaluation.evaluate import add_oracle
     from opengem.features.schema import FeatureSchema
 
@@ -244,6 +247,7 @@ def stack_trial(data: str, runs: dict[str, list[str]], max_seq_len: int) -> dict
     weight chosen on valid), test read once, the oracle beside: model → one result a run."""
     _quiet()
     from instruments.stack import run_stack
+
     from opengem.evaluation.evaluate import add_oracle
     from opengem.features.schema import FeatureSchema
 
@@ -264,7 +268,7 @@ def pair_blind_trial(data: str) -> dict:
     the world's formulas, but not which pairs interact, captures from the same rows."""
     _quiet()
     from opengem.evaluation.evaluate import add_oracle
-    from opengem.evaluation.oracle import refit
+    from opengem.world.oracle import refit
 
     test = refit(data, crosses="all")["test"]
     ratios = add_oracle({f"all/{t}": dict(test[f"all/{t}"]) for t in TASKS if f"all/{t}" in test}, data, "test")
@@ -424,6 +428,7 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="opengem-quality-"))
     t0 = time.perf_counter()
     from instruments.tune import choose, lr_grid
+
     from opengem.config import apply_overrides
     from opengem.features.schema import FeatureSchema
     from opengem.recipes import recipe

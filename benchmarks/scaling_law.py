@@ -33,13 +33,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from opengem.config import apply_overrides
 from opengem.data.loader import ShardLoader
-from opengem.data.synthetic import generate
 from opengem.evaluation.evaluate import evaluate_run
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, materialize
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
 from opengem.train.losses import masked_bce
 from opengem.train.trainer import train
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 QUICK = {"users": 2000, "recipes": ["tiny", "demo", "small"]}  # ~27k training rows
 FULL = {"users": 16000, "recipes": ["tiny", "demo", "small"]}  # ~220k training rows

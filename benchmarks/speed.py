@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)}))
     else:
         import torch
-
         from instruments.levers import format_bench, run_bench
+
         from opengem.config import apply_overrides
         from opengem.recipes import recipe
 

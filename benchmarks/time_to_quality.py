@@ -120,8 +120,8 @@ def main() -> None:
     a = _args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    from opengem.data.synthetic import generate
-    from opengem.recipes import world_config
+    from opengem.world.generate import generate
+    from opengem.world.presets import world_config
 
     world = dict(TUNE_WORLD if a.tune else QUICK_WORLD if a.quick else RACE_WORLD)
     world.update({k: v for k, v in (("seed", a.world_seed), ("users", a.users)) if v is not None})

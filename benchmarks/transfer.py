@@ -7,7 +7,7 @@
 **The sweep**: lag {0, 1, 3, 7} days × student data {1, 3} days × objective {matched, mismatched}
 (``--quick``: lag {0, 3} × data {1, 3}, 3,000 users, 3 seeds; code: ``instruments.transfer_sweep``).
 Per seed: one world with the surface
-task on (``engage`` on video, ``opengem.data.synthetic_world.SurfaceTask``), one FM (``tiny``)
+task on (``engage`` on video, ``opengem.world.latent.SurfaceTask``), one FM (``tiny``)
 trained *continuously* on a view of it without the task (``opengem.transfer.objectives.fm_view``)
 over days 0..V−1, a snapshot published per day; V is the valid day, V+1 the test day. Per (lag,
 data) one pass trains every technique set on video's ``data`` days before V, from the snapshot that
@@ -72,15 +72,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from instruments.transfer_sweep import run_seeds
 
 from opengem.config import apply_overrides, apply_prefixed_overrides
 from opengem.data.parquet import MANIFEST, DatasetManifest
-from opengem.data.synthetic import generate
 from opengem.discipline import require_dev_world, require_tuning_split
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import count_parameters
-from instruments.transfer_sweep import run_seeds
-from opengem.recipes import recipe, student_recipe, world_config
+from opengem.recipes import recipe, student_recipe
 from opengem.run import FINAL_FILE
 from opengem.train.trainer import train
 from opengem.transfer.config import techniques_config
@@ -88,6 +87,8 @@ from opengem.transfer.distill import make_trainer
 from opengem.transfer.stream import SliceStream, domain_ids, slice_rates
 from opengem.transfer.teacher import TeacherService
 from opengem.transfer.trainer import evaluate_students, train_students, transfer_ratio
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 # (row name, techniques, overrides for that student). "kd" is standard KD at the default weight (3);
 # "kd (w=1)" and "kd (w=10)" bracket it, so the weight is chosen on valid too. rep(row) feeds each

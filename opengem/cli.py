@@ -142,9 +142,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args) -> dict:
-    from opengem.data.synthetic import generate
-    from opengem.evaluation.oracle import OracleCollector
-    from opengem.recipes import world_config
+    from opengem.world.generate import generate
+    from opengem.world.oracle import OracleCollector
+    from opengem.world.presets import world_config
 
     structure = [] if args.world_seed is None else [f"structure_seed={args.world_seed}"]
     cfg = world_config(args.preset, seed=args.seed, overrides=[*args.overrides, *structure])
@@ -188,8 +188,14 @@ def cmd_evaluate(args) -> dict:
     from opengem.evaluation import EVAL_BATCH
     from opengem.evaluation.evaluate import evaluate_run
 
-    out = evaluate_run(args.run, args.data, args.split, args.batch_size or EVAL_BATCH, progress=not args.quiet,
-                       signal=args.signal)
+    batch = args.batch_size or EVAL_BATCH
+    out = evaluate_run(args.run, args.data, args.split, batch, progress=not args.quiet)
+    if args.signal:  # the world's instrument, not evaluation's: it reads the synthetic world's terms
+        from opengem.run import load_run_model
+        from opengem.world.signal import signal_decomposition
+
+        model, _, schema = load_run_model(args.run)
+        out["signal"] = signal_decomposition(model, schema, args.data, args.split, batch)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=str))
     print(format_table(out["metrics"]))

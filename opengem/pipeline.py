@@ -34,19 +34,20 @@ from pathlib import Path
 
 from opengem.config import apply_overrides
 from opengem.data.parquet import DatasetManifest
-from opengem.data.synthetic import generate
 from opengem.evaluation.evaluate import evaluate_run, held_out_evaluator
-from opengem.evaluation.oracle import OracleCollector
 from opengem.evaluation.recalibrate import recalibrate_run
 from opengem.export.artifact import export_run
 from opengem.export.client import free_port, http, wait_ready
 from opengem.export.request import synthetic_request
 from opengem.features.schema import SCHEMA_FILE, FeatureSchema
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
 from opengem.report.text import distill_line, format_table, recalibration_line
 from opengem.run import EVALUATION_FILE
 from opengem.train.trainer import train
 from opengem.transfer.distill import distill
+from opengem.world.generate import generate
+from opengem.world.oracle import OracleCollector
+from opengem.world.presets import world_config
 
 # The demo's vertical model: the default techniques (kd + adapter + share), one pass over the
 # student's day of the video surface (30% of the demo world's rows: the teacher scores fewer rows).

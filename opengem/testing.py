@@ -89,3 +89,17 @@ def with_events(table: pa.Table, row: int, stream: str, ts: list[int], attrs: di
         flat = np.concatenate([np.asarray(v, dtype=np.int64) for v in values])
         table = table.set_column(table.schema.get_field_index(col), col, list_array(flat, [len(v) for v in values]))
     return table
+
+
+def config_leaves(d: dict, prefix: str = "") -> dict:
+    """The leaves of a config dict (``dataclasses.asdict``), by dotted key."""
+    out = {}
+    for k, v in d.items():
+        out.update(config_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def differing(a: dict, b: dict) -> set[str]:
+    """The dotted keys whose leaves differ between two config dicts: what a preset dial moves."""
+    a, b = config_leaves(a), config_leaves(b)
+    return {k for k in a if a[k] != b[k]}

@@ -9,8 +9,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from opengem.data.parquet import stream_columns
-from opengem.data.synthetic import WorldConfig, generate
 from opengem.features.schema import FeatureSchema
+from opengem.world.generate import WorldConfig, generate
 
 
 def parquet_bytes(data: Path) -> dict[str, int]:

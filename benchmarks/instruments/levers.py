@@ -212,8 +212,8 @@ def run_bench(cfg: Config, data: str | Path | None = None, levers: tuple[str, ..
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with contextlib.ExitStack() as stack:
         if data is None:
-            from opengem.data.synthetic import generate
-            from opengem.recipes import world_config
+            from opengem.world.generate import generate
+            from opengem.world.presets import world_config
 
             data = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "data"
             generate(world_config("tiny", seed=0), data, progress=False)

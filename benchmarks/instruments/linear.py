@@ -43,7 +43,7 @@ from instruments.gbdt import FEATURE_BATCH, GBDTRows, chain, features, metrics, 
 from opengem.data.base_rates import train_base_rates
 from opengem.data.batch import Batch
 from opengem.discipline import REPORT_SPLIT, require_tuning_split
-from opengem.evaluation.oracle import Design, Fit, choose_l2
+from opengem.evaluation.logistic import Design, Fit, choose_l2
 from opengem.evaluation.platt import TaskPlatt
 from opengem.features.schema import FeatureSchema
 from opengem.model.foundation import HistoryCounts, match_attributes, match_flags, signed_log

@@ -16,17 +16,18 @@ import torch
 import torch.nn.functional as F
 
 from opengem.data.loader import ShardLoader
-from opengem.data.synthetic import generate
 from opengem.evaluation.metrics import ne
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, materialize
 from opengem.ops.fp8 import fp8_saved_activations
 from opengem.ops.jagged import jagged_attention
 from opengem.ops.quantize import quantize_tables, table_bytes
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
 from opengem.train.losses import masked_bce
 from opengem.train.optim import build_optimizers
 from opengem.train.step import train_step
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 
 def lognormal_lengths(b: int, median: float, max_len: int, sigma: float = 1.0, seed: int = 0) -> torch.Tensor:

@@ -47,15 +47,16 @@ from instruments.race import (
 )
 from opengem.config import apply_overrides
 from opengem.data.loader import ShardLoader
-from opengem.data.synthetic import generate
 from opengem.discipline import held_out_world_seeds, require_dev_world, require_tuning_split
 from opengem.evaluation.evaluate import evaluate_model
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, materialize
 from opengem.ops.quantize import quantize_tables, table_bytes
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
 from opengem.run import load_base_rates, load_run_model
 from opengem.train.trainer import train
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 QUICK_USERS = 12_000  # the demo's 36,000 took 467 s in all on a lightly loaded 2-core machine: over the 5 minutes
 LAYOUT_USERS = 2048  # one of the demo's user blocks: its histories are the demo's, ~4 s for both layouts

@@ -23,11 +23,10 @@ import torch
 
 from opengem.config import apply_overrides, apply_prefixed_overrides
 from opengem.data.parquet import MANIFEST, DatasetManifest
-from opengem.data.synthetic import generate
 from opengem.discipline import require_dev_world
 from opengem.evaluation.platt import fit_platt
 from opengem.features.schema import FeatureSchema
-from opengem.recipes import recipe, student_recipe, world_config
+from opengem.recipes import recipe, student_recipe
 from opengem.run import FINAL_FILE, load_run_model
 from opengem.train.trainer import train
 from opengem.transfer.config import techniques_config
@@ -37,6 +36,8 @@ from opengem.transfer.stream import SliceStream, domain_ids, slice_rates
 from opengem.transfer.sweep import CHOICE_SPLIT, cell_key, grade_cell, headline, select_on_valid, valid_gains
 from opengem.transfer.teacher import DailySnapshots, TeacherOutput, TeacherService, teacher_snapshot
 from opengem.transfer.trainer import evaluate_students, train_students, transfer_ratio
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 # ------------------------------------------------------------------------------ the sweep (issue 24)
 # lag × student data days × objective. One world per seed with the surface task on (``engage`` on

@@ -1,7 +1,7 @@
 """Offline evaluation: exact metrics (NE, AUC, gAUC, calibration) per (domain, task).
 
 The modules, lowest first: ``metrics`` (pure functions), ``accumulator`` (streaming state), then the
-ones that run a model over a split: ``signal``, ``recalibrate`` (fits ``RUN/recalibration.json``),
+ones that run a model over a split: ``logistic`` (the L2 solver), ``platt``, ``recalibrate`` (fits ``RUN/recalibration.json``),
 ``evaluate`` (``opengem evaluate``). This file imports only the first two, so the others can read
 ``EVAL_BATCH`` from it.
 """

@@ -5,7 +5,7 @@ NE is normalised by the *training* base rate of the same slice (He et al. 2014),
 down-sampled (``data.negative_rate``; the model is scored with that corrected, ``opengem.run``).
 On synthetic data (true probabilities stored next to the labels) every slice also reports ``ne_bayes``
 and ``captured = (1 − ne) / (1 − ne_bayes)``, and, where the dataset's manifest holds the world's oracle
-for the split (``opengem.evaluation.oracle``), ``oracle_captured`` and ``captured_over_oracle = captured
+for the split (``opengem.world.oracle``), ``oracle_captured`` and ``captured_over_oracle = captured
 / oracle_captured``: the figure that compares across worlds.
 """
 
@@ -21,7 +21,6 @@ from opengem.data.loader import ShardLoader
 from opengem.data.parquet import DatasetManifest
 from opengem.evaluation import EVAL_BATCH
 from opengem.evaluation.accumulator import MetricAccumulator
-from opengem.evaluation.signal import signal_decomposition
 from opengem.features.schema import FeatureSchema, SchemaError
 from opengem.run import load_base_rates, load_downsampling, load_recalibration, load_run_model
 
@@ -120,9 +119,8 @@ def held_out_evaluator(data_dir: str | Path, split: str = "valid", every_kth_fil
 
 
 def evaluate_run(run_dir: str | Path, data_dir: str | Path, split: str = "test", batch_size: int = EVAL_BATCH,
-                 progress: bool = True, signal: bool = False, best: bool = False) -> dict:
-    """Metrics of a run's model on ``split``; with ``signal`` (synthetic data) also the per-term
-    slopes of ``opengem.evaluation.signal``; with ``best``, of the best held-out evaluation's model
+                 progress: bool = True, best: bool = False) -> dict:
+    """Metrics of a run's model on ``split``; with ``best``, of the best held-out evaluation's model
     (``train.keep_best``) instead of the last."""
     model, cfg, schema = load_run_model(run_dir, best=best)
     data_schema = FeatureSchema.load(data_dir)
@@ -137,8 +135,6 @@ def evaluate_run(run_dir: str | Path, data_dir: str | Path, split: str = "test",
         out["recalibration"] = recal
     if sampled is not None:  # the scores above include its correction (load_run_model)
         out["downsampling"] = sampled
-    if signal:
-        out["signal"] = signal_decomposition(model, schema, data_dir, split, batch_size)
     return out
 
 

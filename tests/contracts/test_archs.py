@@ -184,8 +184,8 @@ def test_gem_row_independence_and_determinism():
 
 @pytest.mark.parametrize("name", ["tiny", "demo", "small", "medium", "large", "xl"])
 def test_recipes_build_on_meta(name):
-    from opengem.data.synthetic import build_schema
-    from opengem.recipes import world_config
+    from opengem.world.generate import build_schema
+    from opengem.world.presets import world_config
 
     schema = build_schema(world_config("demo"))
     model = build_gem(schema, recipe(name).model)

@@ -9,7 +9,6 @@ pytest.importorskip("lightgbm")
 
 import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-
 from instruments.gbdt import (  # noqa: E402
     GRID,
     GRID_POINTS,
@@ -23,6 +22,7 @@ from instruments.gbdt import (  # noqa: E402
     predict,
     run_gbdt,
 )
+
 from opengem.data.base_rates import train_base_rates  # noqa: E402
 from opengem.data.batch import collate  # noqa: E402
 from opengem.data.loader import ShardLoader  # noqa: E402

@@ -5,8 +5,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from instruments.tune import Trial
+
 from opengem.data.parquet import MANIFEST
 
 HELDOUT_DEMO = Path(__file__).resolve().parents[2] / "benchmarks" / "heldout_demo.py"
@@ -40,7 +40,7 @@ def test_tune_refuses_held_out_worlds_and_reuses_its_trials(tmp_path, monkeypatc
                                                                            else 0.0)
         return Trial(point, click, 10, {"all/conversion": {"ne": 0.7}}, str(run), 1.0)
 
-    monkeypatch.setattr("opengem.data.synthetic.generate", fake_generate)
+    monkeypatch.setattr("opengem.world.generate.generate", fake_generate)
     monkeypatch.setattr("instruments.tune.train_point", fake_train_point)
     grid = ((3e-3, 0.3), (6e-3, 0.3))
     out = h.tune(tmp_path, [0, 1], grid)

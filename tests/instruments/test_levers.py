@@ -2,8 +2,8 @@
 losses as fp32 eager, and the memory levers save what they claim."""
 
 import pytest
-
 from instruments.levers import format_bench, run_bench
+
 from opengem.recipes import recipe
 
 # Stated tolerances on the loss after each of 4 steps, relative to fp32 eager (tiny recipe):
@@ -52,7 +52,6 @@ def test_unknown_lever_is_named():
 
 def test_forward_held_bytes_counts_what_outlives_the_call():
     import torch
-
     from instruments.levers import forward_held_bytes
 
     x = torch.randn(256, 256, requires_grad=True)

@@ -7,12 +7,12 @@ import shutil
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-
+from instruments.gbdt import features
 from instruments.linear import DECAY_HOURS, L2_GRID, LinearColumns, fit, predict, run_linear
+
 from opengem.data.batch import collate
 from opengem.data.parquet import DataError, list_array
 from opengem.discipline import DisciplineError
-from instruments.gbdt import features
 from opengem.features.schema import FeatureSchema
 from opengem.testing import random_table, tiny_schema, with_events
 

@@ -2,7 +2,6 @@
 each figure is computed from real runs and has the value its definition implies."""
 
 import pytest
-
 from instruments import ops as bench_ops
 
 

@@ -75,7 +75,7 @@ def test_the_json_line_holds_raw_and_recalibrated_ratios_and_the_dev_crossfit_ru
 
 def test_the_pair_blind_reference_is_its_test_captured_over_the_oracles(tmp_path):
     # The reference beside the models' ratios: the oracle's formulas without its pairs, on test.
-    from opengem.evaluation.oracle import refit
+    from opengem.world.oracle import refit
 
     q = _quality()
     mode = q.Mode(dev_worlds=[], held_out=[1000], train_seeds=[0], world=["sizes.num_users=400"],

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import torch
-
 from instruments.layout import layout_bytes
 from instruments.quick import loader_examples_per_s
-from opengem.data.synthetic import generate
+
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 
 def test_layout_bytes_v1_over_v2_is_the_total_ratio(tmp_path):

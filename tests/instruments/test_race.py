@@ -4,9 +4,9 @@ side's rates, the repeated race and its summary, equal-parameter peers."""
 import math
 
 import pytest
-
 from instruments import race as race_mod
 from instruments.race import budget_crossing
+
 from opengem.discipline import DisciplineError
 from opengem.recipes import recipe
 
@@ -47,8 +47,9 @@ def test_time_to_quality_sustained_crossing_ignores_a_dip():
 
 def test_train_with_evals_records_a_learning_curve(tmp_path):
     from instruments.race import train_with_evals
-    from opengem.data.synthetic import generate
-    from opengem.recipes import world_config
+
+    from opengem.world.generate import generate
+    from opengem.world.presets import world_config
 
     generate(world_config("tiny", seed=0), tmp_path, progress=False)
     out = train_with_evals(recipe("tiny"), tmp_path, eval_every=5)
@@ -64,11 +65,12 @@ def test_train_with_evals_records_a_learning_curve(tmp_path):
 
 def test_widen_to_params_matches_gems_dense_size(tmp_path):
     from instruments.race import training_examples_per_s, widen_to_params
+
     from opengem.config import apply_overrides
-    from opengem.data.synthetic import generate
     from opengem.features.schema import FeatureSchema
     from opengem.model.build import build_gem, count_parameters
-    from opengem.recipes import world_config
+    from opengem.world.generate import generate
+    from opengem.world.presets import world_config
 
     generate(world_config("tiny", seed=0), tmp_path, progress=False)
     schema = FeatureSchema.load(tmp_path)
@@ -105,9 +107,10 @@ def test_budget_crossing_interpolates_in_log_seconds():
 
 def test_a_budget_run_stops_and_decays_at_its_budget(tmp_path):
     from instruments.race import race_steps, train_with_evals
-    from opengem.data.synthetic import generate
-    from opengem.recipes import world_config
+
     from opengem.train.optim import lr_factor
+    from opengem.world.generate import generate
+    from opengem.world.presets import world_config
 
     generate(world_config("tiny", seed=0), tmp_path, progress=False)
     cfg = recipe("tiny")
@@ -124,8 +127,9 @@ def test_budget_race_doubles_gems_budget_until_it_reaches_dcns_ne_read_on_test(t
     import itertools
 
     from instruments.race import budget_race
-    from opengem.data.synthetic import generate
-    from opengem.recipes import world_config
+
+    from opengem.world.generate import generate
+    from opengem.world.presets import world_config
 
     generate(world_config("tiny", seed=0), tmp_path, progress=False)
     splits, evaluator = [], race_mod.held_out_evaluator

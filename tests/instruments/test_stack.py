@@ -2,10 +2,10 @@
 the two models alone, the stack is no worse on valid than either, and mismatches are named."""
 
 import pytest
-
 from instruments.linear import run_linear
 from instruments.stack import WEIGHTS, blend, run_stack
 from instruments.tune import train_point
+
 from opengem.config import apply_overrides
 from opengem.discipline import DisciplineError
 from opengem.evaluation.evaluate import evaluate_run
@@ -43,8 +43,8 @@ def test_it_refuses_test_and_names_a_run_of_another_schema(world, gem_run, tmp_p
         run_stack(world, [gem_run], tune_split="test")
     with pytest.raises(ValueError, match="weights"):
         run_stack(world, [gem_run], weights=(0.5, 1.5))
-    from opengem.data.synthetic import generate
-    from opengem.recipes import world_config
+    from opengem.world.generate import generate
+    from opengem.world.presets import world_config
 
     other = tmp_path / "other"
     cfg = world_config("tiny", seed=0, overrides=["sizes.num_users=200", "surface_task.enabled=true"])

@@ -4,8 +4,8 @@ import json
 import math
 
 import pytest
-
 from instruments.tune import best_evaluation, choose, lr_grid, search_overrides, train_point
+
 from opengem.discipline import DisciplineError
 
 
@@ -38,9 +38,10 @@ def test_best_evaluation_reads_the_best_step(tmp_path):
 
 @pytest.mark.slow
 def test_a_trial_stops_on_valid_and_keeps_the_best(tmp_path):
-    from opengem.data.synthetic import generate
     from opengem.evaluation.evaluate import evaluate_run
-    from opengem.recipes import recipe, world_config
+    from opengem.recipes import recipe
+    from opengem.world.generate import generate
+    from opengem.world.presets import world_config
 
     data = tmp_path / "data"
     generate(world_config("tiny", seed=0), data, progress=False)

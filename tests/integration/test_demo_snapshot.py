@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from opengem.checkpoint import list_snapshots, snapshot_dir
-from opengem.data.synthetic import generate
 from opengem.evaluation.recalibrate import recalibrate_run
 from opengem.pipeline import distill_demo
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
 from opengem.run import TRANSFER_FILE, load_run_model
 from opengem.train.trainer import params_sha256, train
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 
 @pytest.fixture(autouse=True)

@@ -139,10 +139,11 @@ def test_distill_demo_returns_the_student_and_its_teacher_on_one_slice(gem_run, 
 @pytest.fixture(scope="module")
 def mismatched_run(tmp_path_factory):
     """A tiny world with the surface task (``engage`` on video) and a GEM trained on a view without it."""
-    from opengem.data.synthetic import generate
-    from opengem.recipes import recipe, world_config
+    from opengem.recipes import recipe
     from opengem.train.trainer import train
     from opengem.transfer.objectives import fm_view
+    from opengem.world.generate import generate
+    from opengem.world.presets import world_config
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -20,13 +20,14 @@ from opengem.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoin
 from opengem.config import ConfigError, apply_overrides
 from opengem.data.loader import ShardLoader
 from opengem.data.parquet import DataError, ShardWriter
-from opengem.data.synthetic import build_schema
 from opengem.features.schema import FeatureSchema, SchemaError
 from opengem.parallel import ParallelConfigError, ParallelDims
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
 from opengem.run import BASE_RATES_FILE, CONFIG_FILE, SCHEMA_FILE, load_run_model
 from opengem.testing import random_table, tiny_schema
 from opengem.train.trainer import train
+from opengem.world.generate import build_schema
+from opengem.world.presets import world_config
 
 ROWS = 12
 

@@ -164,8 +164,8 @@ def test_bad_rates_in_the_config(override, match):
 
 
 def test_layouts_v1_and_v2_keep_the_same_rows(tmp_path):
-    from opengem.data.synthetic import generate
-    from opengem.recipes import world_config
+    from opengem.world.generate import generate
+    from opengem.world.presets import world_config
 
     kept = {}
     for layout in ("v1", "v2"):

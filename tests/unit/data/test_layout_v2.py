@@ -12,10 +12,10 @@ from opengem.cli import main
 from opengem.data.events import events_before, join_histories, read_bucket
 from opengem.data.loader import ShardLoader
 from opengem.data.parquet import LAYOUT_V1, LAYOUT_V2, MANIFEST, DataError, DatasetManifest, ShardWriter
-from opengem.data.synthetic import generate
 from opengem.features.schema import FeatureSchema
-from opengem.recipes import world_config
 from opengem.testing import random_table, tiny_schema
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 # Short caps so that many tiny-world histories are cut to their newest events in both layouts.
 CAPS = ["behaviour.organic_max_len=24", "behaviour.ads_max_len=4"]

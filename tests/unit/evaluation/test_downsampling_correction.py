@@ -12,12 +12,11 @@ import torch
 
 from opengem.config import ConfigError, apply_overrides
 from opengem.data.batch import collate
-from opengem.data.synthetic import generate
 from opengem.evaluation.evaluate import evaluate_run, held_out_evaluator
 from opengem.evaluation.recalibrate import fit_offsets, recalibrate_run
 from opengem.model.build import build_gem, materialize
 from opengem.model.heads import Heads, HeadsConfig
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
 from opengem.run import (
     DOWNSAMPLING_FILE,
     LogitShift,
@@ -28,6 +27,8 @@ from opengem.run import (
 )
 from opengem.testing import random_table, tiny_schema
 from opengem.train.trainer import continue_training, train
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 LOG = math.log
 

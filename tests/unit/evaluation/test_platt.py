@@ -54,10 +54,11 @@ def test_task_platt_per_task_keeps_type_and_leaves_a_one_class_task_alone():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     from opengem.config import apply_overrides
-    from opengem.data.synthetic import generate
-    from opengem.evaluation.oracle import OracleCollector
-    from opengem.recipes import recipe, world_config
+    from opengem.recipes import recipe
     from opengem.train.trainer import train
+    from opengem.world.generate import generate
+    from opengem.world.oracle import OracleCollector
+    from opengem.world.presets import world_config
 
     logging.disable(logging.WARNING)
     root = tmp_path_factory.mktemp("platt")

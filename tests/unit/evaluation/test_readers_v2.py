@@ -6,11 +6,11 @@ import torch
 
 from opengem.cli import main
 from opengem.data.parquet import LAYOUT_V2, DatasetManifest
-from opengem.data.synthetic import _plain, generate
-from opengem.evaluation.oracle import OracleCollector, refit
-from opengem.evaluation.signal import signal_decomposition
 from opengem.features.schema import FeatureSchema
-from opengem.recipes import world_config
+from opengem.world.generate import _plain, generate
+from opengem.world.oracle import OracleCollector, refit
+from opengem.world.presets import world_config
+from opengem.world.signal import signal_decomposition
 
 
 class _Oracle(torch.nn.Module):

@@ -8,13 +8,14 @@ import numpy as np
 import torch
 
 from opengem.config import apply_overrides
-from opengem.data.synthetic import generate
 from opengem.export import Predictor
 from opengem.export.artifact import export_run
 from opengem.export.request import synthetic_request
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
 from opengem.run import DOWNSAMPLING_FILE, shift_logits
 from opengem.train.trainer import train
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 RATE = 0.25
 

@@ -13,12 +13,12 @@ import pytest
 from opengem.cli import main
 from opengem.data.events import ShardReader
 from opengem.data.parquet import DatasetManifest
-from opengem.data.synthetic import generate
 from opengem.export import Predictor, RequestError
 from opengem.export.history import META, ArrowHistoryStore, HistoryStoreError, build_history_store
 from opengem.export.request import history_columns, split_row
 from opengem.features.schema import FeatureSchema
-from opengem.recipes import world_config
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 TOL = 1e-6
 

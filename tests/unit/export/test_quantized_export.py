@@ -13,14 +13,15 @@ import pytest
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
-from opengem.data.synthetic import generate
 from opengem.export import Predictor
 from opengem.export.artifact import export_run
 from opengem.export.request import synthetic_request
 from opengem.export.tables import packed_tables
 from opengem.ops.quantize import quantize_tables
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
 from opengem.train.trainer import train
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 # max |Δp| vs the fp32 artifact on the same request. Measured on this 4-step tiny run (tables still
 # near their init): fp16 ~3e-8, int8 ~5e-7. The bounds leave room for trained tables, whose rows are

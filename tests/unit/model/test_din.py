@@ -10,15 +10,16 @@ import torch
 from opengem.config import apply_overrides
 from opengem.data.batch import collate
 from opengem.data.parquet import list_array
-from opengem.data.synthetic import generate
 from opengem.evaluation.evaluate import evaluate_run
 from opengem.evaluation.recalibrate import recalibrate_run
 from opengem.model.build import build_gem, materialize
 from opengem.model.din import DINPooling, LocalActivationUnit, din_pool
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
 from opengem.run import RecalibrationError
 from opengem.testing import random_table, tiny_schema
 from opengem.train.trainer import train
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 
 def _din(schema=None, seed=0):

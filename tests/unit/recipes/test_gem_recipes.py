@@ -4,12 +4,13 @@ import dataclasses
 import itertools
 
 import pytest
-from _dial import differing
 
 from opengem.config import Config
-from opengem.data.synthetic import build_schema
 from opengem.model.build import build_gem, count_parameters
-from opengem.recipes import recipe, recipe_names, world_config
+from opengem.recipes import recipe, recipe_names
+from opengem.testing import differing
+from opengem.world.generate import build_schema
+from opengem.world.presets import world_config
 
 # The leaves GEMSize sets that move between recipes (min_recent = min(8, K) is 8 in all of them);
 # nothing else may differ.

@@ -5,13 +5,14 @@ import dataclasses
 import itertools
 
 import pytest
-from _dial import differing
 
 from opengem.config import ConfigError, apply_prefixed_overrides
-from opengem.data.synthetic import build_schema
 from opengem.model.build import build_gem, count_parameters
-from opengem.recipes import recipe, student_recipe, student_recipe_names, world_config
+from opengem.recipes import recipe, student_recipe, student_recipe_names
+from opengem.testing import differing
 from opengem.transfer.config import TransferConfig
+from opengem.world.generate import build_schema
+from opengem.world.presets import world_config
 
 DIAL = {"recipe", "model.embedding_dim", "model.max_seq_len", "model.use_sequences", "model.wukong.num_layers",
         "model.wukong.num_fm", "model.wukong.num_lc", "model.wukong.fm_rank", "model.wukong.mlp_dims",

@@ -2,8 +2,8 @@
 
 import pytest
 
-from opengem.data.synthetic import generate
-from opengem.recipes import world_config
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 
 @pytest.fixture(scope="session")

@@ -16,13 +16,14 @@ from opengem.checkpoint import CheckpointError, latest_checkpoint, list_snapshot
 from opengem.cli import main
 from opengem.config import ConfigError, apply_overrides
 from opengem.data.parquet import DatasetManifest
-from opengem.data.synthetic import generate
-from opengem.recipes import recipe, world_config
+from opengem.recipes import recipe
 from opengem.run import load_run_model
 from opengem.train.continual import check_days, parse_days
 from opengem.train.optim import lr_factor
 from opengem.train.trainer import continue_training, params_sha256, train
 from opengem.transfer.teacher import TeacherService
+from opengem.world.generate import generate
+from opengem.world.presets import world_config
 
 B = 64
 # constant after a short warm-up: the two runs compared below then have the same lr at every step

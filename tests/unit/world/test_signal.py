@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from opengem.cli import main
-from opengem.evaluation.signal import signal_decomposition, term_slopes
 from opengem.features.schema import FeatureSchema
+from opengem.world.signal import signal_decomposition, term_slopes
 
 
 def test_term_slopes_recover_known_mix():

@@ -1,7 +1,7 @@
 """The latent side of the synthetic ads world: global entities, users and their behaviour
 histories, and the true click / conversion models.
 
-``opengem.data.synthetic`` turns this into impressions and Parquet shards; its docstring
+``opengem.world.generate`` turns this into impressions and Parquet shards; its docstring
 describes the whole generative process. This module holds:
 
 * ``World``: everything drawn once per seed from ``rng_for(seed, TAG_GLOBAL)``: categories,
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from opengem.data.world_structure import (
+from opengem.world.structure import (
     SIGMOID_STEEPNESS,
     HistoryEffect,
     Interaction,

@@ -14,8 +14,10 @@ import pytest
 from opengem.cli import main
 from opengem.data.events import ShardReader
 from opengem.data.parquet import LAYOUT_V2, DatasetManifest
-from opengem.data.synthetic import _plain, columns_from_table, generate, world_from_manifest
-from opengem.data.synthetic_world import (
+from opengem.evaluation.logistic import Design, choose_l2
+from opengem.features.schema import FeatureSchema
+from opengem.world.generate import _plain, columns_from_table, generate, world_from_manifest
+from opengem.world.latent import (
     TAG_STRUCTURE,
     World,
     history_statistic,
@@ -24,7 +26,9 @@ from opengem.data.synthetic_world import (
     rng_for,
     structure_for,
 )
-from opengem.data.world_structure import (
+from opengem.world.oracle import OracleCollector, refit
+from opengem.world.presets import world_config
+from opengem.world.structure import (
     AD_FIELDS,
     HISTORY_FORMS,
     NUMERIC_SHAPES,
@@ -33,9 +37,6 @@ from opengem.data.world_structure import (
     WorldStructure,
     draw_structure,
 )
-from opengem.evaluation.oracle import Design, OracleCollector, choose_l2, refit
-from opengem.features.schema import FeatureSchema
-from opengem.recipes import world_config
 
 TODAY_TERMS = ["surface", "position", "hour", "ad_quality", "ad_drift", "ad_novelty", "surface_format",
                "segment_category", "age_format", "country_cluster", "sequence", "ads_history", "user"]
@@ -169,7 +170,7 @@ def test_the_oracle_reads_no_latent_cluster(tmp_path):
     # World 0 crosses country with the advertiser's cluster, which no column holds: the oracle's cross
     # is country × advertiser_id (what a learner sees), and its rows do not move when the latent
     # cluster assignment does.
-    from opengem.evaluation.oracle import Layout
+    from opengem.world.oracle import Layout
 
     cfg, m = _gen(tmp_path, "sizes.num_users=200")
     world = World(cfg)
@@ -188,7 +189,7 @@ def test_the_pair_blind_oracle_crosses_every_user_field_with_every_ad_field(worl
     # crosses="all": the oracle's model without knowing which pairs interact (every user field x
     # category, format, advertiser_id; domain x format is a click group already), the exact history
     # statistics and transforms kept. Never what generate stores.
-    from opengem.evaluation.oracle import Layout
+    from opengem.world.oracle import Layout
 
     cfg, path, m = world7
     world = world_from_manifest(m)

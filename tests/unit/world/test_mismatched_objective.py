@@ -12,15 +12,16 @@ import pytest
 import torch
 
 from opengem.data.loader import ShardLoader
-from opengem.data.synthetic import generate
-from opengem.data.synthetic_world import SURFACE_TASK, SURFACES
 from opengem.features.schema import FeatureSchema, SchemaError
 from opengem.model.build import build_gem, materialize
-from opengem.recipes import student_recipe, world_config
+from opengem.recipes import student_recipe
 from opengem.transfer.config import techniques_config
 from opengem.transfer.distill import make_trainer
 from opengem.transfer.objectives import check_teacher_schema, fm_view, head_map, without_tasks
 from opengem.transfer.teacher import TeacherOutput
+from opengem.world.generate import generate
+from opengem.world.latent import SURFACE_TASK, SURFACES
+from opengem.world.presets import world_config
 
 # sha256 over the shards, dataset.json and schema.json of world_config("tiny", seed=5, num_users=150),
 # as written at c52dc7d (layout v1), before the surface task existed (the option off must not move a byte)

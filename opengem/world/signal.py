@@ -23,10 +23,10 @@ import torch
 from opengem.data.events import ShardReader
 from opengem.data.loader import ShardLoader
 from opengem.data.parquet import DatasetManifest
-from opengem.data.synthetic import columns_from_table, world_from_manifest
-from opengem.data.synthetic_world import probabilities
 from opengem.evaluation import EVAL_BATCH
 from opengem.features.schema import FeatureSchema
+from opengem.world.generate import columns_from_table, world_from_manifest
+from opengem.world.latent import probabilities
 
 
 def term_slopes(z_model: np.ndarray, terms: dict[str, np.ndarray]) -> dict:

@@ -1,7 +1,7 @@
 """Synthetic-world presets: one function per world, each a ``WorldConfig`` that differs from the
 defaults (the ``demo`` world) in its sizes (``tiny`` also in its event caps and impression rate):
 the click and conversion models are the same in every world. Their functional form is the
-``structure_seed`` knob (``opengem generate --world-seed N``, ``opengem.data.world_structure``),
+``structure_seed`` knob (``opengem generate --world-seed N``, ``opengem.world.structure``),
 0 by default: any preset can be any member of the family.
 
 ``world_config("demo", seed=3, overrides=["sizes.num_users=3000"])`` is what ``opengem generate
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from opengem.config import apply_overrides
-from opengem.data.synthetic import Behaviour, Impressions, WorldConfig, WorldSizes
+from opengem.world.generate import Behaviour, Impressions, WorldConfig, WorldSizes
 
 
 def tiny() -> WorldConfig:

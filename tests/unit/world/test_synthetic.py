@@ -14,16 +14,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from opengem.data.parquet import DatasetManifest
-from opengem.data.synthetic import WorldConfig, build_schema, columns_from_table, generate, world_from_manifest
-from opengem.data.synthetic_world import (
+from opengem.features.schema import FeatureSchema
+from opengem.world.generate import WorldConfig, build_schema, columns_from_table, generate, world_from_manifest
+from opengem.world.latent import (
     ORGANIC_EVENT_WEIGHTS,
     World,
     history_signals,
     probabilities,
     sequence_match,
 )
-from opengem.features.schema import FeatureSchema
-from opengem.recipes import world_config
+from opengem.world.presets import world_config
 
 
 def _gen(path, *overrides, preset="tiny", seed=None):

@@ -1,7 +1,7 @@
 """The embedded synthetic ads world: impressions whose TRUE click / conversion probabilities are
 stored next to their labels, so the Bayes-optimal normalized entropy of any split is exact.
 
-Generative process (latent parts in ``opengem.data.synthetic_world``; every knob is a
+Generative process (latent parts in ``opengem.world.latent``; every knob is a
 ``WorldConfig`` field, named here without its part (``num_users`` is ``sizes.num_users``); times are
 seconds, day 0 starts at ``cfg.sizes.start_ts``):
 
@@ -48,11 +48,11 @@ seconds, day 0 starts at ``cfg.sizes.start_ts``):
    p_conversion = p_click·p_cvr; click ~ Bernoulli(p_click), conversion = click·Bernoulli(p_cvr),
    so P(conversion = 1) = p_conversion exactly.
 7. Steps 5 and 6 are the form of ``structure_seed`` 0. Another structure seed draws the form
-   (``opengem.data.world_structure``: which pairs interact at what rank, how each history acts,
+   (``opengem.world.structure``: which pairs interact at what rank, how each history acts,
    numeric shapes, position form, surface tables, conversion terms, drift scales); the draws of
    steps 1–4 stay as they were, but for the drifts' scales and, through the interest drift, the rows.
    ``opengem generate`` then fits an oracle with the world's exact structure on the train rows
-   (``opengem.evaluation.oracle``); its NE and ``captured`` per split land in ``source.stats.oracle``.
+   (``opengem.world.oracle``); its NE and ``captured`` per split land in ``source.stats.oracle``.
 
 Everything the true models read is in the row: ``synthetic_world.probabilities(world, cols)``
 recomputes the probability columns from a shard (``columns_from_table``) and the calibrated world
@@ -77,7 +77,16 @@ import numpy as np
 import pyarrow as pa
 
 from opengem.data.parquet import LAYOUT_V2, LAYOUTS, DatasetManifest, ShardWriter, list_array, stream_columns
-from opengem.data.synthetic_world import (
+from opengem.features.schema import (
+    DenseFeature,
+    Domains,
+    EmbeddingFeature,
+    FeatureSchema,
+    SequenceStream,
+    SparseFeature,
+    Task,
+)
+from opengem.world.latent import (
     ADS_EVENTS,
     DAY,
     FORMATS,
@@ -105,16 +114,7 @@ from opengem.data.synthetic_world import (
     solve_surface_intercept,
     surface_task_columns,
 )
-from opengem.data.world_structure import WorldStructure
-from opengem.features.schema import (
-    DenseFeature,
-    Domains,
-    EmbeddingFeature,
-    FeatureSchema,
-    SequenceStream,
-    SparseFeature,
-    Task,
-)
+from opengem.world.structure import WorldStructure
 
 
 @dataclass
@@ -225,7 +225,7 @@ class ConversionModel:
 @dataclass
 class WorldConfig:
     """All knobs of the synthetic world, by part (defaults = the ``demo`` preset; presets in
-    ``opengem.recipes.worlds``). Overrides and error messages use dotted keys: ``sizes.num_users``.
+    ``opengem.world.presets``). Overrides and error messages use dotted keys: ``sizes.num_users``.
 
     Args:
         seed: the sampling seed: every draw of entities, users and rows is a pure function of it.
@@ -234,7 +234,7 @@ class WorldConfig:
         impressions: impression rate, surfaces, positions and ad choice (``Impressions``).
         click: the true click model (``ClickModel``).
         conversion: the true conversion-given-click model (``ConversionModel``).
-        structure_seed: the functional form of the true models (``opengem.data.world_structure``):
+        structure_seed: the functional form of the true models (``opengem.world.structure``):
             0 is today's demo world; another seed draws which terms exist and how each acts.
         surface_task: a surface's own objective the FM does not train on (``SurfaceTask``; off).
         dense_missing: missing-not-at-random dense values (``DenseMissing``; off).
@@ -556,7 +556,7 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
 
     ``observer(world, split_of_day)`` builds a ``ShardObserver`` that sees every shard's columns as it
     is written; its ``result()`` is stored in ``source.stats[observer.stats_key]``. The CLI passes the
-    world's oracle (``opengem.evaluation.oracle.OracleCollector``): the data layer names no model.
+    world's oracle (``opengem.world.oracle.OracleCollector``): the data layer names no model.
 
     ``layout="v2"`` (``opengem.data.events``) writes each user block's event streams once, as bucket
     ``block`` of each stream's log, and impression shards without history columns; the rows, draws,

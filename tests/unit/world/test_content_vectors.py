@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from opengem.data.parquet import DatasetManifest
-from opengem.data.synthetic import build_schema, generate, manifest_config, world_from_manifest
-from opengem.data.synthetic_world import World, click_terms, history_stats
-from opengem.evaluation.oracle import Layout, OracleCollector
 from opengem.features.schema import EmbeddingFeature, FeatureSchema
-from opengem.recipes import world_config
+from opengem.world.generate import build_schema, generate, manifest_config, world_from_manifest
+from opengem.world.latent import World, click_terms, history_stats
+from opengem.world.oracle import Layout, OracleCollector
+from opengem.world.presets import world_config
 
 
 def test_off_by_default_and_out_of_the_manifest():
@@ -49,7 +49,7 @@ def test_the_vector_is_a_column_and_a_linear_click_term(tmp_path):
     assert layout.dense_names[-8:] == [f"ad_content_{j}" for j in range(8)]
     assert "oracle" in m.source["stats"] and m.source["stats"]["oracle"]["valid"]["all/click"]["ne"] < 1
     # the term is in the world's click logit, last
-    from opengem.data.synthetic import columns_from_table
+    from opengem.world.generate import columns_from_table
     c = columns_from_table(t)
     terms = click_terms(world, c, history_stats(world, c))
     assert list(terms)[-1] == "content" and np.allclose(terms["content"], world.content_effect[ad])

@@ -5,12 +5,12 @@ import dataclasses
 import itertools
 
 import pytest
-from _dial import differing
 
 from opengem.cli import main
 from opengem.config import ConfigError
-from opengem.data.synthetic import WorldConfig
-from opengem.recipes import world_config, world_names
+from opengem.testing import differing
+from opengem.world.generate import WorldConfig
+from opengem.world.presets import world_config, world_names
 
 # The world dial: sizes, and for tiny the event caps and the impression rate. The click and
 # conversion models (and the rest of behaviour and impressions) are the same in every world.

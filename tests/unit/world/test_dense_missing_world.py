@@ -5,13 +5,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from tests.unit.world.test_mismatched_objective import DEFAULT_DIGEST, _digest
 
-from opengem.data.synthetic import generate
-from opengem.data.synthetic_world import MISSING_FEATURES
 from opengem.data.validate import validate_dataset
 from opengem.features.schema import FeatureSchema
-from opengem.recipes import world_config
-from tests.unit.data.test_mismatched_objective import DEFAULT_DIGEST, _digest
+from opengem.world.generate import generate
+from opengem.world.latent import MISSING_FEATURES
+from opengem.world.presets import world_config
 
 
 def test_option_off_is_the_default_world_byte_for_byte(tmp_path):
