@@ -565,6 +565,9 @@ def main() -> None:
                    *views["metrics_platt"])
     out["recalibration_dev_crossfit"] = crossfit_summary(models, crossfits)
     out["pair_blind_oracle_over_oracle"] = pair_blind_summary(pair_blind)
+    # a real dataset absent from --shared drops its rows: the JSON line names them, so a figure
+    # read without them is not mistaken for one that has them
+    out["real_skipped"] = sorted(set(names) - set(real))
     print(json.dumps(out))
 
 
