@@ -1,22 +1,30 @@
 """``opengem bench --quick``: the project's headline figures in one call (meant for 5 minutes on 2 CPU cores).
 
-Each figure comes from the module that measures it: the levers and the loader (``levers``), jagged
-attention (``ops``), GEM's time to DLRM-DCN's quality and examples/s at equal parameters (``race``).
-The time to quality here is ONE race run (``time_to_dcn_quality_speedup_single_run``) on a 12,000-user
-world: three runs of the demo-sized world do not fit in the 5 minutes beside the other figures (one
-of them alone took the bench to 467 s). The reported figure, the median of three with its spread, is
-``benchmarks/time_to_quality.py`` on the demo-sized world; the speed-up grows with the data, so the
-bench's single run reads lower than it.
+Each figure comes from the module that measures it: the levers (``levers``), GEM's sequence side
+jagged vs padded (``ops.sequence_side_case``), GEM's time to DLRM-DCN's quality and examples/s at equal
+parameters (``race``). The time to quality here is ONE race run (``time_to_dcn_quality_speedup_single_run``)
+on a 12,000-user world: three runs of the demo-sized world do not fit in the 5 minutes beside the other
+figures (one of them alone took the bench to 467 s). The reported figure, the median of three with its
+spread, is ``benchmarks/time_to_quality.py`` on the demo-sized world; the speed-up grows with the data, so
+the bench's single run reads lower than it.
+
+- ``gem_sequence_side_padded_over_jagged_{fwd,fwd_bwd}``: GEM's sequence side (both streams' towers:
+  time embedding, target-aware pooled attention over the whole history, recent window, tower layers)
+  on the first 4 training batches of the 12,000-user demo world (demo recipe: batch 256, histories
+  capped at 256, K = 16, M = 4), padded time over jagged time, the ratio formed per round from that
+  round's two timings; the median of 7 rounds, with ``..._min_max``. Full record under ``sequence_side``.
 
 On the levers' ``tiny`` world (seed 0, 3,972 rows) the bench also trains the ``tiny`` recipe for real
 (``opengem.train.trainer.train``, no evaluation hooks, two passes) at negative rates 1 and 0.1:
 
-- ``loader_over_train_eps``: the loader alone (``ShardLoader`` as the trainer builds it: same batch,
-  history caps and ``data.prefetch``), examples/s, over the rate-1 run's final.json ``examples_per_s``
-  (examples trained / (wall − evaluation s) of the whole loop: data wait, step, optimiser, logging,
-  the first steps included). The levers' older figure, the loader over the eager lever's timed step
-  alone (``levers.run_bench``: loader without prefetch, step without the trainer's loop), is
-  ``loader_over_eager_step_eps``.
+- ``loader_over_train_step_examples_per_s``: on the same batches at the same batch size (the ``tiny``
+  recipe's 128), the loader's examples/s (``ShardLoader`` as the trainer builds it, prefetch off so the
+  time is the loader's own: Parquet → ``Batch``) over the training step's examples/s (``train_step``:
+  forward, loss, backward, clipping, both optimizers, no data wait); per round 6 batches loaded
+  then trained, the ratio per round, median of 7 rounds with ``..._min_max``. Above 1,
+  the loader keeps ahead of training by that factor. (Before issue 46 the figure divided the loader's
+  examples/s by the trainer's whole-loop examples/s, first steps and logging included, two measurements
+  of different things; it is gone.)
 - ``downsampling``: rows read/s and trained/s at rates 1 and 0.1 (as ``benchmarks/downsampling.py``
   counts them), and all/click calibration (Σp/Σy) on valid at 0.1, corrected (what every stage reads)
   and raw. The full comparison (rate 0.5, NE, equal steps, seeds) stays in ``benchmarks/downsampling.py``.
@@ -36,7 +44,7 @@ import torch
 
 from instruments.layout import layout_bytes
 from instruments.levers import run_bench
-from instruments.ops import attention_case
+from instruments.ops import median_min_max, sequence_side_case, spread
 from instruments.race import (
     RATES,
     budget_config,
@@ -54,6 +62,8 @@ from opengem.model.build import build_gem, count_parameters, materialize
 from opengem.ops.quantize import quantize_tables, table_bytes
 from opengem.recipes import recipe
 from opengem.run import load_base_rates, load_run_model
+from opengem.train.optim import build_optimizers
+from opengem.train.step import train_step
 from opengem.train.trainer import train
 from opengem.world.generate import generate
 from opengem.world.presets import world_config
@@ -61,18 +71,42 @@ from opengem.world.presets import world_config
 QUICK_USERS = 12_000  # the demo's 36,000 took 467 s in all on a lightly loaded 2-core machine: over the 5 minutes
 LAYOUT_USERS = 2048  # one of the demo's user blocks: its histories are the demo's, ~4 s for both layouts
 TRAIN_EPOCHS = 2
+LOADER_BATCHES, LOADER_ROUNDS = 6, 7  # the tiny recipe's step ~30 ms: ~1.5 s in all
+SEQ_BATCHES, SEQ_ROUNDS = 4, 7  # the demo recipe's sequence side, jagged + padded, fwd and fwd+bwd: ~20 s
 
 
-def loader_examples_per_s(cfg, data: Path, max_seq_len: dict, seconds: float = 2.0) -> float:
-    """Examples/s of the loader alone, built as the trainer builds it (split, batch, shuffle, history
-    caps, ``data.prefetch``), over at most ``seconds`` after its first batch."""
-    it = iter(ShardLoader(data, cfg.data.train_split, cfg.data.batch_size, shuffle=cfg.data.shuffle,
-                          seed=cfg.data.seed, epochs=1000, max_seq_len=max_seq_len, prefetch=cfg.data.prefetch))
-    next(it)  # open files, start the prefetch thread
-    rows, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        rows += next(it).batch_size
-    return rows / (time.perf_counter() - t0)
+def loader_and_step_examples_per_s(cfg, data: Path, batches: int = LOADER_BATCHES,
+                                   rounds: int = LOADER_ROUNDS) -> dict:
+    """Examples/s of the loader and of the training step on the same batches at ``cfg.data.batch_size``
+    (module docstring): each round loads ``batches`` batches (timed), then trains on exactly those
+    (timed). Returns per-round lists and ``loader_over_train_step`` = loader examples/s ÷ step
+    examples/s per round (= step seconds ÷ load seconds: the rows are the same)."""
+    schema = FeatureSchema.load(data)
+    torch.manual_seed(cfg.train.seed)
+    model = materialize(build_gem(schema, cfg.model), seed=cfg.train.seed)
+    opts = [o for o in build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim) if o]
+    it = iter(ShardLoader(data, cfg.data.train_split, cfg.data.batch_size, schema, shuffle=cfg.data.shuffle,
+                          seed=cfg.data.seed, epochs=1000, max_seq_len=model.max_seq_len(), prefetch=0))
+    task_w, dense = torch.tensor([t.weight for t in schema.tasks]), list(model.dense_parameters())
+
+    def step(batch) -> None:
+        train_step(model, opts, batch, task_w, schema.num_domains, grad_clip=cfg.optim.grad_clip, dense_params=dense)
+
+    step(next(it))  # warm-up: files opened, first-call allocations
+    out: dict[str, list[float]] = {"loader": [], "train_step": [], "loader_over_train_step": []}
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        got = [next(it) for _ in range(batches)]
+        t_load = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for batch in got:
+            step(batch)
+        t_step = time.perf_counter() - t0
+        rows = sum(b.batch_size for b in got)
+        out["loader"].append(rows / t_load)
+        out["train_step"].append(rows / t_step)
+        out["loader_over_train_step"].append(t_step / t_load)
+    return out
 
 
 def trained(data: Path, run: Path, rate: float) -> dict:
@@ -88,28 +122,31 @@ def trained(data: Path, run: Path, rate: float) -> dict:
     return final | {"rows_read_per_s": round(read / final["wall_s"], 1)}
 
 
-def click_calibration(run: Path, data: Path, corrected: bool) -> float:
+def click_calibration(run: Path, data: Path, corrected: bool, split: str) -> float:
     model, _, schema = load_run_model(run, recalibrated=False, corrected=corrected)
-    m = evaluate_model(model, schema, data, "valid", load_base_rates(run), progress=False)["metrics"]
+    m = evaluate_model(model, schema, data, split, load_base_rates(run), progress=False)["metrics"]
     return round(m["all/click"]["calibration"], 4)
 
 
-def trainer_figures(data: Path, root: Path) -> dict:
-    """``loader_over_train_eps`` and the down-sampling figures on ``data`` (module docstring)."""
+def trainer_figures(data: Path, root: Path, split: str = "valid") -> dict:
+    """``loader_over_train_step_examples_per_s`` and the down-sampling figures on ``data`` (module docstring)."""
     require_tuning_split("valid", "the down-sampling rate")
-    cfg = recipe("tiny")
     full = trained(data, root / "rate1", 1.0)
-    loader_eps = loader_examples_per_s(cfg, data, build_gem(FeatureSchema.load(data), cfg.model).max_seq_len())
+    eps = loader_and_step_examples_per_s(recipe("tiny"), data)
     low = trained(data, root / "rate0.1", 0.1)
-    return {"loader_examples_per_s": round(loader_eps, 1), "train_examples_per_s": round(full["examples_per_s"], 1),
-            "loader_over_train_eps": round(loader_eps / full["examples_per_s"], 2),
+    return {"loader_examples_per_s": round(statistics.median(eps["loader"]), 1),
+            "train_step_examples_per_s": round(statistics.median(eps["train_step"]), 1),
+            "loader_over_train_step_examples_per_s": {k: round(v, 2) for k, v in
+                                                      spread(eps["loader_over_train_step"]).items()},
+            "batch_size": recipe("tiny").data.batch_size, "batches_per_round": LOADER_BATCHES,
+            "trainer_loop_examples_per_s": round(full["examples_per_s"], 1),
             "downsampling": {
                 "epochs": TRAIN_EPOCHS, "rows": full["examples"] // TRAIN_EPOCHS,
                 **{f"{r:g}": {"rows_read_per_s": f["rows_read_per_s"], "steps": f["steps"],
                               "rows_trained_per_s": round(f["examples_per_s"], 1)}
                    for r, f in ((1.0, full), (0.1, low))},
-                "click_calibration_valid_at_0.1": {"corrected": click_calibration(root / "rate0.1", data, True),
-                                                   "raw": click_calibration(root / "rate0.1", data, False)}}}
+                "click_calibration_valid_at_0.1": {"corrected": click_calibration(root / "rate0.1", data, True, split),
+                                                   "raw": click_calibration(root / "rate0.1", data, False, split)}}}
 
 
 def quick_bench(cfg_name: str = "tiny", users: int | None = QUICK_USERS, eval_every_kth_file: int = 4) -> dict:
@@ -131,13 +168,13 @@ def quick_bench(cfg_name: str = "tiny", users: int | None = QUICK_USERS, eval_ev
         torch.set_num_threads(threads)
         sizes = layout_bytes(world_config("demo", seed=held_out_world_seeds(1)[0],
                                           overrides=[f"sizes.num_users={LAYOUT_USERS}"]), Path(tmp) / "layouts")
-    att = attention_case(32, 70, 3000, 32, heads=2, reps=2)
     world_seed = held_out_world_seeds(1)[0]
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
         generate(world_config("demo", seed=world_seed, overrides=[f"sizes.num_users={users}"] if users else []), data,
                  progress=False)
         schema = FeatureSchema.load(data)
+        seq = sequence_side_case(data, "demo", batches=SEQ_BATCHES, repeats=SEQ_ROUNDS, inner=1)
         fp32 = materialize(build_gem(schema, recipe("demo").model))
         int8_saved = table_bytes(fp32) / table_bytes(quantize_tables(fp32, "int8"))
         one = race(data, runs=1, eval_every_kth_file=eval_every_kth_file)["results"][0]
@@ -162,10 +199,11 @@ def quick_bench(cfg_name: str = "tiny", users: int | None = QUICK_USERS, eval_ev
                  "dcn_head_dims": [*dcn_wide.model.heads.trunk_dims, *dcn_wide.model.heads.task_dims],
                  "examples_per_s": {k: round(max(v), 1) for k, v in eq.items()}}
     lv, eps = levers["levers"], equal["examples_per_s"]
-    return {"padded_over_jagged_time": round(att["padded_over_jagged_time"], 2),
-            "max_over_mean_len": round(att["max_len"] / att["mean_len"], 2),
-            "loader_over_train_eps": real["loader_over_train_eps"],
-            "loader_over_eager_step_eps": levers["loader_over_training"],
+    loader = real["loader_over_train_step_examples_per_s"]
+    return {**{f"gem_sequence_side_padded_over_jagged_{m}{suffix}": v
+               for m in ("fwd", "fwd_bwd") for suffix, v in median_min_max(seq[m]["padded_over_jagged_time"])},
+            "loader_over_train_step_examples_per_s": loader["median"],
+            "loader_over_train_step_examples_per_s_min_max": [loader["min"], loader["max"]],
             "dataset_bytes_v1_over_v2": sizes["dataset_bytes_v1_over_v2"],
             "downsampling_read_speedup_at_0.1": round(real["downsampling"]["0.1"]["rows_read_per_s"]
                                                       / real["downsampling"]["1"]["rows_read_per_s"], 2),
@@ -180,7 +218,8 @@ def quick_bench(cfg_name: str = "tiny", users: int | None = QUICK_USERS, eval_ev
             "gem_examples_per_s": gem["examples_per_s"], "dcn_examples_per_s": peer["examples_per_s"],
             "gem_over_dcn_eps_equal_params": round(eps["gem"] / eps["dlrm_dcn"], 3),
             "ttq": ttq, "equal_params": equal,
-            "params": {"gem": gem["parameters"]["total"], "dlrm_dcn": peer["parameters"]["total"]}, "attention": att,
+            "params": {"gem": gem["parameters"]["total"], "dlrm_dcn": peer["parameters"]["total"]},
+            "sequence_side": seq,
             "trainer": real, "layouts": {k: sizes[k] for k in ("rows", "bytes_v1", "bytes_v2")},
             "bench_s": round(time.perf_counter() - t0, 1),
             "levers": {k: {kk: v[kk] for kk in ("examples_per_s", "saved_activation_mb")} for k, v in lv.items()}}

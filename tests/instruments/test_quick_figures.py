@@ -1,13 +1,11 @@
-"""The figures ``opengem bench --quick`` adds for issue 23: layout bytes and the loader against the trainer."""
+"""The figures ``opengem bench --quick`` adds: layout bytes and the loader against the trainer."""
 
 from __future__ import annotations
 
 import torch
 from instruments.layout import layout_bytes
-from instruments.quick import loader_examples_per_s
+from instruments.quick import loader_and_step_examples_per_s
 
-from opengem.features.schema import FeatureSchema
-from opengem.model.build import build_gem
 from opengem.recipes import recipe
 from opengem.world.generate import generate
 from opengem.world.presets import world_config
@@ -21,11 +19,12 @@ def test_layout_bytes_v1_over_v2_is_the_total_ratio(tmp_path):
     assert out["dataset_bytes_v1_over_v2"] > 1.5  # histories copied per row cost more than logs once per user
 
 
-def test_loader_examples_per_s_reads_batches_as_the_trainer(tmp_path):
+def test_loader_over_train_step_is_one_ratio_on_the_same_batches(tmp_path):
     torch.set_num_threads(1)
     generate(world_config("tiny", seed=0), tmp_path, progress=False)
     cfg = recipe("tiny")
-    assert cfg.data.prefetch > 0  # the figure is the prefetched loader, as training uses it
-    eps = loader_examples_per_s(cfg, tmp_path, build_gem(FeatureSchema.load(tmp_path), cfg.model).max_seq_len(),
-                                seconds=0.3)
-    assert eps > 0
+    out = loader_and_step_examples_per_s(cfg, tmp_path, batches=2, rounds=3)
+    assert all(len(v) == 3 for v in out.values())
+    # same rows in each round, so examples/s over examples/s is step seconds over load seconds
+    for lo, st, ratio in zip(out["loader"], out["train_step"], out["loader_over_train_step"]):
+        assert lo > 0 and st > 0 and abs(ratio - lo / st) < 1e-9 * ratio
