@@ -5,8 +5,13 @@
     opengem train    --recipe R --data DIR --out RUN [--resume] [--days D] [key=value …]
     opengem train    --data DIR --continue RUN --days D [--resume] [key=value …]   continuous training
     opengem evaluate --run RUN --data DIR [--split test] [--json FILE] [--signal]
-    opengem distill  --teacher RUN --student-recipe R --data DIR --out RUN [--via FM_RUN] [key=value …]
+                     [--checkpoint best|last]
+    opengem recalibrate --run RUN --data DIR [--split valid] [--form offset|platt]
+                     [--checkpoint best|last]
+    opengem distill  --teacher RUN --student-recipe R --data DIR --out RUN [--via FM_RUN]
+                     [--checkpoint best|last] [key=value …]
     opengem export   --run RUN --out ARTIFACT [--data DIR] [--no-compile] [--table-dtype fp32|fp16|int8]
+                     [--checkpoint best|last]
     opengem serve    --artifact ARTIFACT [--host 127.0.0.1] [--port 8000] [--history STORE]
     opengem history-store --data DATA --out STORE   a v2 dataset's event logs → a memory-mapped history store
     opengem bench    [--quick] [--recipe R] [--levers eager,compile,ac,bf16,fp8]   benchmarks/speed.py
@@ -42,7 +47,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", choices=FORMATS, default="text",
                    help="json: one JSON object per log line on stderr, for scripts (no progress bars)")
     sub = p.add_subparsers(dest="cmd", required=True)
+    for add in _STAGES:  # each sets its handler: set_defaults(handler=…)
+        add(sub)
+    return p
 
+
+def _add_checkpoint(parser: argparse.ArgumentParser, whose: str = "the run's model") -> None:
+    # run.CHECKPOINTS, spelled here so that parsing imports no torch (tests/unit/test_cli_surface.py)
+    parser.add_argument("--checkpoint", choices=("best", "last"), default="best",
+                        help=f"{whose}: best (default) is the best held-out evaluation's model when "
+                             "the run kept one (train.keep_best), else its last checkpoint; last: the "
+                             "last checkpoint")
+
+
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="write a synthetic ads world as Parquet shards")
     g.add_argument("--preset", default="demo")
     g.add_argument("--out", required=True)
@@ -55,90 +73,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="v2 (default): event logs stored once per user, joined at read time, ~12x smaller; v1:"
                         " histories copied into every row (docs/dataset-layout.md); the same batches either way")
     g.add_argument("overrides", nargs="*", help="world config overrides key=value (e.g. sizes.num_users=3000)")
-
-    t = sub.add_parser("train", help="train a GEM foundation model")
-    t.add_argument("--recipe", default=None, help="the preset (default demo); a --continue run keeps its own")
-    t.add_argument("--data", required=True)
-    t.add_argument("--out", default=None, help="the run directory (required unless --continue)")
-    t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
-    t.add_argument("--continue", dest="continue_run", default=None, metavar="RUN",
-                   help="continuous training: warm-start RUN from its last checkpoint and train --days, one pass "
-                        "each, publishing RUN/snapshots/day-N after each (opengem.train.continual)")
-    t.add_argument("--days", default=None, help="the days to train, in order: 4,5 or 2-4 (a stream: one pass a day)")
-    t.add_argument("overrides", nargs="*", help="config overrides key=value (e.g. optim.lr=1e-3)")
-
-    e = sub.add_parser("evaluate", help="evaluate a run on a split")
-    e.add_argument("--run", required=True)
-    e.add_argument("--data", required=True)
-    e.add_argument("--split", default="test")
-    e.add_argument("--json", default=None, help="write the evaluation JSON here")
-    e.add_argument("--batch-size", type=int, default=None, help="rows per forward (default: EVAL_BATCH, 1024)")
-    e.add_argument("--signal", action="store_true",
-                   help="synthetic data: slope of the model's logit on each true term of the world")
-
-    r = sub.add_parser("recalibrate", help="fit a logit offset per (domain, task) (--form platt: and a slope per task) "
-                                           "on held-out days (RUN/recalibration.json)")
-    r.add_argument("--run", required=True)
-    r.add_argument("--data", required=True)
-    r.add_argument("--split", default="valid", help="the days to fit on (never test)")
-    r.add_argument("--prior-std", type=float, default=0.1, help="Gaussian prior on each offset (keeps thin slices near 0)")
-    r.add_argument("--form", choices=("offset", "platt"), default="offset",
-                   help="offset: one per (domain, task); platt: also a slope per task (logits too spread)")
-
-    k = sub.add_parser("distill", help="distil a vertical model from a trained GEM (directly or --via a domain FM)")
-    k.add_argument("--teacher", required=True, help="the GEM run")
-    k.add_argument("--student-recipe", default="vm_s", help="vm_xs | vm_s | vm_m | fm_domain (or a train recipe)")
-    k.add_argument("--data", required=True)
-    k.add_argument("--out", required=True)
-    k.add_argument("--via", default=None, help="a distilled domain FM run: GEM → FM → this student")
-    k.add_argument("overrides", nargs="*", help="student recipe or transfer.* overrides key=value")
-
-    x = sub.add_parser("export", help="write a serving artifact of a run (torch.export program, schema, manifest)")
-    x.add_argument("--run", required=True)
-    x.add_argument("--out", required=True)
-    x.add_argument("--data", default=None, help="evaluate on --split now and record the metrics in the manifest")
-    x.add_argument("--split", default="test")
-    x.add_argument("--no-compile", action="store_true", help="skip the AOTInductor package (faster export)")
-    x.add_argument("--table-dtype", choices=["fp32", "fp16", "int8"], default="fp32",
-                   help="embedding tables in the artifact: fp32, or TorchRec-quantised fp16 / int8 rows (serving only)")
-    x.add_argument("--force", action="store_true", help="replace a non-empty --out")
-
-    s = sub.add_parser("serve", help="serve an artifact over HTTP (FastAPI + uvicorn)")
-    s.add_argument("--artifact", required=True)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--runtime", default="auto", choices=["auto", "aoti", "exported", "eager"])
-    s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
-    s.add_argument("--batch-window-ms", type=float, default=2.0, help="longest wait to batch concurrent requests")
-    s.add_argument("--max-candidates", type=int, default=1024, help="candidates per request; more is a 413")
-    s.add_argument("--no-admin", action="store_true", help="no /admin/reload endpoint")
-    s.add_argument("--history", default=None, help="a history store (opengem history-store): requests with "
-                                                   "user_id may leave histories out")
-
-    h = sub.add_parser("history-store", help="build the serving history store from a v2 dataset's event logs")
-    h.add_argument("--data", required=True)
-    h.add_argument("--out", required=True)
-
-    b = sub.add_parser("bench", help="speed figures: runs benchmarks/speed.py of a source checkout",
-                       add_help=False)
-    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="benchmarks/speed.py's arguments (--quick, --help)")
-
-    d = sub.add_parser("demo", help="the main job: generate, train, evaluate, distil, export, serve (demo world)")
-    d.add_argument("--out", default="./opengem-demo")
-    d.add_argument("--preset", default="demo", help="world preset and recipe (tiny for a smoke run)")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--no-recalibrate", action="store_true", help="skip fitting the per-(domain, task) offsets on valid")
-    d.add_argument("--no-distill", action="store_true", help="skip distilling a vertical model (then GEM is served)")
-    d.add_argument("--no-serve", action="store_true", help="skip the last step: export, serve, score one request")
-    d.add_argument("overrides", nargs="*", help="training config overrides key=value")
-
-    v = sub.add_parser("validate", help="check a dataset (schema, manifest, columns, ids, times, event logs)")
-    v.add_argument("data")
-    v.add_argument("--strict", action="store_true", help="warnings (e.g. exact duplicate events) fail too")
-
-    import_cli.add_parser(sub)
-    report_cli.add_parser(sub)
-    return p
+    g.set_defaults(handler=cmd_generate)
 
 
 def cmd_generate(args) -> dict:
@@ -154,6 +89,20 @@ def cmd_generate(args) -> dict:
     rows = sum(f.rows for f in manifest.files)
     log.info("wrote %d rows in %d shards to %s in %.1f s", rows, len(manifest.files), args.out, time.perf_counter() - t0)
     return {"rows": rows, "shards": len(manifest.files), "out": args.out}
+
+
+def _add_train(sub) -> None:
+    t = sub.add_parser("train", help="train a GEM foundation model")
+    t.add_argument("--recipe", default=None, help="the preset (default demo); a --continue run keeps its own")
+    t.add_argument("--data", required=True)
+    t.add_argument("--out", default=None, help="the run directory (required unless --continue)")
+    t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    t.add_argument("--continue", dest="continue_run", default=None, metavar="RUN",
+                   help="continuous training: warm-start RUN from its last checkpoint and train --days, one pass "
+                        "each, publishing RUN/snapshots/day-N after each (opengem.train.continual)")
+    t.add_argument("--days", default=None, help="the days to train, in order: 4,5 or 2-4 (a stream: one pass a day)")
+    t.add_argument("overrides", nargs="*", help="config overrides key=value (e.g. optim.lr=1e-3)")
+    t.set_defaults(handler=cmd_train)
 
 
 def cmd_train(args) -> dict:
@@ -184,17 +133,30 @@ def cmd_train(args) -> dict:
     return final
 
 
+def _add_evaluate(sub) -> None:
+    e = sub.add_parser("evaluate", help="evaluate a run on a split")
+    e.add_argument("--run", required=True)
+    e.add_argument("--data", required=True)
+    e.add_argument("--split", default="test")
+    e.add_argument("--json", default=None, help="write the evaluation JSON here")
+    e.add_argument("--batch-size", type=int, default=None, help="rows per forward (default: EVAL_BATCH, 1024)")
+    e.add_argument("--signal", action="store_true",
+                   help="synthetic data: slope of the model's logit on each true term of the world")
+    _add_checkpoint(e)
+    e.set_defaults(handler=cmd_evaluate)
+
+
 def cmd_evaluate(args) -> dict:
     from opengem.evaluation import EVAL_BATCH
     from opengem.evaluation.evaluate import evaluate_run
+    from opengem.run import load_run_model, use_best
 
-    batch = args.batch_size or EVAL_BATCH
-    out = evaluate_run(args.run, args.data, args.split, batch, progress=not args.quiet)
+    batch, best = args.batch_size or EVAL_BATCH, use_best(args.run, args.checkpoint)
+    out = evaluate_run(args.run, args.data, args.split, batch, progress=not args.quiet, best=best)
     if args.signal:  # the world's instrument, not evaluation's: it reads the synthetic world's terms
-        from opengem.run import load_run_model
         from opengem.world.signal import signal_decomposition
 
-        model, _, schema = load_run_model(args.run)
+        model, _, schema = load_run_model(args.run, best=best)
         out["signal"] = signal_decomposition(model, schema, args.data, args.split, batch)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=str))
@@ -204,31 +166,91 @@ def cmd_evaluate(args) -> dict:
     return out
 
 
+def _add_recalibrate(sub) -> None:
+    r = sub.add_parser("recalibrate", help="fit a logit offset per (domain, task) (--form platt: and a slope per task) "
+                                           "on held-out days (RUN/recalibration.json)")
+    r.add_argument("--run", required=True)
+    r.add_argument("--data", required=True)
+    r.add_argument("--split", default="valid", help="the days to fit on (never test)")
+    r.add_argument("--prior-std", type=float, default=0.1, help="Gaussian prior on each offset (keeps thin slices near 0)")
+    r.add_argument("--form", choices=("offset", "platt"), default="offset",
+                   help="offset: one per (domain, task); platt: also a slope per task (logits too spread)")
+    _add_checkpoint(r, "the model to fit on (later stages should read the same one)")
+    r.set_defaults(handler=cmd_recalibrate)
+
+
 def cmd_recalibrate(args) -> dict:
     from opengem.evaluation.recalibrate import recalibrate_run
+    from opengem.run import use_best
 
-    rec = recalibrate_run(args.run, args.data, args.split, args.prior_std, progress=not args.quiet, form=args.form)
+    rec = recalibrate_run(args.run, args.data, args.split, args.prior_std, progress=not args.quiet,
+                          form=args.form, best=use_best(args.run, args.checkpoint))
     print(recalibration_line(rec))
     return rec
 
 
+def _add_distill(sub) -> None:
+    k = sub.add_parser("distill", help="distil a vertical model from a trained GEM (directly or --via a domain FM)")
+    k.add_argument("--teacher", required=True, help="the GEM run")
+    k.add_argument("--student-recipe", default="vm_s", help="vm_xs | vm_s | vm_m | fm_domain (or a train recipe)")
+    k.add_argument("--data", required=True)
+    k.add_argument("--out", required=True)
+    k.add_argument("--via", default=None, help="a distilled domain FM run: GEM → FM → this student")
+    k.add_argument("overrides", nargs="*", help="student recipe or transfer.* overrides key=value")
+    _add_checkpoint(k, "the teacher's model, when it publishes no snapshots (else the one transfer.snapshot_lag "
+                       "picks)")
+    k.set_defaults(handler=cmd_distill)
+
+
 def cmd_distill(args) -> dict:
+    from opengem.run import use_best
     from opengem.transfer.distill import distill
 
-    out = distill(args.teacher, args.student_recipe, args.data, args.out, list(args.overrides), via=args.via)
+    out = distill(args.teacher, args.student_recipe, args.data, args.out, list(args.overrides), via=args.via,
+                  best=use_best(args.teacher, args.checkpoint))
     print(format_table(out["metrics"]))
     print("\n" + distill_line(out))
     return out
 
 
+def _add_export(sub) -> None:
+    x = sub.add_parser("export", help="write a serving artifact of a run (torch.export program, schema, manifest)")
+    x.add_argument("--run", required=True)
+    x.add_argument("--out", required=True)
+    x.add_argument("--data", default=None, help="evaluate on --split now and record the metrics in the manifest")
+    x.add_argument("--split", default="test")
+    x.add_argument("--no-compile", action="store_true", help="skip the AOTInductor package (faster export)")
+    x.add_argument("--table-dtype", choices=["fp32", "fp16", "int8"], default="fp32",
+                   help="embedding tables in the artifact: fp32, or TorchRec-quantised fp16 / int8 rows (serving only)")
+    x.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    _add_checkpoint(x)
+    x.set_defaults(handler=cmd_export)
+
+
 def cmd_export(args) -> dict:
     from opengem.export.artifact import export_run
+    from opengem.run import use_best
 
     m = export_run(args.run, args.out, args.data, args.split, compile=not args.no_compile, overwrite=args.force,
-                   table_dtype=args.table_dtype)
+                   table_dtype=args.table_dtype, best=use_best(args.run, args.checkpoint))
     par = max(v for k, v in m["parity"].items() if k.startswith("max_abs_diff"))
     log.info("wrote %s: model %s, parity max |Δp| %.2g vs the training model", args.out, m["model_version"], par)
     return m
+
+
+def _add_serve(sub) -> None:
+    s = sub.add_parser("serve", help="serve an artifact over HTTP (FastAPI + uvicorn)")
+    s.add_argument("--artifact", required=True)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--runtime", default="auto", choices=["auto", "aoti", "exported", "eager"])
+    s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
+    s.add_argument("--batch-window-ms", type=float, default=2.0, help="longest wait to batch concurrent requests")
+    s.add_argument("--max-candidates", type=int, default=1024, help="candidates per request; more is a 413")
+    s.add_argument("--no-admin", action="store_true", help="no /admin/reload endpoint")
+    s.add_argument("--history", default=None, help="a history store (opengem history-store): requests with "
+                                                   "user_id may leave histories out")
+    s.set_defaults(handler=cmd_serve)
 
 
 def cmd_serve(args) -> dict:
@@ -245,6 +267,13 @@ def cmd_serve(args) -> dict:
     return {}
 
 
+def _add_history_store(sub) -> None:
+    h = sub.add_parser("history-store", help="build the serving history store from a v2 dataset's event logs")
+    h.add_argument("--data", required=True)
+    h.add_argument("--out", required=True)
+    h.set_defaults(handler=cmd_history_store)
+
+
 def cmd_history_store(args) -> dict:
     from opengem.export.history import build_history_store
 
@@ -253,6 +282,12 @@ def cmd_history_store(args) -> dict:
         log.info("%s: stream %s, %d events of %d users (%d bytes)", args.out, name, st["events"], st["users"],
                  st["bytes"])
     return meta
+
+
+def _add_bench(sub) -> None:
+    # no arguments of its own: main collects them all (--help included) for benchmarks/speed.py's parser
+    b = sub.add_parser("bench", help="speed figures: runs benchmarks/speed.py of a source checkout", add_help=False)
+    b.set_defaults(handler=cmd_bench)
 
 
 def cmd_bench(args) -> dict:
@@ -270,6 +305,13 @@ def cmd_bench(args) -> dict:
     return speed.main(args.bench_args)
 
 
+def _add_validate(sub) -> None:
+    v = sub.add_parser("validate", help="check a dataset (schema, manifest, columns, ids, times, event logs)")
+    v.add_argument("data")
+    v.add_argument("--strict", action="store_true", help="warnings (e.g. exact duplicate events) fail too")
+    v.set_defaults(handler=cmd_validate)
+
+
 def cmd_validate(args) -> dict:
     from opengem.data.parquet import DataError
     from opengem.data.validate import validate_dataset
@@ -282,6 +324,18 @@ def cmd_validate(args) -> dict:
     return {"counts": dict(report.counts)}
 
 
+def _add_demo(sub) -> None:
+    d = sub.add_parser("demo", help="the main job: generate, train, evaluate, distil, export, serve (demo world)")
+    d.add_argument("--out", default="./opengem-demo")
+    d.add_argument("--preset", default="demo", help="world preset and recipe (tiny for a smoke run)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-recalibrate", action="store_true", help="skip fitting the per-(domain, task) offsets on valid")
+    d.add_argument("--no-distill", action="store_true", help="skip distilling a vertical model (then GEM is served)")
+    d.add_argument("--no-serve", action="store_true", help="skip the last step: export, serve, score one request")
+    d.add_argument("overrides", nargs="*", help="training config overrides key=value")
+    d.set_defaults(handler=cmd_demo)
+
+
 def cmd_demo(args) -> dict:
     from opengem.pipeline import demo, format_demo
 
@@ -291,8 +345,25 @@ def cmd_demo(args) -> dict:
     return result
 
 
+_STAGES = (_add_generate, _add_train, _add_evaluate, _add_recalibrate, _add_distill, _add_export,
+           _add_serve, _add_history_store, _add_bench, _add_demo, _add_validate, import_cli.add_parser,
+           report_cli.add_parser)  # the order --help lists them in
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; ``bench``'s arguments, ``--help`` included, are its script's to parse
+    (``args.bench_args``): argparse would refuse them, or answer ``--help`` itself."""
+    p = _parser()
+    args, rest = p.parse_known_args(argv)
+    if args.cmd == "bench":
+        args.bench_args = rest
+    elif rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     args.log_level = args.log_level or ("warning" if args.quiet else "info")
     configure_logging(LEVELS[args.log_level], args.log_format)
     # progress bars would interleave with JSON lines; the level set above stays
@@ -305,12 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     from opengem.train.resume import Preempted
 
     try:
-        {"generate": cmd_generate, "train": cmd_train, "evaluate": cmd_evaluate, "recalibrate": cmd_recalibrate,
-         "distill": cmd_distill,
-         "export": cmd_export, "serve": cmd_serve, "history-store": cmd_history_store,
-         "bench": cmd_bench, "demo": cmd_demo,
-         "validate": cmd_validate,
-         "import": import_cli.run, "report": report_cli.run}[args.cmd](args)
+        args.handler(args)
     except (ConfigError, DataError, SchemaError, CheckpointError, ArtifactError, ValueError) as e:
         print(f"opengem {args.cmd}: error: {e}", file=sys.stderr)
         return 2

@@ -15,13 +15,13 @@ import math
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from opengem.data.loader import ShardLoader
 from opengem.data.parquet import DatasetManifest
 from opengem.evaluation import EVAL_BATCH
 from opengem.evaluation.accumulator import MetricAccumulator
 from opengem.features.schema import FeatureSchema, SchemaError
+from opengem.progress import progress_bar
 from opengem.run import load_base_rates, load_downsampling, load_recalibration, load_run_model
 
 
@@ -53,7 +53,7 @@ class _Scored:
                                   max_seq_len=model.max_seq_len(), prefetch=2, rank=rank, world_size=world_size)
 
     def __iter__(self):
-        batches = tqdm(self.loader, desc=f"evaluate {self.split}", unit="batch", disable=not self.progress)
+        batches = progress_bar(self.loader, desc=f"evaluate {self.split}", unit="batch", disable=not self.progress)
         for batch, counted in _in_step(batches, self.split):
             if self.device is not None and self.device.type != "cpu":
                 batch = batch.to(self.device, non_blocking=True)
@@ -121,7 +121,7 @@ def held_out_evaluator(data_dir: str | Path, split: str = "valid", every_kth_fil
 def evaluate_run(run_dir: str | Path, data_dir: str | Path, split: str = "test", batch_size: int = EVAL_BATCH,
                  progress: bool = True, best: bool = False) -> dict:
     """Metrics of a run's model on ``split``; with ``best``, of the best held-out evaluation's model
-    (``train.keep_best``) instead of the last."""
+    (``train.keep_best``) instead of the last (``run.use_best`` picks it for ``--checkpoint``)."""
     model, cfg, schema = load_run_model(run_dir, best=best)
     data_schema = FeatureSchema.load(data_dir)
     if data_schema.fingerprint() != schema.fingerprint():
@@ -130,6 +130,7 @@ def evaluate_run(run_dir: str | Path, data_dir: str | Path, split: str = "test",
     add_oracle(out["metrics"], data_dir, split)
     out["run"] = str(run_dir)
     out["recipe"] = cfg.recipe
+    out["checkpoint"] = "best" if best else "last"
     recal, sampled = load_recalibration(run_dir), load_downsampling(run_dir)
     if recal is not None:
         out["recalibration"] = recal

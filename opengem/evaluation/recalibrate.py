@@ -31,13 +31,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from opengem.data.loader import ShardLoader
 from opengem.discipline import require_tuning_split
 from opengem.evaluation import EVAL_BATCH
 from opengem.features.schema import FeatureSchema
-from opengem.run import RecalibrationError, gem_heads, load_run_model, offset_groups, save_recalibration
+from opengem.model.logit_shift import RecalibrationError, gem_heads, offset_groups
+from opengem.progress import progress_bar
+from opengem.run import load_run_model, save_recalibration
 
 FORMS = ("offset", "platt")
 
@@ -54,7 +55,7 @@ def head_inputs(model: torch.nn.Module, schema: FeatureSchema, data_dir: str | P
     hook = heads.register_forward_hook(lambda m, args, out: seen.append(args))
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("raw", "group", "labels", "mask", "weights", "user_id")}
     try:
-        for batch in tqdm(loader, desc=f"recalibrate on {split}", unit="batch", disable=not progress):
+        for batch in progress_bar(loader, desc=f"recalibrate on {split}", unit="batch", disable=not progress):
             seen.clear()
             model(batch)
             feats, domain, *rest = seen[0]
@@ -124,12 +125,14 @@ def _fit_task(heads, rows: dict[str, torch.Tensor], w_R: torch.Tensor, slopes: t
 
 
 def recalibrate_run(run_dir: str | Path, data_dir: str | Path, split: str = "valid", prior_std: float = 0.1,
-                    batch_size: int | None = None, progress: bool = True, form: str = "offset") -> dict:
+                    batch_size: int | None = None, progress: bool = True, form: str = "offset",
+                    best: bool = False) -> dict:
     """Fit the recalibration of a run on ``split`` (``form``: ``offset`` or ``platt``, module
     docstring) and write ``RUN/recalibration.json``; returns its record (offsets, with ``platt`` the
-    slopes, and each slice's calibration Σp/Σy on ``split`` before and after)."""
+    slopes, and each slice's calibration Σp/Σy on ``split`` before and after). ``best``: fit it on
+    the best held-out evaluation's model (``train.keep_best``) instead of the last; the record says which."""
     require_tuning_split(split, "the recalibration (its offsets and prior_std)")
-    model, _, schema = load_run_model(run_dir, recalibrated=False)
+    model, _, schema = load_run_model(run_dir, recalibrated=False, best=best)
     data_schema = FeatureSchema.load(data_dir)
     if data_schema.fingerprint() != schema.fingerprint():
         raise RecalibrationError(f"{data_dir}: its schema differs from the one run {run_dir} was trained on")
@@ -152,7 +155,8 @@ def recalibrate_run(run_dir: str | Path, data_dir: str | Path, split: str = "val
 
     with torch.no_grad():
         before, after = calibration(torch.ones_like(slopes), torch.zeros_like(add)), calibration(slopes, add)
-    record = {"split": split, "rows": int(rows["raw"].shape[0]), "prior_std": prior_std, "form": form,
+    record = {"split": split, "checkpoint": "best" if best else "last", "rows": int(rows["raw"].shape[0]),
+              "prior_std": prior_std, "form": form,
               "offsets": {f"{g}/{t}": round(float(add[i, j]), 6) for i, g in enumerate(groups)
                           for j, t in enumerate(schema.task_names)}}
     if form == "platt":

@@ -55,6 +55,7 @@ import pyarrow as pa
 import torch
 import torch.fx.experimental._config as fx_config
 
+from opengem.checkpoint import BEST
 from opengem.data.batch import collate
 from opengem.evaluation.evaluate import evaluate_model
 from opengem.export.layout import Layout, assemble
@@ -176,8 +177,10 @@ def find_evaluation(run: Path) -> dict | None:
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | None = None, split: str = "test",
-               compile: bool = True, overwrite: bool = False, table_dtype: str = "fp32") -> dict:
-    """Write the artifact of a run's latest checkpoint; returns the manifest.
+               compile: bool = True, overwrite: bool = False, table_dtype: str = "fp32",
+               best: bool = False) -> dict:
+    """Write the artifact of a run's latest checkpoint (with ``best``, of its best held-out evaluation's,
+    ``train.keep_best``); returns the manifest.
 
     ``data_dir``: evaluate on ``split`` now and record the metrics (otherwise an ``evaluation.json``
     of the run is recorded if one exists). ``compile``: also build the AOTInductor package.
@@ -186,7 +189,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | 
     run, out = Path(run_dir), Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ArtifactError(f"{out} exists and is not empty (artifacts are immutable; pick a new directory)")
-    model, cfg, schema = load_run_model(run)
+    model, cfg, schema = load_run_model(run, best=best)
     if cfg.model.arch != "gem":
         raise ArtifactError(f"{run}: model.arch={cfg.model.arch} is a peer baseline; only GEM runs (and the "
                             "vertical models distilled from them) export")
@@ -241,8 +244,10 @@ def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | 
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "model": {"kind": type(model).__name__, "recipe": cfg.recipe, "parameters": parameters,
                   "schema_fingerprint": schema.fingerprint(), "tasks": schema.task_names},
-        "run": {"name": run.name, "checkpoint": final.get("checkpoint"), "steps": final.get("steps"),
-                "params_sha256": final.get("params_sha256"),  # of the checkpoint, before any recalibration
+        "run": {"name": run.name, "checkpoint": BEST if best else final.get("checkpoint"),
+                "steps": final.get("steps"),
+                # of the last checkpoint, before any recalibration: none recorded for the best one
+                "params_sha256": None if best else final.get("params_sha256"),
                 "recalibration": recalibration["offsets"] if recalibration is not None else None,
                 "recalibration_slopes": (recalibration or {}).get("slopes")},
         "layout": layout.to_dict(),

@@ -17,6 +17,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--bench", action="append", default=[], metavar="FILE",
                    help="benchmarks/transfer.py or benchmarks/scaling.py output (JSON, or the log ending in it); "
                         "repeatable")
+    r.set_defaults(handler=run)
     return r
 
 

@@ -51,6 +51,7 @@ from opengem.run import (
     EVALUATION_FILE,
     TRANSFER_FILE,
     USER_REP_FILE,
+    load_run_model,
     save_base_rates,
     save_config,
     save_final,
@@ -122,10 +123,14 @@ def gem_snapshot(teacher_run: str | Path, data_dir: str | Path, tcfg: TransferCo
 
 
 def load_teachers(teacher_run: str | Path, via: str | Path | None, data_schema: FeatureSchema,
-                  snapshot: str | Path | None = None):
+                  snapshot: str | Path | None = None, best: bool = False):
     """(GEM service, the student's teacher service: GEM itself, or the domain FM fed by GEM); GEM from
-    ``snapshot`` if given (else as ``TeacherService.from_run`` picks)."""
-    gem = TeacherService.from_run(teacher_run, snapshot=snapshot)
+    ``snapshot`` if given, else from its best kept checkpoint with ``best`` (``train.keep_best``), else
+    as ``TeacherService.from_run`` picks (its newest snapshot, else its last checkpoint)."""
+    if snapshot is None and best:
+        gem = TeacherService(load_run_model(teacher_run, best=True)[0])
+    else:
+        gem = TeacherService.from_run(teacher_run, snapshot=snapshot)
     try:
         check_teacher_schema(gem.schema, data_schema)
     except SchemaError as e:
@@ -135,9 +140,10 @@ def load_teachers(teacher_run: str | Path, via: str | Path | None, data_schema: 
 
 def distill(teacher_run: str | Path, recipe_name: str, data_dir: str | Path, out_dir: str | Path,
             overrides: list[str] | tuple[str, ...] = (), via: str | Path | None = None,
-            tcfg: TransferConfig | None = None) -> dict:
+            tcfg: TransferConfig | None = None, best: bool = False) -> dict:
     """Distil a student from ``teacher_run`` (through ``via``, a distilled domain FM, if given) on
-    ``data_dir``; write the student run into ``out_dir``; return its evaluation."""
+    ``data_dir``; write the student run into ``out_dir``; return its evaluation. ``best``: the teacher
+    is the run's best held-out evaluation's model (``train.keep_best``) unless a snapshot is read."""
     t0 = time.perf_counter()
     trees = apply_prefixed_overrides({"": student_recipe(recipe_name), "transfer": tcfg or TransferConfig()}, overrides)
     cfg, tcfg = trees[""], trees["transfer"]
@@ -148,7 +154,7 @@ def distill(teacher_run: str | Path, recipe_name: str, data_dir: str | Path, out
     if snap:
         log.info("teacher %s: snapshot %s (days up to %d; transfer.snapshot_lag=%s)", teacher_run, snap[0].name,
                  snap[1]["last_day"], tcfg.snapshot_lag)
-    gem, teacher = load_teachers(teacher_run, via, data_schema, snap[0] if snap else None)
+    gem, teacher = load_teachers(teacher_run, via, data_schema, snap[0] if snap else None, best)
     domains = domain_ids(data_schema, tcfg.domains)
     rates, n_slice, n_all = slice_rates(data_dir, data_schema, tcfg.train_split, domains)
     # GEM's daily tables from each day's own snapshot (a run trained continuously); --via: the domain FM's
@@ -173,7 +179,9 @@ def distill(teacher_run: str | Path, recipe_name: str, data_dir: str | Path, out
     read = {"path": str(snap[0]), "last_day": snap[1]["last_day"], "step": snap[1]["step"]} if snap else None
     save_run(Path(out_dir), trainers[0], cfg, tcfg, rates, teacher, out,
              {"teacher": str(teacher_run), "via": str(via) if via else None, "data": str(data_dir),
-              "teacher_snapshot": read}, scored)
+              "teacher_snapshot": read,
+              "teacher_checkpoint": None if snap else "best" if best else "last"},
+             scored)
     return out
 
 

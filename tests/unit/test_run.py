@@ -6,9 +6,10 @@ import re
 import pytest
 import torch
 
-from opengem.checkpoint import CheckpointError, checkpoint_dir, save_checkpoint
+from opengem.checkpoint import CheckpointError, checkpoint_dir, save_best, save_checkpoint
 from opengem.model.build import build_gem, materialize
 from opengem.model.heads import Heads, HeadsConfig
+from opengem.model.logit_shift import RecalibrationError, offsets_tensor
 from opengem.recipes import recipe
 from opengem.run import (
     BASE_RATES_FILE,
@@ -16,7 +17,6 @@ from opengem.run import (
     FINAL_FILE,
     RECALIBRATION_FILE,
     SCHEMA_FILE,
-    RecalibrationError,
     apply_recalibration,
     load_base_rates,
     load_config,
@@ -24,12 +24,12 @@ from opengem.run import (
     load_recalibration,
     load_run_model,
     load_schema,
-    offsets_tensor,
     save_base_rates,
     save_config,
     save_final,
     save_recalibration,
     save_schema,
+    use_best,
 )
 from opengem.testing import tiny_schema
 
@@ -87,6 +87,27 @@ def test_load_run_model_adds_the_recalibration_when_present(tmp_path):
     assert torch.allclose(shifted, torch.tensor([[0.5, 0.0], [0.0, -0.25]]))
     raw = load_run_model(tmp_path, recalibrated=False)[0]
     assert torch.equal(raw.heads.out_b, trained.heads.out_b)  # the checkpoint itself is never changed
+
+
+def test_best_means_the_kept_best_else_the_last(tmp_path, caplog):
+    """``--checkpoint best`` on a run that kept no best reads the last; once it kept one, the best.
+    Offsets fitted on one checkpoint and added to the other still apply, with a warning."""
+    trained, cfg, schema = _run(tmp_path)
+    assert not use_best(tmp_path, "best") and not use_best(tmp_path, "last")
+    with pytest.raises(ValueError, match="checkpoint must be one of"):
+        use_best(tmp_path, "first")
+    kept = materialize(build_gem(schema, cfg.model), "cpu", seed=4, base_rates=[0.1, 0.01])
+    save_best(tmp_path, kept, {"schema": schema.fingerprint(), "step": 1, "examples": 0})
+    assert use_best(tmp_path, "best") and not use_best(tmp_path, "last")
+    assert torch.equal(load_run_model(tmp_path, best=True)[0].heads.out_w, kept.heads.out_w)
+    assert torch.equal(load_run_model(tmp_path)[0].heads.out_w, trained.heads.out_w)
+    save_recalibration(tmp_path, {"offsets": {"d0/click": 0.5}})  # no "checkpoint": fitted on the last
+    with caplog.at_level("WARNING", logger="opengem.run"):
+        load_run_model(tmp_path)
+        assert not [r for r in caplog.records if r.name == "opengem.run"]
+        shifted = load_run_model(tmp_path, best=True)[0].heads.out_b - kept.heads.out_b
+    assert "fitted on the last checkpoint, added here to the best one" in caplog.text
+    assert torch.allclose(shifted, torch.tensor([[0.5, 0.0], [0.0, 0.0]]))
 
 
 def test_offsets_are_validated():

@@ -22,6 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--out", required=True, help="the dataset directory to write")
     p.add_argument("--spec", default=None, help="generic only: the JSON spec naming the columns")
     p.add_argument("--seed", type=int, default=0, help="seed of random splits (sources without time)")
+    p.set_defaults(handler=run)
     return p
 
 

@@ -16,15 +16,9 @@ from opengem.evaluation.evaluate import evaluate_run, held_out_evaluator
 from opengem.evaluation.recalibrate import fit_offsets, recalibrate_run
 from opengem.model.build import build_gem, materialize
 from opengem.model.heads import Heads, HeadsConfig
+from opengem.model.logit_shift import LogitShift, RecalibrationError, downsampling_offsets, shift_logits
 from opengem.recipes import recipe
-from opengem.run import (
-    DOWNSAMPLING_FILE,
-    LogitShift,
-    RecalibrationError,
-    downsampling_offsets,
-    load_run_model,
-    shift_logits,
-)
+from opengem.run import DOWNSAMPLING_FILE, load_run_model
 from opengem.testing import random_table, tiny_schema
 from opengem.train.trainer import continue_training, train
 from opengem.world.generate import generate

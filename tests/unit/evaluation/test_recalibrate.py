@@ -6,7 +6,7 @@ import torch
 
 from opengem.evaluation.recalibrate import fit_offsets, fit_recalibration
 from opengem.model.heads import Heads, HeadsConfig
-from opengem.run import RecalibrationError
+from opengem.model.logit_shift import RecalibrationError
 from opengem.testing import tiny_schema
 
 

@@ -11,8 +11,9 @@ from opengem.config import apply_overrides
 from opengem.export import Predictor
 from opengem.export.artifact import export_run
 from opengem.export.request import synthetic_request
+from opengem.model.logit_shift import shift_logits
 from opengem.recipes import recipe
-from opengem.run import DOWNSAMPLING_FILE, shift_logits
+from opengem.run import DOWNSAMPLING_FILE
 from opengem.train.trainer import train
 from opengem.world.generate import generate
 from opengem.world.presets import world_config

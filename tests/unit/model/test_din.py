@@ -14,8 +14,8 @@ from opengem.evaluation.evaluate import evaluate_run
 from opengem.evaluation.recalibrate import recalibrate_run
 from opengem.model.build import build_gem, materialize
 from opengem.model.din import DINPooling, LocalActivationUnit, din_pool
+from opengem.model.logit_shift import RecalibrationError
 from opengem.recipes import recipe
-from opengem.run import RecalibrationError
 from opengem.testing import random_table, tiny_schema
 from opengem.train.trainer import train
 from opengem.world.generate import generate
