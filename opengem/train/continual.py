@@ -44,10 +44,9 @@ import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from opengem.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_snapshot, snapshot_dir
+from opengem.checkpoint import CheckpointError, latest_checkpoint, save_snapshot, snapshot_dir
 from opengem.config import Config, ConfigError, apply_overrides
 from opengem.data.batch import Batch, CollateStats
 from opengem.data.loader import ShardLoader
@@ -55,6 +54,9 @@ from opengem.data.parquet import DatasetManifest
 from opengem.features.schema import FeatureSchema
 from opengem.run import CONFIG_FILE, FINAL_FILE, METRICS_FILE, RECALIBRATION_FILE, load_config, load_final
 from opengem.train.resume import truncate_metrics
+
+if TYPE_CHECKING:  # state.py imports this module (DayStream)
+    from opengem.train.state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +203,8 @@ def check_days(days: list[int], seen: list[int], data_dir: str | Path) -> None:
                           "a stream only goes forward")
 
 
-def start_stream(r, ckpt: Path | None, warm: bool, resume: bool, plain_run: Callable[[], tuple[Config, int]]) -> None:
+def start_stream(r: TrainState, ckpt: Path | None, warm: bool, resume: bool,
+                 plain_run: Callable[[], tuple[Config, int]]) -> None:
     """Put the trainer's run state ``r`` (its loader a fresh ``DayStream``) where this leg starts.
 
     ``ckpt`` None: a new run whose first leg sets the schedule's horizon. Otherwise the run's state
@@ -218,14 +221,7 @@ def start_stream(r, ckpt: Path | None, warm: bool, resume: bool, plain_run: Call
         stream.horizon = stream.end_step = r.total = stream.planned_steps()
         r.schedule.total = stream.horizon
         return
-    state = load_checkpoint(ckpt, r.model, r.optimizers, expect=r.identity())
-    r.ema.resume(ckpt, state)
-    r.step, r.examples = state["step"], state["examples"]
-    r.start_examples = r.examples
-    torch.set_rng_state(state["rng"])
-    if r.evals is not None and "evals" in state:
-        r.evals.load_state_dict(state["evals"])
-    saved = state["loader"]
+    saved = r.restore(ckpt)["loader"]
     if int(saved.get("world_size", 1)) != 1:
         raise CheckpointError(f"{ckpt} was written by {saved['world_size']} ranks; continuous training runs on one")
     inside = saved.get("stream") and saved["index"] < len(saved["days"])
@@ -245,7 +241,7 @@ def start_stream(r, ckpt: Path | None, warm: bool, resume: bool, plain_run: Call
              r.step, stream.horizon, stream.completed)
 
 
-def _fresh(r, stream: DayStream) -> None:
+def _fresh(r: TrainState, stream: DayStream) -> None:
     """A new stream into ``r.run``: snapshots of an earlier run there would lie about this one."""
     if snapshot_dir(r.run).exists():
         log.warning("%s: removing the snapshots of an earlier run (a new run starts there)", r.run)
@@ -253,7 +249,8 @@ def _fresh(r, stream: DayStream) -> None:
     truncate_metrics(r.run / METRICS_FILE, 0)
 
 
-def _new_leg(r, stream: DayStream, saved: dict, plain_run: Callable[[], tuple[Config, int]]) -> None:
+def _new_leg(r: TrainState, stream: DayStream, saved: dict,
+             plain_run: Callable[[], tuple[Config, int]]) -> None:
     """A leg after a finished pass: a stream's last leg, or a plain run that went through its epochs
     (or wrote its final.json at this step: stopped early, or at ``max_steps``)."""
     if saved.get("stream"):
@@ -282,7 +279,19 @@ def _new_leg(r, stream: DayStream, saved: dict, plain_run: Callable[[], tuple[Co
 
 
 # ---------------------------------------------------------------------------------- publishing
-def publish(r, days: list[int]) -> Path:
+class DayEnd:
+    """When a stream publishes: after the step that ends a day (``DayStream.day_ended``), before a
+    checkpoint of that step can say the day is done. A plain run (no stream) never is."""
+
+    def due(self, state: TrainState) -> bool:
+        return state.stream is not None and state.stream.day_ended
+
+    def publish(self, state: TrainState) -> Path:
+        """The snapshot of every day the stream has finished (``publish``)."""
+        return publish(state, state.stream.completed)
+
+
+def publish(r: TrainState, days: list[int]) -> Path:
     """Publish the model of ``r`` as the snapshot of the last of ``days`` (every day it has seen)."""
     meta = {"last_day": days[-1], "days": days, "step": r.step, "examples": r.examples,
             "schema": r.schema.fingerprint(), "recipe": r.cfg.recipe}

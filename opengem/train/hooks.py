@@ -31,6 +31,10 @@ and the last evaluated step are part of the checkpoint's trainer state: a resume
 uninterrupted one would, and an early-stopped run stays stopped. Distributed: each rank scores its
 share of the split (the evaluator reduces the metrics across ranks) and rank 0's value of the metric
 is broadcast, so every rank takes the same decision after the same step.
+
+The loop's other "after this step?" questions are asked the same way, of a component's ``due``:
+``CheckpointEvery`` (here), ``continual.DayEnd`` (a stream's snapshot) and ``resume.SigtermFlag``
+(preemption).
 """
 
 from __future__ import annotations
@@ -38,13 +42,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 
 from opengem.config import ConfigError, TrainConfig
 from opengem.parallel.launch import DistInfo, comm_device, min_over_ranks
+
+if TYPE_CHECKING:  # state.py imports this module (EvalHook)
+    from opengem.train.state import TrainState
 
 
 class Evaluator(Protocol):
@@ -147,3 +154,14 @@ class EvalHook:
 
     def load_state_dict(self, state: dict) -> None:
         self.state = EvalState(**state)
+
+
+@dataclass(frozen=True)
+class CheckpointEvery:
+    """The checkpoint cadence: after every ``every``-th step (``train.ckpt_every``; 0: never, only
+    the final checkpoint and a preemption's)."""
+
+    every: int
+
+    def due(self, state: TrainState) -> bool:
+        return bool(self.every) and state.step % self.every == 0

@@ -11,14 +11,18 @@ import signal
 import threading
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING, Self
 
 import numpy as np
 import torch
 
-from opengem.checkpoint import CheckpointError, load_checkpoint
+from opengem.checkpoint import CheckpointError
 from opengem.data.loader import ShardLoader
 from opengem.parallel.launch import min_over_ranks
 from opengem.run import METRICS_FILE
+
+if TYPE_CHECKING:  # state.py imports this module (SigtermFlag)
+    from opengem.train.state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -37,37 +41,37 @@ class Preempted(SystemExit):
 
 
 class SigtermFlag:
-    """Sets a flag on SIGTERM while training (main thread only: Python delivers signals there)."""
+    """Sets a flag on SIGTERM while training (main thread only: Python delivers signals there);
+    ``due`` tells the loop when to stop for it."""
 
     def __init__(self):
         self.event = threading.Event()
         self._previous: list = []
 
-    def __enter__(self) -> threading.Event:
+    def __enter__(self) -> Self:
         if threading.current_thread() is threading.main_thread():
             self._previous.append(signal.signal(signal.SIGTERM, lambda *_: self.event.set()))
-        return self.event
+        return self
 
     def __exit__(self, *exc) -> None:
         if self._previous:  # None: a handler not set from Python; the default is the closest
             signal.signal(signal.SIGTERM, self._previous.pop() or signal.SIG_DFL)
 
+    def due(self, state: TrainState) -> bool:
+        """Whether to checkpoint and stop after this step: any rank had a SIGTERM. A collective,
+        asked after every step by every rank, so all stop after the same one."""
+        return min_over_ranks(int(not self.event.is_set()), state.distributed) == 0
 
-def resume_run(r, ckpt: Path | None) -> None:
-    """Load ``ckpt`` into the trainer's run state ``r`` (model, optimizers, step, RNG, data position).
+
+def resume_run(r: TrainState, ckpt: Path | None) -> None:
+    """Load ``ckpt`` into the run state ``r`` (``TrainState.restore``) and place the data there.
 
     No checkpoint (a run killed before its first one) starts over: only its log lines are dropped."""
     if ckpt is None:
         if r.info.is_main:
             truncate_metrics(r.run / METRICS_FILE, 0)
         return
-    state = load_checkpoint(ckpt, r.model, r.optimizers, expect=r.identity())
-    r.ema.resume(ckpt, state)
-    r.step, r.examples = state["step"], state["examples"]
-    r.start_examples = r.examples
-    torch.set_rng_state(state["rng"])
-    if r.evals is not None and "evals" in state:  # early stopping goes on where it was
-        r.evals.load_state_dict(state["evals"])
+    state = r.restore(ckpt)
     saved_world = int(state["loader"].get("world_size", 1))
     if saved_world == r.info.world_size:
         r.loader.load_state_dict(state["loader"])
@@ -130,7 +134,7 @@ def position_after(m: int, n_shards: int, rank: int, world_size: int) -> dict:
     return {"epoch": epoch, "shard": max(0, -(-(first - rank) // world_size)), "row": 0}
 
 
-def _reshard_data(r, ckpt: Path, saved_world: int) -> None:
+def _reshard_data(r: TrainState, ckpt: Path, saved_world: int) -> None:
     """Continue the data of a checkpoint written by ``saved_world`` ranks on this world size."""
     old = [torch.load(ckpt / f"trainer_state-rank{i}.pt", weights_only=False)["loader"] for i in range(saved_world)]
     n_shards = len(r.loader.files)

@@ -43,6 +43,10 @@ SIGTERM (a preemption notice; torchrun forwards it to every worker and SIGKILLs 
 flag; the step in flight finishes, every rank agrees on the flag (a collective, so all stop after
 the same step), a checkpoint is written and the process exits with ``EXIT_PREEMPTED`` (75, "try
 again"). ``--resume`` then continues exactly. A SIGKILL loses the steps since the last checkpoint.
+
+The run's parts and counters, and their restore from a checkpoint, are an ``opengem.train.state.
+TrainState``; after each step the loop asks its components, in a fixed order, whether they are due:
+evaluation, a stream's day end, the checkpoint cadence, preemption (``_after_step``).
 """
 
 from __future__ import annotations
@@ -51,15 +55,12 @@ import hashlib
 import logging
 import math
 import resource
-import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from opengem.checkpoint import latest_checkpoint, list_snapshots, save_best, save_checkpoint
 from opengem.config import Config, ConfigError
@@ -69,18 +70,16 @@ from opengem.data.downsampling import NegativeSampler
 from opengem.data.loader import ShardLoader
 from opengem.features.schema import FeatureSchema
 from opengem.model.build import build_gem, count_parameters, dense_norm_stats, fit_dense_norm, materialize
+from opengem.model.logit_shift import LogitShift, RecalibrationError, gem_heads, offsets_tensor
 from opengem.parallel import ParallelDims, SparseOptimizerSpec, build_parallel_gem
 from opengem.parallel import train_step as dist_step
 from opengem.parallel.launch import DistInfo, comm_device, destroy_distributed, init_distributed, min_over_ranks
+from opengem.progress import progress_bar
 from opengem.run import (
     QUARANTINE_DIR,
-    LogitShift,
-    RecalibrationError,
     downsampling_record,
-    gem_heads,
     load_config,
     load_downsampling,
-    offsets_tensor,
     save_base_rates,
     save_config,
     save_dense_stats,
@@ -89,12 +88,11 @@ from opengem.run import (
     save_schema,
 )
 from opengem.train.continual import DayStream, check_stream_config, continue_config, publish, start_stream
-from opengem.train.ema import DenseEMA, dense_ema
 from opengem.train.hooks import EvalHook, Evaluator
 from opengem.train.observe import RunLog
 from opengem.train.optim import Schedule, build_optimizers
-from opengem.train.resume import EXIT_PREEMPTED, Preempted, SigtermFlag, resume_run
-from opengem.train.soft_labels import SoftLabels, soft_labels
+from opengem.train.resume import EXIT_PREEMPTED, Preempted, resume_run
+from opengem.train.state import TrainState
 from opengem.train.step import TrainingError, train_step
 
 log = logging.getLogger(__name__)
@@ -115,55 +113,6 @@ def state_sha256(state: dict[str, torch.Tensor]) -> str:
 
 def params_sha256(model: torch.nn.Module) -> str:
     return state_sha256(model.state_dict())
-
-
-@dataclass
-class _Run:
-    """One training run's parts and counters (one process: ``sparse`` is None)."""
-
-    cfg: Config
-    schema: FeatureSchema
-    run: Path
-    info: DistInfo
-    model: torch.nn.Module
-    optimizers: list
-    sparse: object | None  # opengem.parallel.SparseSharding
-    loader: ShardLoader | DayStream
-    schedule: Schedule
-    total: int
-    step: int = 0
-    examples: int = 0
-    start_examples: int = 0
-    resumed: dict = field(default_factory=dict)
-    sigterm: threading.Event = field(default_factory=threading.Event)
-    evals: EvalHook | None = None
-    eval_s: float = 0.0  # seconds this process spent in evaluations (not training time)
-    publish_end: bool = False  # publish the final model as a snapshot (a plain run; a stream publishes daily)
-    downsampling: dict | None = None  # RUN/downsampling.json's record when negatives are down-sampled
-    ema: DenseEMA = field(init=False)  # train.ema_decay: the averaged dense weights (off: a no-op)
-    soft: SoftLabels | None = field(init=False)  # train.soft_label_runs: the teachers of the labels, or None
-
-    def __post_init__(self) -> None:
-        self.ema = dense_ema(self.model, self.cfg.train.ema_decay)
-        t = self.cfg.train
-        self.soft = soft_labels(t.soft_label_runs, t.soft_label_weight, self.schema, self.info.device)
-
-    @property
-    def distributed(self) -> bool:
-        return self.sparse is not None
-
-    @property
-    def stream(self) -> DayStream | None:
-        return self.loader if isinstance(self.loader, DayStream) else None
-
-    def trainer_state(self) -> dict:
-        evals = {"evals": self.evals.state_dict()} if self.evals is not None else {}
-        return {**self.identity(), "step": self.step, "examples": self.examples,
-                "loader": self.loader.state_dict(), "rng": torch.get_rng_state(), **evals, **self.ema.state()}
-
-    def identity(self) -> dict:
-        """What a checkpoint must match to be resumed by this run (checked by ``load_checkpoint``)."""
-        return {"schema": self.schema.fingerprint(), "model": asdict(self.cfg.model)}
 
 
 def train(cfg: Config, data_dir: str | Path, run_dir: str | Path, resume: bool = False,
@@ -231,7 +180,8 @@ def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo,
     total = _planned_steps(cfg, loader, sparse is not None)
     # Built before a checkpoint is loaded: Schedule keeps the config's base lrs.
     schedule = Schedule(optimizers, total, cfg.optim)
-    r = _Run(cfg, schema, run, info, model, optimizers, sparse, loader, schedule, total, publish_end=publish_end)
+    r = TrainState(cfg, schema, run, info, model, optimizers, sparse, loader, schedule, total,
+                   publish_end=publish_end)
     if sampling is not None:
         try:  # before any step: a correction that cannot be served must not cost a training run
             r.downsampling = downsampling_record(gem_heads(model), schema, sampling[0], sampling[1])
@@ -262,7 +212,7 @@ def _parts(cfg: Config, data_dir: Path, run: Path, info: DistInfo):
     return schema, rates, model, optimizers, sparse, sampling
 
 
-def _run(r: _Run, rates: dict, config: bool = True) -> dict:
+def _run(r: TrainState, rates: dict, config: bool = True) -> dict:
     if r.info.is_main:  # after the resume checks: a refused resume leaves the run as it was
         if config:
             save_config(r.run, r.cfg)
@@ -274,7 +224,7 @@ def _run(r: _Run, rates: dict, config: bool = True) -> dict:
         if r.downsampling is not None:
             save_downsampling(r.run, r.downsampling)
     t_start = time.perf_counter()
-    with SigtermFlag() as r.sigterm:  # held over the final save too: a late SIGTERM lets it finish
+    with r.sigterm:  # held over the final save too: a late SIGTERM lets it finish
         _loop(r)
         return _finish(r, time.perf_counter() - t_start)
 
@@ -325,7 +275,7 @@ def _train_stream(cfg: Config, data_dir: Path, run: Path, resume: bool, info: Di
                        seed=cfg.data.seed, max_seq_len=model.max_seq_len(), quarantine_dir=run / QUARANTINE_DIR,
                        prefetch=cfg.data.prefetch)
     schedule = Schedule(optimizers, 0, cfg.optim)  # its horizon is set by start_stream
-    r = _Run(cfg, schema, run, info, model, optimizers, sparse, loader, schedule, 0)
+    r = TrainState(cfg, schema, run, info, model, optimizers, sparse, loader, schedule, 0)
     if cfg.train.evaluates:
         r.evals = EvalHook(cfg.train, evaluator, rates, info)
 
@@ -365,12 +315,12 @@ def _planned_steps(cfg: Config, loader: ShardLoader, distributed: bool) -> int:
 
 
 # ---------------------------------------------------------------------------------- the loop
-def _loop(r: _Run) -> None:
+def _loop(r: TrainState) -> None:
     cfg = r.cfg
     stop = min(r.total, cfg.train.stop_at or r.total)
     task_w = torch.tensor([t.weight for t in r.schema.tasks], device=r.info.device)
     dense_params = list(r.model.dense_parameters())
-    bar = tqdm(total=r.total, initial=r.step, desc="train", unit="step", smoothing=0.05,
+    bar = progress_bar(total=r.total, initial=r.step, desc="train", unit="step", smoothing=0.05,
                disable=not (cfg.train.progress and r.info.is_main))
     clock = [time.perf_counter(), r.examples, r.eval_s]
     started, ended = clock[0], r.step >= r.total
@@ -394,17 +344,8 @@ def _loop(r: _Run) -> None:
                 ended = r.step >= r.total
                 if r.step % cfg.train.log_every == 0 or r.step == r.total:
                     _log(r, mlog, bar, clock, {"loss": loss, "lr_factor": lr_f}, _global_table(r, table, batch))
-                if r.evals and r.evals.due(r.step, r.loader.state_dict()["epoch"]):
-                    _evaluate(r, mlog, started)
-                if r.stream is not None and r.stream.day_ended:  # before a checkpoint can say the day is done
-                    publish(r, r.stream.completed)
-                if r.step >= stop or (r.evals and r.evals.stopped):
+                if not _after_step(r, mlog, started, stop):
                     break
-                saved = bool(cfg.train.ckpt_every) and r.step % cfg.train.ckpt_every == 0
-                if saved:
-                    _save(r)
-                if _any_rank(r.sigterm.is_set(), r.distributed):
-                    _preempt(r, saved)
             if r.evals and ended and r.evals.due_at_end(r.step):  # the final model, not a stop_at pause
                 _evaluate(r, mlog, started)
     finally:
@@ -412,7 +353,24 @@ def _loop(r: _Run) -> None:
         bar.close()
 
 
-def _evaluate(r: _Run, mlog, started: float) -> None:
+def _after_step(r: TrainState, mlog, started: float, stop: int) -> bool:
+    """Ask each component whether it is due after this step; False: the loop stops here. The order
+    is fixed: every rank asks the same questions in it (some are collectives)."""
+    if r.evals and r.evals.due(r.step, r.loader.state_dict()["epoch"]):
+        _evaluate(r, mlog, started)
+    if r.day_end.due(r):  # before a checkpoint can say the day is done
+        r.day_end.publish(r)
+    if r.step >= stop or (r.evals and r.evals.stopped):
+        return False
+    saved = r.checkpoints.due(r)
+    if saved:
+        _save(r)
+    if r.sigterm.due(r):
+        _preempt(r, saved)
+    return True
+
+
+def _evaluate(r: TrainState, mlog, started: float) -> None:
     """A held-out evaluation after this step (``hooks``), and the best checkpoint when it is the best;
     their seconds are not training time: ``train_s`` and every examples/s leave them out."""
     t0 = time.perf_counter()
@@ -429,18 +387,14 @@ def _evaluate(r: _Run, mlog, started: float) -> None:
     mlog.log(r.step, {"examples": r.examples, "train_s": train_s, "eval_s": dt, **record})
 
 
-def _save(r: _Run) -> None:
+def _save(r: TrainState) -> None:
     """A checkpoint: ``model`` holds the weights that are served (the EMA when on), the training weights
     travel beside them (``opengem.train.ema``)."""
     with r.ema.applied():
         save_checkpoint(r.run, r.step, r.model, r.optimizers, r.trainer_state(), extra=r.ema.extra())
 
 
-def _any_rank(flag: bool, distributed: bool) -> bool:
-    return min_over_ranks(int(not flag), distributed) == 0
-
-
-def _preempt(r: _Run, saved: bool) -> None:
+def _preempt(r: TrainState, saved: bool) -> None:
     if not saved:
         _save(r)
     msg = (f"SIGTERM: stopped after step {r.step} of {r.total} and saved {latest_checkpoint(r.run)}; "
@@ -450,7 +404,7 @@ def _preempt(r: _Run, saved: bool) -> None:
     raise Preempted(msg)
 
 
-def _next_batch(batches, r: _Run) -> tuple[Batch | None, int]:
+def _next_batch(batches, r: TrainState) -> tuple[Batch | None, int]:
     """This rank's next batch and the rows of the whole step (all ranks); (None, 0) as soon as any
     rank has run out, so that every rank stops at the same step (a collective)."""
     batch = next(batches, None)
@@ -466,7 +420,8 @@ def _next_batch(batches, r: _Run) -> tuple[Batch | None, int]:
     return batch, int(t[1].item())
 
 
-def _step(r: _Run, batch: Batch, task_w: torch.Tensor, dense_params: list) -> tuple[float, torch.Tensor, float]:
+def _step(r: TrainState, batch: Batch, task_w: torch.Tensor,
+          dense_params: list) -> tuple[float, torch.Tensor, float]:
     """One optimizer step; returns (loss of the global batch, this rank's per-(domain, task) table, lr factor)."""
     lr_f = r.schedule.set(r.step)  # before the forward: the fused CPU table kernel takes its lr there
     if r.soft is not None:
@@ -481,7 +436,7 @@ def _step(r: _Run, batch: Batch, task_w: torch.Tensor, dense_params: list) -> tu
     return value, table, lr_f
 
 
-def _global_table(r: _Run, table: torch.Tensor, batch: Batch) -> torch.Tensor:
+def _global_table(r: TrainState, table: torch.Tensor, batch: Batch) -> torch.Tensor:
     """The per-(domain, task) loss table of the global batch (a collective when distributed)."""
     if not r.distributed:
         return table
@@ -494,7 +449,7 @@ def _global_table(r: _Run, table: torch.Tensor, batch: Batch) -> torch.Tensor:
     return torch.where(den > 0, num / den.clamp(min=1e-12), torch.full_like(num, float("nan")))
 
 
-def _log(r: _Run, mlog, bar, clock: list, values: dict, table: torch.Tensor) -> None:
+def _log(r: TrainState, mlog, bar, clock: list, values: dict, table: torch.Tensor) -> None:
     if not r.info.is_main:
         return
     now = time.perf_counter()
@@ -516,7 +471,7 @@ def _table(table: torch.Tensor, schema: FeatureSchema) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------- summary
-def _finish(r: _Run, wall: float) -> dict:
+def _finish(r: TrainState, wall: float) -> dict:
     """Final checkpoint, final.json (rank 0); every rank returns the same summary."""
     _save(r)
     quarantined, repaired, rss = _gather_counts(r)
@@ -554,7 +509,7 @@ def _finish(r: _Run, wall: float) -> dict:
     return final
 
 
-def _gather_counts(r: _Run) -> tuple[dict, dict, list[float]]:
+def _gather_counts(r: TrainState) -> tuple[dict, dict, list[float]]:
     """Quarantined rows and repairs summed over ranks; peak RSS (MB) per rank."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     mine = (dict(r.loader.quarantined), r.loader.stats.as_dict(), round(rss, 1))
@@ -574,7 +529,7 @@ def _sum_nested(dicts: list[dict]) -> dict:
     return out
 
 
-def _fingerprint(r: _Run, n_params: int) -> tuple[str | None, str | None]:
+def _fingerprint(r: TrainState, n_params: int) -> tuple[str | None, str | None]:
     """params_sha256 over the full parameters, keyed as on one process (a collective when distributed)."""
     if not r.distributed:
         return params_sha256(r.model), None
