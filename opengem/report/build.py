@@ -124,7 +124,10 @@ def training_sections(src: Sources, out: Path) -> list[Section]:
     if not src.records:
         src.notes.append("no training records in metrics.jsonl: no training curves")
         return []
-    loss = Section("Training loss", "<p>Loss of the global batch at each logging step, per domain/task.</p>",
+    loss = Section("Training loss", "<p>Loss of the global batch at each logging step, per domain/task, as an "
+                   "exponential moving average over the logged steps (the span is in each figure's title); the "
+                   "logged values are drawn faintly. One logged step is one batch: a rare task's loss jumps "
+                   "several-fold from one to the next, so the held-out NE above is the curve to read.</p>",
                    [plots.plot_loss(src.records, out)])
     if src.base_rates:
         loss.plots.append(plots.plot_train_ne(src.records, src.base_rates, out))
@@ -133,14 +136,19 @@ def training_sections(src: Sources, out: Path) -> list[Section]:
                       "not held-out data.</p>")
     loss.plots.append(plots.plot_throughput(src.records, out))
     if src.evals:
-        held = Section("Held-out NE over training", "", [plots.plot_heldout_ne(src.evals, out)])
+        split = html.escape(str(src.evals[-1].get("eval_split", "a held-out split")))
+        held = Section("Held-out NE over training",
+                       f"<p>NE on <b>{split}</b> after every periodic evaluation of the trainer (the same rows each "
+                       "time; <code>train.eval_every</code>), with NE_bayes of all domains dotted where the data "
+                       "has the true probabilities. Its time is left out of examples/s.</p>",
+                       [plots.plot_heldout_ne(src.evals, out)])
     else:
         src.notes.append("no held-out NE over training: the run did not evaluate periodically "
                          "(train.eval_every=0: metrics.jsonl holds training loss only); the final evaluation is below")
         held = Section("Held-out NE over training",
                        "<p>Not recorded: the run was trained with train.eval_every=0; no periodic evaluation lines "
                        "(<code>{\"step\", \"eval\": {slice: {\"ne\"}}}</code>) in metrics.jsonl.</p>")
-    return [loss, held]
+    return [held, loss]
 
 
 def evaluation_sections(src: Sources, out: Path, data, split: str, n_bins: int) -> list[Section]:
@@ -154,6 +162,10 @@ def evaluation_sections(src: Sources, out: Path, data, split: str, n_bins: int) 
         body = (f"<p>Split <b>{fmt(ev.get('split'))}</b>, {fmt(ev.get('rows'))} rows{where}. NE is normalised by "
                 "the training base rate; <i>captured</i> = (1 − NE) / (1 − NE of the true probabilities).</p>")
         body += table(["slice", *EVAL_COLUMNS], [[k, *(m[k].get(c) for c in EVAL_COLUMNS)] for k in sorted(m)])
+        if any("ne_bayes" in v for v in m.values()):
+            body += ("<p>On the NE bars, a black tick marks NE_bayes (the true probabilities: the floor)"
+                     + (" and a red one the NE of the world's oracle, 1 − oracle_captured · (1 − NE_bayes)"
+                        if any("oracle_captured" in v for v in m.values()) else "") + ".</p>")
         sections.append(Section("Evaluation", body, [plots.plot_metric_bars(m, out)]))
     bins = (ev or {}).get("calibration_bins")
     origin = "the evaluation JSON"

@@ -30,6 +30,7 @@ class Plot:
     file: str  # PNG name, relative to the report directory
     title: str
     series: dict[str, tuple[list, list]] = field(default_factory=dict)
+    ylim: dict[str, tuple[float, float]] = field(default_factory=dict)  # axes title → drawn y-range
 
 
 def split_slice(key: str) -> tuple[str, str]:
@@ -50,7 +51,7 @@ def _figure(n: int) -> tuple[Figure, list]:
 
 def _save(fig: Figure, out: Path, name: str, title: str) -> Plot:
     fig.savefig(out / name)
-    series = {}
+    series, ylim = {}, {ax.get_title(): tuple(map(float, ax.get_ylim())) for ax in fig.axes}
     for ax in fig.axes:
         for line in ax.get_lines():
             label = line.get_label()
@@ -63,7 +64,7 @@ def _save(fig: Figure, out: Path, name: str, title: str) -> Plot:
                 names = [t.get_text() for t in (ax.get_yticklabels() if flat else ax.get_xticklabels())]
                 values = [float(p.get_width() if flat else p.get_height()) for p in c.patches]
                 series[f"{ax.get_title()}|{c.get_label()}"] = (names, values)
-    return Plot(name, title, series)
+    return Plot(name, title, series, ylim)
 
 
 def _tasks(keys) -> list[str]:
@@ -88,22 +89,53 @@ def _per_slice(records: list[dict], values) -> dict[str, tuple[list, list]]:
     return out
 
 
-def smooth(y: list[float], window: int) -> list[float]:
-    """Trailing mean over the last ``window`` points (fewer at the start)."""
-    c = np.cumsum(np.concatenate([[0.0], np.asarray(y, dtype=np.float64)]))
-    i = np.arange(1, len(y) + 1)
-    return list((c[i] - c[np.maximum(i - window, 0)]) / np.minimum(i, window))
+def ema(y: list[float], span: int) -> list[float]:
+    """Exponential moving average, weight ``α = 2 / (span + 1)`` on the newest point, normalised by the
+    weights seen so far (pandas' ``ewm(span, adjust=True)``): no pull towards 0 at the start."""
+    a, num, den, out = 2.0 / (span + 1), 0.0, 0.0, []
+    for v in y:
+        num, den = (1 - a) * num + v, (1 - a) * den + 1
+        out.append(num / den)
+    return out
+
+
+def ema_span(n: int) -> int:
+    """The EMA's span for ``n`` logged points: a fifth of them. One logged step is one batch, and a
+    conversion slice of 256 rows holds a positive or two, so its loss jumps ~10× from step to step."""
+    return max(1, n // 5)
 
 
 def _curve(ax, x: list, y: list, label: str) -> None:
-    """The logged points faintly, their trailing mean (a tenth of the points) on top: one logged step
-    is one batch, so a slice with few positives jumps from step to step."""
-    window = max(1, len(y) // 10)
-    if window == 1:
+    """The logged points faintly, out of the y-range (the spikes of a rare task would set it), and their
+    EMA (``ema_span``) on top."""
+    span = ema_span(len(y))
+    if span == 1:
         ax.plot(x, y, label=label)
         return
-    raw = ax.plot(x, y, lw=0.8, alpha=0.3, label=RAW + label)[0]
-    ax.plot(x, smooth(y, window), color=raw.get_color(), label=label)
+    raw = ax.plot(x, y, lw=0.6, alpha=0.25, label=RAW + label)[0]
+    ax.plot(x, ema(y, span), color=raw.get_color(), label=label)
+
+
+def _fit_y(ax) -> None:
+    """The y-range of the lines that are not ``RAW``: the faint logged points are clipped to it."""
+    ys = [v for line in ax.get_lines() if not line.get_label().startswith(RAW)
+          for v in np.asarray(line.get_ydata(), dtype=np.float64) if math.isfinite(v)]
+    if ys:
+        lo, hi = min(ys), max(ys)
+        pad = 0.05 * (hi - lo) or 0.05 * abs(hi) or 0.05
+        ax.set_ylim(lo - pad, hi + pad)
+
+
+def _ema_title(fig: Figure, what: str, records: list[dict]) -> str:
+    """``what`` with the EMA's span in logged and in training steps (the figure's title and caption)."""
+    span = ema_span(len(records))
+    if span == 1:
+        title = f"{what} (each logged step, not smoothed)"
+    else:
+        every = (records[-1]["step"] - records[0]["step"]) / max(len(records) - 1, 1)
+        title = f"{what}: EMA, span {span} logged steps (~{span * every:,.0f} steps); faint: each logged step"
+    fig.suptitle(title, fontsize=10)
+    return title
 
 
 def plot_loss(records: list[dict], out: Path, name: str = "loss.png") -> Plot:
@@ -119,9 +151,10 @@ def plot_loss(records: list[dict], out: Path, name: str = "loss.png") -> Plot:
                 _curve(ax, *xy, split_slice(key)[0])
         ax.set_title(f"{task} loss")
     for ax in axes:
+        _fit_y(ax)
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
-    return _save(fig, out, name, "Training loss (per logging step's global batch)")
+    return _save(fig, out, name, _ema_title(fig, "Training loss of the logged steps' global batches", records))
 
 
 def plot_train_ne(records: list[dict], base_rates: dict[str, float], out: Path, name: str = "train_ne.png") -> Plot:
@@ -138,10 +171,12 @@ def plot_train_ne(records: list[dict], base_rates: dict[str, float], out: Path, 
             if split_slice(key)[1] == task:
                 _curve(ax, *xy, split_slice(key)[0])
         ax.axhline(1.0, color="grey", lw=0.8, ls=":", label="_base rate")
+        _fit_y(ax)
         ax.set_title(f"{task} training NE")
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
-    return _save(fig, out, name, "Training-batch NE (loss / entropy of the training base rate)")
+    return _save(fig, out, name, _ema_title(fig, "Training-batch NE (loss / entropy of the training base rate)",
+                                            records))
 
 
 def plot_heldout_ne(evals: list[dict], out: Path, name: str = "heldout_ne.png") -> Plot:
@@ -154,16 +189,24 @@ def plot_heldout_ne(evals: list[dict], out: Path, name: str = "heldout_ne.png") 
                 xs, ys = curves.setdefault(key, ([], []))
                 xs.append(rec["step"])
                 ys.append(v)
-    tasks = _tasks(curves)
+    tasks, domains = _tasks(curves), _domains(curves)
+    last = evals[-1]["eval"] if evals else {}
     fig, axes = _figure(max(len(tasks), 1))
     for ax, task in zip(axes, tasks):
-        for key, xy in curves.items():
-            if split_slice(key)[1] == task:
-                ax.plot(*xy, marker="o", ms=3, label=split_slice(key)[0])
+        for domain in domains:
+            if f"{domain}/{task}" in curves:
+                ax.plot(*curves[f"{domain}/{task}"], marker="o", ms=3, label=domain,
+                        **({"color": "black", "lw": 1.8} if domain == "all" else {}))
+        bayes = (last.get(f"all/{task}") or {}).get("ne_bayes")  # the same rows at every evaluation
+        if bayes is not None and math.isfinite(bayes):
+            ax.axhline(bayes, color="grey", lw=0.8, ls=":", label="NE_bayes (all)")
         ax.set_title(f"{task} held-out NE")
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
-    return _save(fig, out, name, "Held-out NE over training")
+    split = evals[-1].get("eval_split", "held-out") if evals else "held-out"
+    title = f"Held-out NE over training: {split}, scored by the trainer's periodic evaluation"
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, out, name, title)
 
 
 def plot_throughput(records: list[dict], out: Path, name: str = "throughput.png") -> Plot:
@@ -222,12 +265,33 @@ def plot_metric_bars(metrics: dict[str, dict], out: Path, keys=("ne", "auc"), na
             vals = [metrics.get(f"{d}/{task}", {}).get(metric) for d in domains]
             ax.bar(x + (i - (len(tasks) - 1) / 2) * width, [math.nan if v is None else v for v in vals],
                    width, label=task)
+        if metric == "ne":
+            _ne_limits(ax, metrics, tasks, domains, x, width)
         ax.set_xticks(x, domains)
         ax.set_title(metric.upper() if metric in ("ne", "auc") else metric)
         top = max((b.get_height() for b in ax.patches if math.isfinite(b.get_height())), default=1.0)
         ax.set_ylim(*((0.5, 1.05) if metric == "auc" else (0.0, 1.25 * top)))  # headroom for the legend
         ax.legend(fontsize=8, loc="upper left", ncols=len(tasks))
     return _save(fig, out, name, f"{' and '.join(k.upper() for k in keys)} per domain")
+
+
+def oracle_ne(m: dict) -> float | None:
+    """The world's oracle's NE on a slice: ``captured = (1 − NE) / (1 − NE_bayes)`` solved for NE."""
+    oc, bayes = m.get("oracle_captured"), m.get("ne_bayes")
+    return None if oc is None or bayes is None else 1.0 - oc * (1.0 - bayes)
+
+
+def _ne_limits(ax, metrics: dict[str, dict], tasks: list[str], domains: list[str], x, width: float) -> None:
+    """A tick across each NE bar at NE_bayes (the true probabilities) and at the oracle's NE, where the
+    evaluation has them (synthetic data; the oracle where the manifest holds it)."""
+    for label, value, style in (("NE_bayes", lambda m: m.get("ne_bayes"), {"color": "black"}),
+                                ("oracle NE", oracle_ne, {"color": "crimson"})):
+        pts = [(x[j] + (i - (len(tasks) - 1) / 2) * width, value(metrics[f"{d}/{t}"]))
+               for i, t in enumerate(tasks) for j, d in enumerate(domains) if f"{d}/{t}" in metrics]
+        pts = [(px, v) for px, v in pts if v is not None and math.isfinite(v)]
+        if pts:
+            ax.plot(*zip(*pts), ls="none", marker="_", ms=max(6.0, 220 * width / len(domains)), mew=2,
+                    label=label, **style)
 
 
 def plot_transfer(rows: dict[str, tuple[float, float]], out: Path, name: str = "transfer.png") -> Plot:

@@ -62,7 +62,7 @@ class RunLog:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # the package is optional: metrics.jsonl is the record
-            log.warning("no TensorBoard event files (%s); pip install tensorboard to get them", e)
+            log.info("no TensorBoard event files (%s); pip install tensorboard to get them", e)
             return None
         return SummaryWriter(str(self.run / TENSORBOARD_DIR), purge_step=purge_step, flush_secs=flush_secs)
 

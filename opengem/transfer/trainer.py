@@ -16,13 +16,13 @@ import math
 import time
 
 import torch
-from tqdm.auto import tqdm
 
 from opengem.config import Config
 from opengem.data.batch import Batch
 from opengem.evaluation.accumulator import MetricAccumulator
 from opengem.features.schema import FeatureSchema
 from opengem.model.student import Student, forward_with_features, with_rep
+from opengem.progress import progress_bar
 from opengem.train.optim import Schedule, build_optimizers
 from opengem.train.step import backward, update
 from opengem.transfer.adapter import StudentAdapter
@@ -158,7 +158,7 @@ def train_students(trainers: list[StudentTrainer], stream, followers: dict | Non
     and reads its logits (and, for ``rep.source=row``, its features)."""
     followers = followers or {}
     batches = 0
-    bar = tqdm(total=getattr(stream, "steps", None), desc="distill", unit="batch", disable=not progress,
+    bar = progress_bar(total=getattr(stream, "steps", None), desc="distill", unit="batch", disable=not progress,
                dynamic_ncols=True)
     for batch, tout in stream:
         bar.update(1)

@@ -332,7 +332,7 @@ def build_schema(cfg: WorldConfig) -> FeatureSchema:
     sizes, beh = cfg.sizes, cfg.behaviour
     n_ads = sizes.initial_ads + sizes.new_ads_per_day * (sizes.num_days - 1)
     # No user_id feature: the world has no per-user effect outside the histories, and a 36k-row id table
-    # seen ~14 times per row memorises (measured: a probe collapsed in its 2nd epoch with it, not without).
+    # seen a few times per row memorises them (docs/experiments.md, 'Figures moved from code docstrings').
     # The column stays in every row (gAUC groups by it; real-data schemas may list it as a feature).
     sparse = [SparseFeature("age", NUM_AGES, "user"),
               SparseFeature("gender", NUM_GENDERS, "user"), SparseFeature("country", NUM_COUNTRIES, "user"),
@@ -595,9 +595,9 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
     watcher = observer(world, stats.split_of) if observer is not None else None
     blocks = range(n_blocks)
     if progress:
-        from tqdm import tqdm
+        from opengem.progress import progress_bar
 
-        blocks = tqdm(blocks, desc="synthetic blocks", unit="block")
+        blocks = progress_bar(blocks, desc="synthetic blocks", unit="block")
     for b in blocks:
         if b > 0:
             ub = UserBlock(world, b)

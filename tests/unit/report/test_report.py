@@ -15,7 +15,7 @@ from opengem.report import build_report, make_report, reliability_bins
 from opengem.report.build import render, summary_section
 from opengem.report.calibration import slice_bins
 from opengem.report.logs import JsonFormatter, configure_logging
-from opengem.report.plots import entropy, plot_heldout_ne, plot_loss, smooth
+from opengem.report.plots import ema, entropy, oracle_ne, plot_heldout_ne, plot_loss, plot_metric_bars, plot_train_ne
 from opengem.report.sources import load_sources
 from opengem.run import BASE_RATES_FILE, EVALUATION_FILE, FINAL_FILE, METRICS_FILE, REPORT_DIR
 
@@ -116,26 +116,56 @@ def test_plotted_series_are_the_logged_values(built):
 
 
 def test_heldout_ne_lines_are_plotted_and_a_missing_final_is_noted(tmp_path):
-    evals = [{"step": 20, "eval": {"all/click": {"ne": 0.95}}}, {"step": 40, "eval": {"all/click": {"ne": 0.9}}}]
+    evals = [{"step": 20, "eval_split": "valid", "eval": {"all/click": {"ne": 0.95, "ne_bayes": 0.7}}},
+             {"step": 40, "eval_split": "valid", "eval": {"all/click": {"ne": 0.9, "ne_bayes": 0.7}}}]
     run = fake_run(tmp_path, evals)
     (run / FINAL_FILE).unlink()
     src = load_sources(run)
     assert [r["step"] for r in src.records] == STEPS and src.evals == evals  # eval lines are not training records
-    assert plot_heldout_ne(src.evals, tmp_path).series["click held-out NE|all"] == ([20, 40], [0.95, 0.9])
+    held = plot_heldout_ne(src.evals, tmp_path)
+    assert held.series["click held-out NE|all"] == ([20, 40], [0.95, 0.9])
+    assert held.series["click held-out NE|NE_bayes (all)"][1] == [0.7, 0.7]
+    assert "valid" in held.title
     summary_section(src)
     assert any("final.json" in n for n in src.notes)
+    report = make_report(run, tmp_path / "out")
+    assert [s.title for s in report.sections][1:3] == ["Held-out NE over training", "Training loss"]
+    assert "valid" in report.sections[1].body
+
+
+def test_ne_bars_mark_ne_bayes_and_the_oracle(tmp_path):
+    m = {k: dict(v) for k, v in METRICS.items()}
+    for k in m:
+        m[k]["ne_bayes"] = 0.6
+    m["all/click"]["oracle_captured"] = 0.5  # the oracle's NE: 1 − 0.5 · (1 − 0.6) = 0.8
+    s = plot_metric_bars(m, tmp_path).series
+    assert s["NE|NE_bayes"][1] == [0.6] * 6
+    assert s["NE|oracle NE"][1] == pytest.approx([0.8])
+    assert s["NE|oracle NE"][0] == pytest.approx([s["NE|NE_bayes"][0][2]])  # over the all/click bar
+    assert "AUC|NE_bayes" not in s and oracle_ne({"ne": 0.9}) is None
+    assert "NE|NE_bayes" not in plot_metric_bars(METRICS, tmp_path).series  # nothing to mark
 
 
 def test_long_curves_are_smoothed_and_keep_the_raw_points(tmp_path):
     run = fake_run(tmp_path)
-    lines = [{"step": s, "loss": float(s % 2), "loss_by_domain_task": {"feed/click": float(s % 2)}} for s in range(20)]
-    (run / METRICS_FILE).write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 20, "lo')
+    lines = [{"step": 10 * s, "loss": float(s % 2), "loss_by_domain_task": {"feed/click": float(s % 2)}}
+             for s in range(20)]
+    (run / METRICS_FILE).write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 200, "lo')
     src = load_sources(run)
-    s = plot_loss(src.records, tmp_path).series
-    assert s["click loss|raw:feed"][1] == [float(i % 2) for i in range(20)]
-    assert s["click loss|feed"][1] == pytest.approx([0.0] + [0.5] * 19)  # window 2
+    p = plot_loss(src.records, tmp_path)
+    assert p.series["click loss|raw:feed"][1] == [float(i % 2) for i in range(20)]
+    assert p.series["click loss|feed"][1] == pytest.approx(ema([float(i % 2) for i in range(20)], 4))  # span 20 // 5
+    assert "EMA, span 4 logged steps (~40 steps)" in p.title
     assert any("did not parse" in n for n in src.notes)
-    assert smooth([1, 2, 3, 4], 3) == pytest.approx([1, 1.5, 2, 3])
+    assert ema([1, 2, 3], 3) == pytest.approx([1, (2 + 0.5) / 1.5, (3 + 1 + 0.25) / 1.75])  # α = 0.5, normalised
+
+
+def test_rare_task_spikes_do_not_set_the_y_range(tmp_path):
+    lines = [{"step": s, "loss": 0.1, "loss_by_domain_task": {"feed/conversion": 8.0 if s % 7 == 0 else 0.05}}
+             for s in range(1, 41)]
+    p = plot_train_ne(lines, {"feed/conversion": 0.02}, tmp_path)
+    assert p.series["conversion training NE|raw:feed"][1][6] > 50  # the logged spike is kept
+    assert max(p.series["conversion training NE|feed"][1]) < p.ylim["conversion training NE"][1] < 50  # the EMA's
 
 
 def test_reliability_bins():
