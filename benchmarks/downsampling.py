@@ -21,24 +21,8 @@ rate on the same data, two budgets, scored on the valid day only (never test):
 
 Prints a line per run, a table of the means, and last ONE JSON line.
 
-Measured (``--quick`` at the merge of main d866543, 158 s on the shared 2-core machine, world 0 with
-1,500 users: 7,543 training rows, click rate 4.4%; means of training seeds 0-1; all/click on valid;
-speeds are noisy there):
-
-    equal_epochs  rate  read/s  trained/s  NE corrected  cal corrected  NE raw  cal raw
-                  1       1306       1306        0.837          0.911    0.837    0.911
-                  0.5     2459       1297        0.846          0.910    0.876    1.467
-                  0.1     7245       1044        1.021          0.896    2.207    6.440
-    equal_steps   0.5     2332       1224        1.005          0.696    0.979    1.045
-                  0.1     7957       1116        2.369          0.384    2.109    0.660
-
-The correction does what it should: without it the model over-predicts click by about 1/r (6.4× at
-r = 0.1) and its NE is worse than the base rate; with it calibration is back near rate 1's. Rows
-read per second grow ~5.5× at r = 0.1 while rows trained per second stay within ~20% (the step is the cost).
-The NE cost at equal epochs is mostly fewer steps (17 at r = 0.1, inside the recipe's 50-step
-warm-up). At equal steps this world is too small to show the saving: 20 passes over the same
-positives memorise them and valid NE goes above 1 (raw and corrected alike); a one-pass comparison
-needs a world with more rows than the step budget reads.
+The correction matters because a model trained on a fraction r of the negatives over-predicts by
+about 1/r; what it measured: docs/experiments.md, 'Figures moved from code docstrings'.
 """
 
 from __future__ import annotations

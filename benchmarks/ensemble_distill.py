@@ -5,8 +5,9 @@ model trained on the labels, for GEM and its neural peers alike, at ``quality.py
     python benchmarks/ensemble_distill.py                  # + DIN and DLRM-DCN
     python benchmarks/ensemble_distill.py --dev            # the choice: development worlds 0-4, valid only
 
-Why: at 1,500 users a trained model's error is mostly variance: the mean of four training seeds'
-probabilities scores a valid click NE ~0.014 below one run's (docs/experiments.md). ``--dev`` measures,
+Why: at 1,500 users a trained model's error is mostly variance, so the mean of several training seeds'
+probabilities scores better than one run (docs/experiments.md, "Variance, and one model distilled from an
+ensemble of its seeds"). ``--dev`` measures,
 on development worlds' valid splits only, what one model trained on its ensemble's mean probability
 recovers of that, for K teachers and label weights w (``train.soft_label_weight``); the default run
 reads held-out worlds' test splits, once, with the choice fixed by ``--dev`` (K = 3, w = 1).
@@ -34,7 +35,7 @@ import quality  # benchmarks/quality.py: the worlds, one run at a point, the dis
 
 from opengem.discipline import held_out_world_seeds, require_dev_world
 
-# quality.py --quick's choices on development worlds 0 and 1 (at 3d6ca6e, docs/results.md): every neural
+# quality.py --quick's choices on development worlds 0 and 1 (docs/results.md): every neural
 # model's synthetic point but DLRM-DCN's is (6e-3, 0.1).
 POINTS = {"gem": (6e-3, 0.1), "dlrm": (6e-3, 0.1), "din": (6e-3, 0.1), "dlrm_dcn": (2e-3, 0.1)}
 TEACHER_SEED0 = 100  # teachers' training seeds: never a student's

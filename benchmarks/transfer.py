@@ -1,8 +1,8 @@
-"""The knowledge-transfer sweep (issue 24) and, with ``--table``, the technique table (issue 21).
+"""The knowledge-transfer sweep and, with ``--table``, the technique table (docs/transfer.md).
 
     python benchmarks/transfer.py --quick      # the sweep, reduced grid: ~10 min on 2 CPU cores
     python benchmarks/transfer.py              # the sweep, whole grid
-    python benchmarks/transfer.py --table [--quick]   # issue 21's table (docs/transfer.md)
+    python benchmarks/transfer.py --table [--quick]   # the technique table (docs/transfer.md)
 
 **The sweep**: lag {0, 1, 3, 7} days × student data {1, 3} days × objective {matched, mismatched}
 (``--quick``: lag {0, 3} × data {1, 3}, 3,000 users, 3 seeds; code: ``instruments.transfer_sweep``).
@@ -244,15 +244,15 @@ def _agg(results: list[dict], split: str, names: list[str]) -> dict:
     return agg
 
 
-def choose(results: list[dict], cands: list[str]) -> tuple[list[str], str, dict]:
+def choose(results: list[dict], cands: list[str], split: str = CHOICE_SPLIT) -> tuple[list[str], str, dict]:
     """(each seed's set with the highest valid R, the majority of those, each set's mean valid NE
     gain over the student alone). Reads the valid rows only.
 
     Within a seed, the highest R is the lowest NE (one teacher, one normaliser), so the choice ranks
     NE: it stays defined on a seed whose stale teacher is not ahead of the student alone on the valid
     day (R is NaN there). A majority tie goes to the larger mean gain."""
-    require_tuning_split(CHOICE_SPLIT, "the transfer benchmark's technique set")
-    rows = [r[CHOICE_SPLIT]["rows"] for r in results]
+    require_tuning_split(split, "the transfer benchmark's technique set")
+    rows = [r[split]["rows"] for r in results]
     per_seed = [min(cands, key=lambda n, x=x: x[n]["ne"]) for x in rows]
     gain = {n: statistics.fmean(x["alone"]["ne"] - x[n]["ne"] for x in rows) for n in cands}
     votes = collections.Counter(per_seed)
@@ -295,7 +295,7 @@ def grade_on_test(results: list[dict], best: str, per_seed: list[str]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small world, 3 seeds: a few minutes on 2 cores")
-    p.add_argument("--table", action="store_true", help="the technique table of issue 21 instead of the sweep")
+    p.add_argument("--table", action="store_true", help="the technique table (docs/transfer.md) instead of the sweep")
     p.add_argument("--lags", type=int, nargs="*", default=None, help="sweep: teacher lags in days")
     p.add_argument("--data", type=int, nargs="*", default=None, help="sweep: student data in days")
     p.add_argument("--seeds", type=int, default=None)

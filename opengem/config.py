@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from opengem.data.downsampling import check_rate
+from opengem.discipline import DisciplineError, require_tuning_split
 from opengem.model.foundation import GEMConfig
 from opengem.parallel.dims import ParallelConfig, ParallelConfigError
 
@@ -208,6 +209,12 @@ class Config:
             # would tune on it: the choice belongs to a held-out split of its own.
             raise ConfigError(f"train.eval_split={self.train.eval_split!r} is data.eval_split, the split a run "
                               "reports on: early stopping and keep_best must choose on another (e.g. valid)")
+        if self.train.early_stop_patience or self.train.keep_best:
+            try:  # the best checkpoint is a choice: never made on test, whatever split the run reports on
+                require_tuning_split(self.train.eval_split, "the checkpoint early stopping and keep_best "
+                                     f"keep (train.eval_split={self.train.eval_split!r})")
+            except DisciplineError as e:
+                raise ConfigError(str(e)) from e
         if self.train.soft_label_runs and (self.data.negative_rate < 1 or self.data.negative_rate_by_domain):
             # The teachers' probabilities are of all rows (load_run_model corrects for sampling); a loss on
             # the kept rows would need them in the sampled space, per teacher: not built.

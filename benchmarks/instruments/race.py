@@ -16,7 +16,7 @@ needs to reach the NE DLRM-DCN ends one pass with, against DLRM-DCN's time for t
 - ``dcn_race`` + ``time_to_quality``: one full GEM pass evaluated along the way (MLPerf's
   time-to-train reading); the first and the sustained crossing of the target. Mid-run evaluations
   fall at full learning rate, where both models' calibration follows the last few batches' click
-  rate (±25 % at batch 256 with ~10 clicks per batch, for GEM and DLRM-DCN alike).
+  rate, a few clicks per batch (docs/experiments.md, 'Figures moved from code docstrings').
 
 Every run is the trainer's (``opengem.train.trainer.train`` in a temporary run directory, its
 held-out evaluation hooks scoring the split asked for), so each gets the same recipe, batches,

@@ -5,16 +5,14 @@ Legend: n rows of a split, T tasks.
     run (best checkpoint) ─► evaluate.score_rows ─► p_run [n, T] ─┐
     bench.linear.fit_data (L2 on valid) ────────► p_lr  [n, T] ─┴─► w · p_run + (1 − w) · p_lr
 
-Why: on little data a deep model and a convex one err differently. At ``quality.py --quick``'s size
-(1,500 users, ~7,500 training rows) the regression beats GEM on two of three held-out worlds, GEM beats
-it on the third, and their blend's NE beats both on all three; stacked alike, DLRM, DIN and DLRM-DCN add
-almost nothing to the regression (docs/results.md). At the demo's size the chosen weight moves toward the
-run and the stack still gains. This is the classic wide-and-deep pairing (Cheng et al. 2016) done in two
-stages, each part fitted its own way: the regression convex with its own L2, the run as trained. Where
-the record is silent (GEM's papers name no linear part) this is a choice, made per dataset on valid.
+Why: on little data a deep model and a convex one err differently, so their blend can beat both
+(docs/results.md; docs/experiments.md, 'Figures moved from code docstrings'). This is the classic
+wide-and-deep pairing (Cheng et al. 2016) done in two stages, each part fitted its own way: the
+regression convex with its own L2, the run as trained. Where the record is silent (GEM's papers name no
+linear part) this is a choice, made per dataset on valid.
 
-The weight: probabilities, not logits, are averaged (chosen on development worlds 0-4 at ``--quick``'s
-size, valid: best valid click NE 0.0024 ± 0.0008 lower, on 11 of 15 runs; docs/experiments.md); one
+The weight: probabilities, not logits, are averaged (chosen on development worlds' valid splits:
+docs/experiments.md, "The stack's form: probabilities or logits"); one
 weight for every task and domain, the one of ``WEIGHTS`` with the lowest valid NE of the choice task (the
 first task that requires no other), ties going to the larger weight on the run. Chained tasks'
 probabilities are joint (p(click) · p(conv | click)) on both sides, so their average is too. Serving the

@@ -1,4 +1,4 @@
-"""The transfer sweep of issue 24 (``python benchmarks/transfer.py [--quick]``): lag × student data ×
+"""The knowledge-transfer sweep (``python benchmarks/transfer.py [--quick]``): lag × student data ×
 objective, every technique set trained in one pass per (lag, data), chosen per cell on valid, graded
 on test once. benchmarks/transfer.py's docstring describes the protocol; this is its code.
 
@@ -39,7 +39,7 @@ from opengem.transfer.trainer import evaluate_students, train_students, transfer
 from opengem.world.generate import generate
 from opengem.world.presets import world_config
 
-# ------------------------------------------------------------------------------ the sweep (issue 24)
+# ------------------------------------------------------------------------------ the sweep
 # lag × student data days × objective. One world per seed with the surface task on (``engage`` on
 # video, absent from the FM), one FM trained continuously over days 0..V−1 (a snapshot per day) on a
 # view without the task; per (lag, data) one pass trains every set below on video's last ``data``

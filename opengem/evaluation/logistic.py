@@ -21,8 +21,8 @@ MAX_ITER, TOLERANCE = 300, 1e-8
 
 @dataclass
 class Design:
-    """The rows of one split for one model: group indices (column-major: one contiguous gather per
-    group is ~2× faster than row-major), scalar columns, labels."""
+    """The rows of one split for one model: group indices (column-major, so each group is one contiguous
+    gather; docs/experiments.md, 'Figures moved from code docstrings'), scalar columns, labels."""
 
     split: str
     idx: np.ndarray  # [G, n] int64, global indices into the weights

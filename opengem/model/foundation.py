@@ -47,8 +47,8 @@ class GEMConfig:
     shortcut_pairs: str = "unit"
     target_match: bool = True  # flag events whose attribute equals the candidate's feature of that name
     count_decay_hours: tuple[float, ...] = (1.0, 24.0, 168.0, 720.0)  # HistoryCounts token; () = off
-    # HistoryCounts also reads e^(−age of the newest event/τ), per type, all and matched; off: it helped at
-    # 6,000 users on development worlds 0-4 and hurt the demo world at its size (docs/experiments.md)
+    # HistoryCounts also reads e^(−age of the newest event/τ), per type, all and matched; off: its gain on
+    # small development worlds did not carry to the demo's size (docs/experiments.md, 'Where the held-out gap is')
     count_recency: bool = False
     # torch: the domain and time-bucket embeddings keep nn.Embedding's N(0, 1) | table: N(0, init_std²) like the
     # id tables. After LayerNorm a unit-scale token dominates 0.05-scale ones; measured in docs/experiments.md.

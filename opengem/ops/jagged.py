@@ -93,8 +93,8 @@ def pool_attention(
     Rows with no events return zeros (or the sink value). Returns [B, M, D].
 
     The reference runs batched matmuls [R, H, M, Dh] × [R, H, Dh, L] per length bucket (see
-    ``_length_buckets``): 2.3× faster on CPU than scoring every event against its row's queries
-    elementwise ([N, M, H, Dh] products), for the same O(N·M·D) cost.
+    ``_length_buckets``): for the same O(N·M·D) cost, matmuls beat scoring every event against its row's
+    queries elementwise ([N, M, H, Dh] products) on CPU (docs/experiments.md, 'Figures moved from code docstrings').
     """
     _check_impl(impl)
     if impl == "triton":

@@ -5,12 +5,11 @@ parameter after each optimizer step (the first step copies θ). Held-out evaluat
 every checkpoint's ``model`` and published snapshots hold the shadow, so every later stage (evaluate,
 recalibrate, export, serve, distil) reads the averaged weights without knowing about it; the training
 weights travel beside them in the checkpoint (``EMA_KEY``) so that a resumed run is the run it would
-have been. Why: on little data the last steps' noise spreads the logits (valid Platt slopes 0.7-0.9 at
-1,500 users) and the average removes part of it; measured in docs/experiments.md ("EMA of the dense
-weights"). Only the dense parameters: the tables are updated row by row (row-wise Adagrad), an average
-over them would touch every row at every step, and on the development worlds averaging them too did no
-better. Under FSDP2 each rank averages its own shards (the parameters are DTensors; the arithmetic runs
-on their local tensors), so the shadow costs one copy of this rank's dense shard.
+have been. Why: on little data the last steps' noise spreads the logits and the average removes part
+of it (docs/experiments.md, "EMA of the dense weights"). Only the dense parameters: the tables are
+updated row by row (row-wise Adagrad), an average over them would touch every row at every step, and
+averaging them too did no better. Under FSDP2 each rank averages its own shards (the parameters are
+DTensors; the arithmetic runs on their local tensors), so the shadow costs one copy of this rank's dense shard.
 """
 
 from __future__ import annotations

@@ -5,11 +5,10 @@ Legend: B rows, T tasks, K teacher runs.
     batch ─► each teacher run's model (frozen, eval) ─► σ(logits) [K, B, T] ─► mean [B, T] = q
     target = w·q + (1 − w)·y    (w = ``train.soft_label_weight``; rows whose label is masked keep theirs)
 
-Why: on little data a trained GEM's error is mostly variance, not bias. On development worlds 0-4 at
-1,500 users (``benchmarks/quality.py --quick``'s size) the mean of four training seeds' probabilities
-scores a valid click NE 0.014 below a single run's, and a run trained on the mean of three other seeds'
-probabilities alone (w = 1) recovers almost all of it in one model (docs/experiments.md), at one
-model's serving cost; one teacher (a "born-again" run) recovers about a third. This is Hinton et al.'s
+Why: on little data a trained GEM's error is mostly variance, not bias, so an ensemble of its seeds
+scores better than one run, and one run trained on the ensemble's mean probability keeps most of that
+at one model's serving cost (docs/experiments.md, "Variance, and one model distilled from an ensemble
+of its seeds"). This is Hinton et al.'s
 (2015) distillation of an ensemble, here with the same architecture as student and teacher.
 
 The teachers are loaded as evaluation loads a run (``opengem.run.load_run_model``: the best held-out

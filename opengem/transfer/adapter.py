@@ -27,9 +27,9 @@ per id on its own rows' curvature plus ``ids_prior`` (a N(0, 1/ids_prior) prior:
 stays near 0; the default), or ``adam``. ``ids_tasks`` picks the tasks that get id corrections:
 ``borrowed`` (default), only a task read from another task's head (``engage`` from click), whose own
 per-id effects the head never learned, so a day of labels is their only source; ``all``, every task,
-which on a task the FM trained on re-fits from one day what it learned from all of them (valid NE
-0.003–0.004 worse in the 8,000-user sweep's matched cells, 0.005–0.015 better in its mismatched ones:
-docs/transfer.md). The MLP stays with Adam. benchmarks/transfer.py measures the choices.
+which on a task the FM trained on re-fits from one day what it learned from all of them: it helps on
+mismatched objectives and hurts on matched ones (docs/transfer.md; docs/experiments.md, 'Figures moved
+from code docstrings'). The MLP stays with Adam. benchmarks/transfer.py measures the choices.
 """
 
 from __future__ import annotations

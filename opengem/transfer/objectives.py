@@ -1,6 +1,6 @@
 """Mismatched objectives: a student's task the FM never trained on, taught by the FM's closest head.
 
-GEM's students serve surfaces whose objectives GEM need not share (issue 24, item 3). The synthetic
+GEM's students serve surfaces whose objectives GEM need not share. The synthetic
 world's ``surface_task`` (``opengem.world.latent.SurfaceTask``) adds one: ``engage`` on one
 surface, sharing part of click's drivers and adding its own. The FM trains on a *view* of the data
 without it (``fm_view``: the same shards, a schema without the task), and the student's tasks are

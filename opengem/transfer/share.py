@@ -15,8 +15,8 @@ model built from the same data has the same table names and row counts). Per tab
 initialisation gave them (the kept columns stay as they are; a std taken over zero-padded columns
 would inflate the copied ones by up to sqrt(D_s/D_t)): what transfers is the geometry (which ids
 are alike), while the student's layers, learning rates and row-wise Adagrad see inputs of the scale
-they were tuned for (trained teacher tables are 3–8× wider than the N(0, 0.05²) init; copied as
-they are, they slowed the student down, measured in benchmarks/transfer.py). ``freeze`` turns the
+they were tuned for (trained teacher tables are several times wider than the init, and copied as
+they are they slowed the student down: docs/experiments.md, 'Figures moved from code docstrings'). ``freeze`` turns the
 shared tables off for the optimiser (reuse as they are). The domain embedding (an ``nn.Embedding``,
 dense) is shared the same way.
 """

@@ -14,7 +14,7 @@ R is undefined (NaN) where the reference is not ahead of the student alone, whic
 FM ends up once the student has a few days of its own: so each cell also has the gain over the
 student alone, ``gain = NE_alone − NE_with``, defined everywhere, and ``gain_ratio`` = gain(best) /
 gain(KD) where KD's mean gain is positive and larger than its spread over seeds (a gain within noise
-of 0 makes the quotient noise: 0.0036 / 0.0004 ± 0.0086 read 8.1 in the first full sweep). Where both
+of 0 makes the quotient noise; docs/experiments.md, 'Figures moved from code docstrings'). Where both
 R are defined it is the ratio of R's numerators.
 """
 
@@ -34,11 +34,13 @@ def cell_key(lag: int, days: int, objective: str) -> str:
     return f"lag{lag}/data{days}/{objective}"
 
 
-def select_on_valid(per_seed: list[dict], cell: str, cands: list[str]) -> tuple[str, list[str]]:
-    """(the set chosen for ``cell``, each seed's own choice): per seed the lowest valid NE, over seeds the
-    majority (a tie: the larger mean valid NE gain over the student alone). Reads ``valid`` only."""
-    require_tuning_split(CHOICE_SPLIT, "the transfer sweep's technique set")
-    rows = [seed["cells"][cell][CHOICE_SPLIT] for seed in per_seed]
+def select_on_valid(per_seed: list[dict], cell: str, cands: list[str],
+                    split: str | None = None) -> tuple[str, list[str]]:
+    """(the set chosen for ``cell``, each seed's own choice): per seed the lowest NE on ``split``, over seeds
+    the majority (a tie: the larger mean NE gain over the student alone). Reads ``split`` (default
+    ``CHOICE_SPLIT``) only, and refuses test."""
+    split = require_tuning_split(split or CHOICE_SPLIT, "the transfer sweep's technique set")
+    rows = [seed["cells"][cell][split] for seed in per_seed]
     own = [min(cands, key=lambda n, x=x: x[n]["ne"]) for x in rows]
     gain = {n: statistics.fmean(x["alone"]["ne"] - x[n]["ne"] for x in rows) for n in cands}
     votes = collections.Counter(own)
@@ -46,10 +48,11 @@ def select_on_valid(per_seed: list[dict], cell: str, cands: list[str]) -> tuple[
     return best, own
 
 
-def valid_gains(per_seed: list[dict], cell: str, cands: list[str]) -> dict[str, float]:
-    """Each candidate's mean NE gain over the student alone on ``valid``: what a default is chosen on."""
-    require_tuning_split(CHOICE_SPLIT, "the transfer sweep's technique set")
-    rows = [seed["cells"][cell][CHOICE_SPLIT] for seed in per_seed]
+def valid_gains(per_seed: list[dict], cell: str, cands: list[str], split: str | None = None) -> dict[str, float]:
+    """Each candidate's mean NE gain over the student alone on ``split`` (default ``CHOICE_SPLIT``): what a
+    default is chosen on."""
+    split = require_tuning_split(split or CHOICE_SPLIT, "the transfer sweep's technique set")
+    rows = [seed["cells"][cell][split] for seed in per_seed]
     return {n: statistics.fmean(x["alone"]["ne"] - x[n]["ne"] for x in rows) for n in cands}
 
 

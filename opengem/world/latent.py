@@ -519,7 +519,7 @@ SURFACE_TASK = "engage"  # the task, label column; its true probability is ``p_e
 
 @dataclass
 class SurfaceTask:
-    """A surface-specific objective the FM does not train on (issue 24, mismatched objectives); off by default.
+    """A surface-specific objective the FM does not train on (mismatched objectives); off by default.
 
     On the rows of surface ``surface`` (an index into ``SURFACES``; NaN elsewhere: only that surface
     logs it) a label ``engage`` ~ Bernoulli(p_engage) is drawn, with
@@ -587,7 +587,7 @@ MISSING_FEATURES = ("ad_quality", "user_activity")  # the dense features ``dense
 
 @dataclass
 class DenseMissing:
-    """Missing-not-at-random dense values (issue 22); off by default (``rate = 0``).
+    """Missing-not-at-random dense values; off by default (``rate = 0``).
 
     Each of ``MISSING_FEATURES`` is blanked (NaN) in a row with probability
     sigmoid(logit(rate) + label_beta · z), z the row's true click logit standardised over the shard,

@@ -31,10 +31,9 @@ any other split), warm-started from the largest λ down until the valid loss ris
 ``MetricAccumulator`` with the train split's base rates (``RateCounter``, as the trainer records
 them), so they are the evaluator's numbers to the digit.
 
-Time on the demo world (36k users, 497k train rows, all of them; 2 cores shared with other jobs):
-collecting the inputs while the shards are written ~4 s, fitting 20 s for world seed 0 (3.7k click
-weights) and 76 s for world seed 1000 (7.2k weights, five crosses), on top of the ~35 s the shards take;
-measured before the cluster crosses read ``advertiser_id`` (world 0 now has 7.5k click weights).
+The inputs are collected while the shards are written, so the fit adds tens of seconds to a demo
+world's generation, not a second pass over it (timings: docs/experiments.md, 'Figures moved from code
+docstrings').
 """
 
 from __future__ import annotations

@@ -51,3 +51,17 @@ def test_round_trip_through_dict():
 def test_unknown_recipe():
     with pytest.raises(ValueError, match="unknown recipe 'huge'"):
         recipe("huge")
+
+
+@pytest.mark.parametrize("chooser", ["train.early_stop_patience=2", "train.keep_best=true"])
+def test_the_best_checkpoint_is_never_chosen_on_test(chooser):
+    """Even where the run reports on valid, the checkpoint early stopping or keep_best keeps is a choice:
+    the discipline refuses to make it on test, and the error names the key."""
+    from opengem.discipline import DisciplineError
+
+    base = ["data.eval_split=valid", "train.eval_every=5", chooser]
+    with pytest.raises(ConfigError, match=r"train\.eval_split='test'.*split other than 'test'") as e:
+        apply_overrides(recipe("tiny"), [*base, "train.eval_split=test"])
+    assert isinstance(e.value.__cause__, DisciplineError)
+    apply_overrides(recipe("tiny"), [*base, "train.eval_split=valid", "data.eval_split=test"])
+    apply_overrides(recipe("tiny"), ["data.eval_split=valid", "train.eval_every=5", "train.eval_split=test"])

@@ -1,17 +1,17 @@
-"""The world's missing-not-at-random dense values (``dense_missing``, issue 22): off, the world is
+"""The world's missing-not-at-random dense values (``dense_missing``): off, the world is
 byte-identical; on, the blanked rows follow the label drivers and the schema declares the option."""
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tests.unit.world.test_mismatched_objective import DEFAULT_DIGEST, _digest
 
 from opengem.data.validate import validate_dataset
 from opengem.features.schema import FeatureSchema
 from opengem.world.generate import generate
 from opengem.world.latent import MISSING_FEATURES
 from opengem.world.presets import world_config
+from tests.unit.world.test_mismatched_objective import DEFAULT_DIGEST, _digest
 
 
 def test_option_off_is_the_default_world_byte_for_byte(tmp_path):

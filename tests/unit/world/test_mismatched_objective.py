@@ -1,4 +1,4 @@
-"""The world's surface task (issue 24, mismatched objectives): off, the world is byte-identical; on,
+"""The world's surface task (mismatched objectives): off, the world is byte-identical; on,
 a third label on one surface drawn from its stored probability, absent from the FM's view and
 present for the student, whose KD reads the FM's closest head."""
 
