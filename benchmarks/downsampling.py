@@ -1,5 +1,5 @@
 """Negative down-sampling (``data.negative_rate``) at rates 1, 0.5, 0.1: training speed, and valid NE and
-calibration with and without the correction (logit + log r on click, ``opengem.run.downsampling_offsets``).
+calibration with and without the correction (logit + log r on click, ``opengem.model.logit_shift.downsampling_offsets``).
 
     python benchmarks/downsampling.py --quick     # world seed 0, training seeds 0-1 (~2.5 min on 2 cores)
     python benchmarks/downsampling.py             # world seeds 0-2, training seeds 0-2

@@ -53,7 +53,7 @@ class DataConfig:
         negative_rate: negative down-sampling of the training split (``opengem.data.downsampling``):
             every row with a positive label is kept, a row without one with this rate; 1 = off.
             The run records it (``RUN/downsampling.json``) and every stage that reads the model
-            corrects for it (logit + log r on the base task, ``opengem.run.downsampling_offsets``).
+            corrects for it (logit + log r on the base task, ``opengem.model.logit_shift.downsampling_offsets``).
         negative_rate_by_domain: {domain name: rate} overriding ``negative_rate`` on those domains
             (JSON on the command line: ``'data.negative_rate_by_domain={"feed": 0.2}'``).
     """

@@ -20,7 +20,7 @@ over the shard's rows in file order: a pure function of (seed, epoch, shard, row
   position in one rank's order, names it);
 - each epoch draws afresh, so later epochs see other negatives.
 
-The correction of the predictions (``opengem.run.downsampling_offsets``): with negatives kept at rate
+The correction of the predictions (``opengem.model.logit_shift.downsampling_offsets``): with negatives kept at rate
 r the model learns odds × 1/r, so the calibrated probability is q = p / (p + (1 − p)/w) with w = r
 (He et al.'s w is the sampling rate; 1/r is the weight a kept negative stands for), i.e.
 logit(q) = logit(p) + log r on the base task's own logit (and 0 on a chained task's conditional).

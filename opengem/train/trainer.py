@@ -374,7 +374,7 @@ def _evaluate(r: TrainState, mlog, started: float) -> None:
     """A held-out evaluation after this step (``hooks``), and the best checkpoint when it is the best;
     their seconds are not training time: ``train_s`` and every examples/s leave them out."""
     t0 = time.perf_counter()
-    # Down-sampled negatives: score the corrected model, as every later stage does (run.LogitShift).
+    # Down-sampled negatives: score the corrected model, as every later stage does (model.logit_shift.LogitShift).
     model = r.model if r.downsampling is None else LogitShift(r.model, offsets_tensor(
         gem_heads(r.model), r.downsampling["offsets"], r.schema))
     with r.ema.applied():  # the weights that are kept and served are the ones judged

@@ -1,4 +1,4 @@
-"""The down-sampling correction: which heads get log r (the ESMM chain, derived in opengem.run and
+"""The down-sampling correction: which heads get log r (the ESMM chain, derived in opengem.model.logit_shift and
 checked here numerically), q = p / (p + (1 − p)/w) with w = r (He et al.'s w is the rate, not the weight
 1/r), the shift on chained logits, evaluation and the
 serving path (biases folded by load_run_model) scoring the same, and a run recording it end to end."""
