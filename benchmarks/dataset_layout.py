@@ -44,7 +44,8 @@ def loader_speed(data: Path, max_len: int) -> tuple[float, int]:
 
 def first_batches_equal(v1: Path, v2: Path, k: int = 3) -> bool:
     for a, b in zip(ShardLoader(v1, "train", 256), ShardLoader(v2, "train", 256)):
-        if not (torch.equal(a.sequences.values(), b.sequences.values()) and torch.equal(a.dense, b.dense)):
+        if not (torch.equal(a.sequences.values(), b.sequences.values())
+                and torch.equal(a.dense, b.dense)):
             return False
         k -= 1
         if k == 0:
@@ -53,17 +54,23 @@ def first_batches_equal(v1: Path, v2: Path, k: int = 3) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help=f"the demo world's shape at {QUICK_USERS} users")
-    ap.add_argument("--out", default=None, help="keep the two datasets here (default: a temporary directory)")
-    ap.add_argument("--max-len", type=int, default=256, help="the loader's history cap (the demo recipe's)")
-    ap.add_argument("--repeats", type=int, default=3, help="loader passes per layout (the best is reported)")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help=f"the demo world's shape at {QUICK_USERS} users")
+    ap.add_argument("--out", default=None,
+                    help="keep the two datasets here (default: a temporary directory)")
+    ap.add_argument("--max-len", type=int, default=256,
+                    help="the loader's history cap (the demo recipe's)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="loader passes per layout (the best is reported)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     cfg = world_config("demo", overrides=[f"sizes.num_users={QUICK_USERS}"] if args.quick else [])
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out or tmp)
-        out: dict = {"world": "demo" + (f", {QUICK_USERS} users" if args.quick else ""), "threads": 1}
+        out: dict = {"world": "demo" + (f", {QUICK_USERS} users" if args.quick else ""),
+                     "threads": 1}
         for layout in ("v1", "v2"):
             t0 = time.perf_counter()
             m = generate(cfg, root / layout, progress=False, layout=layout)
@@ -81,10 +88,13 @@ def main() -> None:
     out["history_share_of_v1_bytes"] = round(out["bytes_v1"]["history_columns_in_shards"] / b1, 3)
     out["history_bytes_v1_over_event_logs_v2"] = round(out["bytes_v1"]["history_columns_in_shards"]
                                                        / out["bytes_v2"]["event_logs"], 1)
-    out["loader_v2_over_v1"] = round(out["loader_examples_per_s_v2"] / out["loader_examples_per_s_v1"], 3)
+    out["loader_v2_over_v1"] = round(out["loader_examples_per_s_v2"]
+                                     / out["loader_examples_per_s_v1"], 3)
     print(json.dumps(out, indent=2))
-    print(json.dumps({k: out[k] for k in ("rows", "dataset_bytes_v1_over_v2", "loader_examples_per_s_v1",
-                                          "loader_examples_per_s_v2", "loader_v2_over_v1", "first_batches_equal")}))
+    print(json.dumps({k: out[k]
+                      for k in ("rows", "dataset_bytes_v1_over_v2", "loader_examples_per_s_v1",
+                                          "loader_examples_per_s_v2", "loader_v2_over_v1",
+                                "first_batches_equal")}))
 
 
 if __name__ == "__main__":

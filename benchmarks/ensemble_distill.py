@@ -1,16 +1,17 @@
-"""One model distilled from an ensemble of its own seeds (``train.soft_label_runs``), against the same
-model trained on the labels, for GEM and its neural peers alike, at ``quality.py --quick``'s size.
+"""One model distilled from an ensemble of its own seeds (``train.soft_label_runs``), against the
+same model trained on the labels, for GEM and its neural peers alike, at ``quality.py
+--quick``'s size.
 
     python benchmarks/ensemble_distill.py --quick          # held-out worlds 1000-1002, GEM and DLRM (~5 min)
     python benchmarks/ensemble_distill.py                  # + DIN and DLRM-DCN
     python benchmarks/ensemble_distill.py --dev            # the choice: development worlds 0-4, valid only
 
-Why: at 1,500 users a trained model's error is mostly variance, so the mean of several training seeds'
-probabilities scores better than one run (docs/experiments.md, "Variance, and one model distilled from an
-ensemble of its seeds"). ``--dev`` measures,
-on development worlds' valid splits only, what one model trained on its ensemble's mean probability
-recovers of that, for K teachers and label weights w (``train.soft_label_weight``); the default run
-reads held-out worlds' test splits, once, with the choice fixed by ``--dev`` (K = 3, w = 1).
+Why: at 1,500 users a trained model's error is mostly variance, so the mean of several training
+seeds' probabilities scores better than one run (docs/experiments.md, "Variance, and one model
+distilled from an ensemble of its seeds"). ``--dev`` measures, on development worlds' valid splits
+only, what one model trained on its ensemble's mean probability recovers of that, for K teachers and
+label weights w (``train.soft_label_weight``); the default run reads held-out worlds' test splits,
+once, with the choice fixed by ``--dev`` (K = 3, w = 1).
 
 Each model trains at the point ``quality.py --quick`` chose for it on development worlds (the same
 grid for every model; docs/results.md), with its EMA as there, up to 2 epochs with early stopping
@@ -42,11 +43,14 @@ TEACHER_SEED0 = 100  # teachers' training seeds: never a student's
 K, WEIGHT = 3, 1.0  # chosen with --dev (docs/experiments.md)
 
 
-def trial(data: Path, run: Path, model: str, seed: int, score_test: bool, teachers=(), weight: float = WEIGHT):
+def trial(data: Path, run: Path, model: str, seed: int, score_test: bool, teachers=(),
+          weight: float = WEIGHT):
     soft = [f"train.soft_label_runs={json.dumps([str(t) for t in teachers])}",
             f"train.soft_label_weight={weight}"] if teachers else []
-    return quality.neural_trial(str(data), str(run), "tiny", [*quality.NEURAL[model], f"train.seed={seed}",
-                                f"data.seed={seed}", *soft], POINTS[model], quality.QUICK.max_epochs, score_test)
+    return quality.neural_trial(str(data), str(run), "tiny",
+                                [*quality.NEURAL[model], f"train.seed={seed}",
+                                f"data.seed={seed}", *soft], POINTS[model],
+                                quality.QUICK.max_epochs, score_test)
 
 
 def click(r: dict, key: str) -> float:
@@ -56,7 +60,8 @@ def click(r: dict, key: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="GEM and DLRM only")
-    ap.add_argument("--dev", action="store_true", help="the choice of K and w on development worlds (valid only)")
+    ap.add_argument("--dev", action="store_true",
+                    help="the choice of K and w on development worlds (valid only)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--work", default=None)
     args = ap.parse_args()
@@ -78,10 +83,17 @@ def main() -> None:
         for m in models:
             for w in worlds:
                 for t in range(kmax):
-                    first[(m, w, "teacher", t)] = pool.submit(trial, data[w], work / m / f"w{w}" / f"teacher{t}", m,
-                                                              TEACHER_SEED0 + t, False)
+                    first[(m, w, "teacher", t)] = pool.submit(
+                        trial,
+                        data[w],
+                        work / m / f"w{w}" / f"teacher{t}",
+                        m,
+                        TEACHER_SEED0 + t,
+                        False,
+                    )
                 for s in seeds:
-                    first[(m, w, "plain", s)] = pool.submit(trial, data[w], work / m / f"w{w}" / f"plain{s}", m, s,
+                    first[(m, w, "plain", s)] = pool.submit(trial, data[w],
+                                                            work / m / f"w{w}" / f"plain{s}", m, s,
                                                             not args.dev)
         run.update({k: f.result() for k, f in first.items()})
         second = {}
@@ -91,9 +103,14 @@ def main() -> None:
                     teachers = [work / m / f"w{w}" / f"teacher{t}" for t in range(k)]
                     for s in seeds:
                         second[(m, w, f"k{k}-w{wt:g}", s)] = pool.submit(
-                            trial, data[w], work / m / f"w{w}" / f"k{k}-w{wt:g}-s{s}", m, s, not args.dev, teachers, wt)
+                            trial, data[w], work / m / f"w{w}" / f"k{k}-w{wt:g}-s{s}", m, s,
+                            not args.dev, teachers, wt)
         run.update({k: f.result() for k, f in second.items()})
-    out = dev_report(run, worlds, seeds, variants) if args.dev else test_report(run, models, worlds, seeds)
+    out = (
+        dev_report(run, worlds, seeds, variants)
+        if args.dev
+        else test_report(run, models, worlds, seeds)
+    )
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out))
 
@@ -102,20 +119,24 @@ def dev_report(run: dict, worlds, seeds, variants) -> dict:
     """Valid click NE of each variant minus the plain run's, paired by world and seed."""
     out = {"split": "valid", "dev_world_seeds": worlds, "train_seeds": seeds}
     for k, wt in variants:
-        d = [run[("gem", w, f"k{k}-w{wt:g}", s)]["valid_value"] - run[("gem", w, "plain", s)]["valid_value"]
+        d = [run[("gem", w, f"k{k}-w{wt:g}", s)]["valid_value"]
+             - run[("gem", w, "plain", s)]["valid_value"]
              for w in worlds for s in seeds]
-        out[f"k{k}-w{wt:g}"] = {"delta_valid_click_ne": [round(statistics.fmean(d), 5), round(statistics.stdev(d), 5)],
+        out[f"k{k}-w{wt:g}"] = {"delta_valid_click_ne": [round(statistics.fmean(d), 5),
+                                                         round(statistics.stdev(d), 5)],
                                 "better": f"{sum(x < 0 for x in d)}/{len(d)}"}
-        print(f"K={k} w={wt:g}: valid click NE {statistics.fmean(d):+.4f} ± {statistics.stdev(d):.4f}, "
+        print(f"K={k} w={wt:g}: valid click NE {statistics.fmean(d):+.4f} "
+              f"± {statistics.stdev(d):.4f}, "
               f"better on {sum(x < 0 for x in d)}/{len(d)}", flush=True)
     return out
 
 
 def test_report(run: dict, models, worlds, seeds) -> dict:
-    """Test click figures (raw, best-on-valid checkpoint) per model, world and form, mean over seeds."""
+    """Test click figures (raw, best-on-valid checkpoint) per model, world and form, mean
+    over seeds."""
     tag = f"k{K}-w{WEIGHT:g}"
-    out: dict = {"split": "test", "held_out_world_seeds": worlds, "train_seeds": seeds, "k": K, "weight": WEIGHT,
-                 "points": {m: POINTS[m] for m in models}, "worlds": {}}
+    out: dict = {"split": "test", "held_out_world_seeds": worlds, "train_seeds": seeds, "k": K,
+                 "weight": WEIGHT, "points": {m: POINTS[m] for m in models}, "worlds": {}}
     for w in worlds:
         row = {}
         for m in models:
@@ -129,12 +150,19 @@ def test_report(run: dict, models, worlds, seeds) -> dict:
     for name in out["worlds"][str(worlds[0])]:
         ratios = [out["worlds"][str(w)][name]["captured_over_oracle"] for w in worlds]
         out[f"{name}_over_oracle"] = {"mean": round(statistics.fmean(ratios), 5),
-                                      "std": round(statistics.stdev(ratios), 5), "min": round(min(ratios), 5)}
+                                      "std": round(statistics.stdev(ratios), 5),
+                                      "min": round(min(ratios), 5)}
     peers = [m for m in models if m != "gem"]
     out["distilled_gem_beats_every_peer"] = {
-        str(w): all(out["worlds"][str(w)]["gem/distilled"]["auc"] > out["worlds"][str(w)][f"{p}/{f}"]["auc"]
-                    and out["worlds"][str(w)]["gem/distilled"]["ne"] < out["worlds"][str(w)][f"{p}/{f}"]["ne"]
-                    for p in peers for f in ("plain", "distilled")) for w in worlds}
+        str(w): all(
+            out["worlds"][str(w)]["gem/distilled"]["auc"] > out["worlds"][str(w)][f"{p}/{f}"]["auc"]
+            and out["worlds"][str(w)]["gem/distilled"]["ne"]
+            < out["worlds"][str(w)][f"{p}/{f}"]["ne"]
+            for p in peers
+            for f in ("plain", "distilled")
+        )
+        for w in worlds
+    }
     return out
 
 

@@ -42,7 +42,8 @@ def world_dirs(root: Path, w: int, users: int) -> tuple[Path, Path]:
     """(the world as generated, the same shards with ``user_id`` listed as a sparse feature)."""
     data, uid = root / f"w{w}", root / f"w{w}_uid"
     if not (data / MANIFEST).exists():
-        cfg = world_config("tiny", seed=w, overrides=[f"sizes.num_users={users}", f"structure_seed={w}"])
+        cfg = world_config("tiny", seed=w,
+                           overrides=[f"sizes.num_users={users}", f"structure_seed={w}"])
         generate(cfg, data, progress=False, observer=OracleCollector)
     if not (uid / MANIFEST).exists():
         uid.mkdir(parents=True, exist_ok=True)
@@ -50,26 +51,33 @@ def world_dirs(root: Path, w: int, users: int) -> tuple[Path, Path]:
         (uid / "shards").symlink_to((data / "shards").resolve())
         shutil.copy(data / MANIFEST, uid / MANIFEST)
         schema = FeatureSchema.load(data)
-        with_uid = dataclasses.replace(schema, sparse=(SparseFeature("user_id", users, "user"), *schema.sparse))
+        with_uid = dataclasses.replace(schema,
+                                       sparse=(SparseFeature("user_id", users, "user"),
+                                               *schema.sparse))
         with_uid.save(uid / SCHEMA_FILE)
     return data, uid
 
 
 def run_variant(name: str, data: Path, run: Path, w: int, overrides: list[str]) -> dict:
-    cfg = apply_overrides(recipe("tiny"), ["train.threads=1", "train.progress=false", f"train.seed={w}",
+    cfg = apply_overrides(recipe("tiny"),
+                          ["train.threads=1", "train.progress=false", f"train.seed={w}",
                                            f"data.seed={w}", *overrides])
     base = recipe("tiny").optim
     t = train_point(cfg, data, run, (base.lr, base.sparse_lr), split="valid", max_epochs=2)
     m = evaluate_run(run, data, "valid", progress=False, best=True)["metrics"]
-    evals = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "eval" in r]
-    return {"world": w, "variant": name, "ne_click": m["all/click"]["ne"], "ne_conversion": m["all/conversion"]["ne"],
+    evals = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+             if "eval" in r]
+    return {"world": w, "variant": name, "ne_click": m["all/click"]["ne"],
+            "ne_conversion": m["all/conversion"]["ne"],
             "captured_over_oracle_click": m["all/click"].get("captured_over_oracle"),
             "best_epoch": round(t.step / (evals[-1]["step"] / len(evals)), 2),
-            "ne_click_per_epoch": [r["eval"]["all/click"]["ne"] for r in evals], "wall_s": round(t.wall_s, 1)}
+            "ne_click_per_epoch": [r["eval"]["all/click"]["ne"] for r in evals],
+            "wall_s": round(t.wall_s, 1)}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", type=int, nargs="*", default=[0, 1, 2])
     p.add_argument("--ks", type=int, nargs="*", default=[2, 5, 10])
     p.add_argument("--users", type=int, default=1500)
@@ -97,11 +105,14 @@ def main() -> None:
             rows.append(run_variant(name, d, run, w, ov))
             print(json.dumps(rows[-1]), flush=True)
     summary = {}
-    print(f"\n{'variant':<16}{'NE click':>10}{'NE conv':>10}{'cap/oracle':>12}{'best epoch':>12}  (valid, mean)")
+    print(f"\n{'variant':<16}{'NE click':>10}{'NE conv':>10}{'cap/oracle':>12}{'best epoch':>12}  "
+          f"(valid, mean)")
     for name in dict.fromkeys(r["variant"] for r in rows):
         rs = [r for r in rows if r["variant"] == name]
-        mean = {k: statistics.fmean(r[k] for r in rs) for k in ("ne_click", "ne_conversion",
-                                                                "captured_over_oracle_click", "best_epoch")}
+        mean = {
+            k: statistics.fmean(r[k] for r in rs)
+            for k in ("ne_click", "ne_conversion", "captured_over_oracle_click", "best_epoch")
+        }
         print(f"{name:<16}{mean['ne_click']:>10.4f}{mean['ne_conversion']:>10.4f}"
               f"{mean['captured_over_oracle_click']:>12.3f}{mean['best_epoch']:>12.2f}")
         summary[name] = {k: round(v, 5) for k, v in mean.items()}

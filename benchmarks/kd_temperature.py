@@ -43,11 +43,13 @@ from opengem.world.generate import generate
 from opengem.world.presets import world_config
 
 TEACHER_DAYS, STUDENT_DAYS = 3, 2
-VARIANTS = [("alone", "", 1.0)] + [(f"{t} τ={tau:g}", t, tau) for t in ("kd", "kd+adapter") for tau in (1.0, 2.0)]
+VARIANTS = [("alone", "", 1.0)] + [(f"{t} τ={tau:g}", t, tau) for t in ("kd", "kd+adapter")
+                                   for tau in (1.0, 2.0)]
 
 
 def world_dir(root: Path, w: int, users: int, drift: float) -> Path:
-    """The world with days relabelled: train = teacher days, distill = student days, valid = the day scored."""
+    """The world with days relabelled: train = teacher days, distill = student days, valid = the
+    day scored."""
     data = root / f"w{w}"
     if (data / MANIFEST).exists():
         return data
@@ -62,7 +64,8 @@ def world_dir(root: Path, w: int, users: int, drift: float) -> Path:
     generate(cfg, data, progress=False)
     m = json.loads((data / MANIFEST).read_text())
     days = m["splits"]["valid"]
-    m["splits"] = {"train": m["splits"]["train"], "distill": days[:STUDENT_DAYS], "valid": days[STUDENT_DAYS:],
+    m["splits"] = {"train": m["splits"]["train"], "distill": days[:STUDENT_DAYS],
+                   "valid": days[STUDENT_DAYS:],
                    "test": m["splits"]["test"]}
     (data / MANIFEST).write_text(json.dumps(m, indent=2))
     return data
@@ -72,23 +75,30 @@ def run_world(root: Path, w: int, args) -> dict:
     data = world_dir(root, w, args.users, args.drift)
     run = root / f"gem{w}"
     if not (run / FINAL_FILE).exists():
-        cfg = apply_overrides(recipe("tiny"), [f"train.seed={w}", "train.progress=false", "train.threads=1"])
+        cfg = apply_overrides(recipe("tiny"),
+                              [f"train.seed={w}", "train.progress=false", "train.threads=1"])
         train(cfg, data, run)
     schema = FeatureSchema.load(data)
     gem = TeacherService.from_run(run)
     doms = domain_ids(schema, ["feed"])
     rates, n_slice, n_all = slice_rates(data, schema, "distill", doms)
     bs = student_recipe(args.student).data.batch_size
-    s1 = SliceStream(data, "distill", schema, doms, gem, bs, seed=w, slice_rows=n_slice, all_rows=n_all)
+    s1 = SliceStream(data, "distill", schema, doms, gem, bs, seed=w, slice_rows=n_slice,
+                     all_rows=n_all)
     students = []
     for name, techniques, tau in VARIANTS:
         trees = apply_prefixed_overrides(
-            {"": student_recipe(args.student), "transfer": techniques_config(techniques, domains=("feed",))},
+            {"": student_recipe(args.student),
+             "transfer": techniques_config(techniques, domains=("feed",))},
             [f"train.seed={w}", f"data.seed={w}", f"transfer.kd.temperature={tau}"])
-        students.append(make_trainer(name, trees[""], trees["transfer"], schema, gem, rates, s1.steps))
+        students.append(make_trainer(name, trees[""], trees["transfer"], schema, gem, rates,
+                                     s1.steps))
     train_students(students, s1)
-    ev = evaluate_students(students, SliceStream(data, require_tuning_split("valid", "the KD temperature"), schema,
-                                                 doms, gem, 4096, shuffle=False, update_cache=False), schema, rates)
+    ev = evaluate_students(students,
+                           SliceStream(data, require_tuning_split("valid", "the KD temperature"),
+                                       schema,
+                                                 doms, gem, 4096, shuffle=False,
+                                       update_cache=False), schema, rates)
     key = "all/click"
     ne_alone, ne_t = ev["alone"][key]["ne"], ev["teacher@alone"][key]["ne"]
     rows = {n: {"ne": ev[n][key]["ne"], "calibration": ev[n][key]["calibration"],
@@ -97,12 +107,14 @@ def run_world(root: Path, w: int, args) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", type=int, nargs="*", default=[0, 1, 2])
     p.add_argument("--users", type=int, default=1500)
     p.add_argument("--drift", type=float, default=3.0)
     p.add_argument("--student", default="vm_s")
-    p.add_argument("--out", required=True, help="worlds and teacher runs go here (reused when present)")
+    p.add_argument("--out", required=True,
+                   help="worlds and teacher runs go here (reused when present)")
     p.add_argument("--quick", action="store_true", help="world seed 0 only")
     args = p.parse_args()
     if args.quick:
@@ -114,11 +126,13 @@ def main() -> None:
     for w in args.worlds:
         results.append(run_world(Path(args.out), require_dev_world(w, "the KD temperature"), args))
         print(json.dumps(results[-1]), flush=True)
-    print(f"\n{'student (valid day, all/click)':<24}{'NE':>9}{'calib':>8}{'R':>8}   mean over worlds {args.worlds}")
+    print(f"\n{'student (valid day, all/click)':<24}{'NE':>9}{'calib':>8}{'R':>8}   mean over "
+          f"worlds {args.worlds}")
     print(f"{'teacher':<24}{statistics.fmean(r['teacher_ne'] for r in results):>9.4f}")
     summary = {}
     for name, _, _ in VARIANTS:
-        m = {k: statistics.fmean(r["rows"][name][k] for r in results) for k in ("ne", "calibration", "r")}
+        m = {k: statistics.fmean(r["rows"][name][k] for r in results)
+             for k in ("ne", "calibration", "r")}
         print(f"{name:<24}{m['ne']:>9.4f}{m['calibration']:>8.3f}{m['r']:>8.3f}")
         summary[name] = {k: round(v, 5) for k, v in m.items()}
     print(json.dumps({"worlds": args.worlds, "split": "valid", "mean": summary}))

@@ -45,11 +45,13 @@ def _step(model, batch, opts, task_w, autocast_dtype):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="CPU-sized: small recipe, batch 256, 3 timed steps")
+    ap.add_argument("--quick", action="store_true",
+                    help="CPU-sized: small recipe, batch 256, 3 timed steps")
     ap.add_argument("--recipe", default="large")
     ap.add_argument("--batch-size", type=int, default=0, help="0 = the recipe's")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for the dtype used (0: no MFU)")
+    ap.add_argument("--peak-tflops", type=float, default=0.0,
+                    help="device peak for the dtype used (0: no MFU)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = "small" if args.quick else args.recipe
@@ -61,7 +63,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         generate(world_config("tiny", seed=0), tmp, progress=False)
         model = materialize(build_gem(FeatureSchema.load(tmp), cfg.model), device)
-        loader = ShardLoader(tmp, "train", bs, shuffle=False, epochs=100, max_seq_len=model.max_seq_len())
+        loader = ShardLoader(tmp, "train", bs, shuffle=False, epochs=100,
+                             max_seq_len=model.max_seq_len())
         batches = [b.to(device) for _, b in zip(range(steps + 2), loader)]
     dense, sparse = build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim)
     opts = [o for o in (dense, sparse) if o is not None]
@@ -83,10 +86,12 @@ def main() -> None:
     step_s = statistics.median(times)
     achieved = flops / step_s / 1e12
     params = count_parameters(model)
-    out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "recipe": name,
-           "batch_size": bs, "dense_params": params["dense"], "flops_per_example": flops / bs,
+    out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+           "recipe": name, "batch_size": bs, "dense_params": params["dense"],
+           "flops_per_example": flops / bs,
            "step_s": step_s, "examples_per_s": bs / step_s, "achieved_tflops": achieved,
-           "mfu": achieved / args.peak_tflops if args.peak_tflops else None, "dtype": str(dtype or torch.float32)}
+           "mfu": achieved / args.peak_tflops if args.peak_tflops else None,
+           "dtype": str(dtype or torch.float32)}
     print(json.dumps(out))
 
 

@@ -7,26 +7,30 @@ against the shipped recipe, on development worlds, valid split only (the choice 
 
 Variants (``tiny`` recipe overrides), one change each from ``shipped``:
 
-- ``previous``: the choices before this benchmark (cross-layer span ``earlier``, PFFN ``transposed``):
+- ``previous``: the choices before this benchmark (cross-layer span ``earlier``,
+  PFFN ``transposed``):
   at two Wukong layers its cross-layer "attention" is a uniform mean.
 - ``span_earlier`` / ``pffn_transposed``: one of the two alone.
 - ``rope``: rotary positions in the towers instead of learned position vectors.
 - ``table_init``: the domain and time-bucket embeddings start at the id tables' N(0, 0.05²).
-- ``dense_standardize`` / ``dense_quantile``: the dense normaliser fitted on train instead of signed log.
-- ``heads_independent``: p(conversion) from its own head instead of ESMM's p(click)·p(conversion | click).
+- ``dense_standardize`` / ``dense_quantile``: the dense normaliser fitted on train instead of
+  signed log.
+- ``heads_independent``: p(conversion) from its own head instead of ESMM's
+  p(click)·p(conversion | click).
 - ``recency``: the history-counts token with the newest-event weights too (``model.count_recency``);
   ``tau6``: six decay times (1 h … 30 d) instead of four.
-- ``input_rms*``: X_0 tokens (all, or the id tokens only) to unit RMS with learned gains starting at 1
-  or 0.25 (``model.input_norm``, ``model.input_norm_gain``).
+- ``input_rms*``: X_0 tokens (all, or the id tokens only) to unit RMS with learned gains starting at
+  1 or 0.25 (``model.input_norm``, ``model.input_norm_gain``).
 - ``fm_unit``: the Wukong FM block's Gram from tokens scaled to unit RMS (the other paths raw);
-  ``shortcut_raw``: the shortcut's pairs from the raw tokens (the default before ``shortcut_pairs=unit``).
-- ``fvfm`` / ``linear_shortcut`` / ``no_shortcut``: the low-order shortcut's form; ``init_02``: id tables
-  start at N(0, 0.2²); ``wide``: 8 FM and 8 LC tokens of rank 8 instead of the recipe's 4.
+  ``shortcut_raw``: the shortcut's pairs from the raw tokens (the default
+  before ``shortcut_pairs=unit``).
+- ``fvfm`` / ``linear_shortcut`` / ``no_shortcut``: the low-order shortcut's form; ``init_02``: id
+  tables start at N(0, 0.2²); ``wide``: 8 FM and 8 LC tokens of rank 8 instead of the recipe's 4.
 
 Each is one ``bench.tune.train_point`` at the recipe's learning rates (early stopping and the best
-checkpoint on valid). Per variant: best valid NE (all/click, all/conversion), ``captured_over_oracle``
-on valid, and the paired difference to ``shipped`` over worlds (mean ± std, and how many worlds it
-is better on). Nothing reads the test split. Ends with one JSON line.
+checkpoint on valid). Per variant: best valid NE (all/click, all/conversion),
+``captured_over_oracle`` on valid, and the paired difference to ``shipped`` over worlds (mean ± std,
+and how many worlds it is better on). Nothing reads the test split. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -77,7 +81,8 @@ def world(root: Path, w: int, users: int) -> Path:
     require_dev_world(w, "the model choices")
     out = root / f"w{w}-u{users}"
     if not (out / MANIFEST).exists():
-        cfg = world_config("tiny", seed=w, overrides=[f"sizes.num_users={users}", f"structure_seed={w}"])
+        cfg = world_config("tiny", seed=w,
+                           overrides=[f"sizes.num_users={users}", f"structure_seed={w}"])
         generate(cfg, out, progress=False, observer=OracleCollector)
     return out
 
@@ -95,17 +100,21 @@ def run_variant(name: str, data: str, run: str, w: int, max_epochs: int) -> dict
     from opengem.recipes import recipe
     from opengem.run import FINAL_FILE
 
-    cfg = apply_overrides(recipe("tiny"), ["train.threads=1", "train.progress=false", f"train.seed={w}",
+    cfg = apply_overrides(recipe("tiny"),
+                          ["train.threads=1", "train.progress=false", f"train.seed={w}",
                                            f"data.seed={w}", *VARIANTS[name]])
     base = recipe("tiny").optim
     if (Path(run) / FINAL_FILE).exists():  # reused from an earlier invocation with the same --out
         wall = None
         best_evaluation(run)
     else:
-        wall = round(train_point(cfg, data, run, (base.lr, base.sparse_lr), split="valid", max_epochs=max_epochs).wall_s, 1)
+        wall = round(train_point(cfg, data, run, (base.lr, base.sparse_lr), split="valid",
+                                 max_epochs=max_epochs).wall_s, 1)
     m = evaluate_run(run, data, "valid", progress=False, best=True)["metrics"]
-    return {"world": w, "variant": name, "ne_click": m["all/click"]["ne"], "ne_conversion": m["all/conversion"]["ne"],
-            "captured_over_oracle_click": m["all/click"].get("captured_over_oracle"), "wall_s": wall}
+    return {"world": w, "variant": name, "ne_click": m["all/click"]["ne"],
+            "ne_conversion": m["all/conversion"]["ne"],
+            "captured_over_oracle_click": m["all/click"].get("captured_over_oracle"),
+            "wall_s": wall}
 
 
 def mean_std(xs: list[float]) -> list[float]:
@@ -113,7 +122,8 @@ def mean_std(xs: list[float]) -> list[float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="worlds and runs go here (reused when present)")
     p.add_argument("--worlds", type=int, nargs="*", default=[0, 1, 2])
     p.add_argument("--users", type=int, default=1500)
@@ -128,7 +138,8 @@ def main() -> None:
         args.variants = ["shipped", *args.variants]
     root = Path(args.out)
     datas = {w: world(root / "data", w, args.users) for w in args.worlds}
-    jobs = [(v, str(datas[w]), str(root / "runs" / f"w{w}-u{args.users}-e{args.epochs}" / v), w, args.epochs)
+    jobs = [(v, str(datas[w]), str(root / "runs" / f"w{w}-u{args.users}-e{args.epochs}" / v), w,
+             args.epochs)
             for w in args.worlds for v in args.variants]
     with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
         rows = list(pool.map(run_variant, *zip(*jobs)))
@@ -140,19 +151,22 @@ def main() -> None:
         ne = [by[v, w]["ne_click"] for w in args.worlds]
         d = [by[v, w]["ne_click"] - by["shipped", w]["ne_click"] for w in args.worlds]
         dc = [by[v, w]["ne_conversion"] - by["shipped", w]["ne_conversion"] for w in args.worlds]
-        cap = [by[v, w]["captured_over_oracle_click"] for w in args.worlds if by[v, w]["captured_over_oracle_click"]]
+        cap = [by[v, w]["captured_over_oracle_click"] for w in args.worlds
+               if by[v, w]["captured_over_oracle_click"]]
         table[v] = {"valid_ne_click": mean_std(ne), "d_ne_click_vs_shipped": mean_std(d),
-                    "d_ne_conversion_vs_shipped": mean_std(dc), "better_worlds_click": sum(x < 0 for x in d),
+                    "d_ne_conversion_vs_shipped": mean_std(dc),
+                    "better_worlds_click": sum(x < 0 for x in d),
                     "captured_over_oracle_click": mean_std(cap) if cap else None}
-    print(f"{'variant':<18} {'valid NE click':>16} {'Δ vs shipped':>18} {'Δ conv':>18} {'better':>6} {'cap/oracle':>14}")
+    print(f"{'variant':<18} {'valid NE click':>16} {'Δ vs shipped':>18} {'Δ conv':>18} "
+          f"{'better':>6} {'cap/oracle':>14}")
     for v, t in table.items():
         print(f"{v:<18} {t['valid_ne_click'][0]:>9.4f}±{t['valid_ne_click'][1]:<6.4f} "
               f"{t['d_ne_click_vs_shipped'][0]:>+10.4f}±{t['d_ne_click_vs_shipped'][1]:<7.4f} "
               f"{t['d_ne_conversion_vs_shipped'][0]:>+10.4f}±{t['d_ne_conversion_vs_shipped'][1]:<7.4f} "
               f"{t['better_worlds_click']:>3}/{len(args.worlds)} "
               f"{(t['captured_over_oracle_click'] or [float('nan')])[0]:>10.3f}")
-    print(json.dumps({"benchmark": "model_choices", "worlds": args.worlds, "users": args.users, "epochs": args.epochs,
-                      "split": "valid", "variants": table}))
+    print(json.dumps({"benchmark": "model_choices", "worlds": args.worlds, "users": args.users,
+                      "epochs": args.epochs, "split": "valid", "variants": table}))
 
 
 if __name__ == "__main__":

@@ -21,13 +21,14 @@ The discipline (``opengem.discipline``), which this file follows step by step:
    (``instruments.tune``), the same batch, recipe sizes and epochs with early stopping on valid;
    LightGBM gets a grid of the same size (learning rate x leaves) with early stopping on valid. The
    logistic regression's one knob, its L2 strength, is chosen on each dataset's own valid split, as
-   early stopping chooses each neural run's step there; it is deterministic, so it runs once a world.
+   early stopping chooses each neural run's step there; it is deterministic, so it runs once
+   a world.
 2. **Synthetic: chosen on development worlds, reported on held-out ones.** Each model's point is the
    one with the best mean valid NE (all/click) over the development world seeds (quick 0, 1; full
-   0, 1, 2; demo 0, 1: a world's structure seed is its data seed); that point is then trained on each
-   held-out world (1000, …) and scored on test, once, with the best-on-valid checkpoint. No held-out
-   world's valid or test split chooses a learning rate; its valid split only stops training, as it
-   would for a user.
+   0, 1, 2; demo 0, 1: a world's structure seed is its data seed); that point is then trained on
+   each held-out world (1000, …) and scored on test, once, with the best-on-valid checkpoint. No
+   held-out world's valid or test split chooses a learning rate; its valid split only stops
+   training, as it would for a user.
 3. **Real data: chosen on its valid split, reported on its test split** (there is one world).
 4. **The figure that travels across worlds**: ``captured / oracle_captured``, where the oracle is a
    logistic model of the world's exact structure fitted on the same train rows
@@ -44,9 +45,9 @@ The discipline (``opengem.discipline``), which this file follows step by step:
    each chosen model's valid split halved by user, each half scored with the other half's fit); the
    rule, fixed before a held-out world was read: adopt when GEM's cross-fitted click NE gain is > 0.
 
-Spreads: per world, mean ± std over training seeds; across worlds, mean ± std of the per-world means.
-The last line is ONE JSON object (``headline``). Real data is read from ``shared/data`` next to the
-repository (``--shared``); a missing source is skipped with a message.
+Spreads: per world, mean ± std over training seeds; across worlds, mean ± std of the per-world
+means. The last line is ONE JSON object (``headline``). Real data is read from ``shared/data`` next
+to the repository (``--shared``); a missing source is skipped with a message.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ from opengem.run import FINAL_FILE
 NEURAL: dict[str, list[str]] = {
     "gem": [],
     "dlrm": ["model.arch=dlrm"],
-    # The tiny recipe's EMA of the dense weights (0.9) was chosen per model on valid of development worlds
-    # 0-4 (docs/experiments.md): GEM, DLRM, DIN 0.9; DLRM-DCN best without one.
+    # The tiny recipe's EMA of the dense weights (0.9) was chosen per model on valid of development
+    # worlds 0-4 (docs/experiments.md): GEM, DLRM, DIN 0.9; DLRM-DCN best without one.
     "dlrm_dcn": ["model.arch=dlrm_dcn", "train.ema_decay=0"],
     "din": ["model.arch=din"],
     "gem_no_seq": ["model.use_sequences=false"],
@@ -87,7 +88,8 @@ LINEAR = "logreg"
 TABULAR = (GBDT, LINEAR)  # not trained by opengem's trainer: no recipe, no lr grid
 DEFAULT_MODELS = ("gem", "dlrm", "dlrm_dcn", "din", GBDT, LINEAR)
 PEERS = ("dlrm", "dlrm_dcn", "din", GBDT, LINEAR)
-STACKED = "+" + LINEAR  # a neural model's name + this: the model stacked with the regression (bench.stack)
+# a neural model's name + this: the model stacked with the regression (bench.stack)
+STACKED = "+" + LINEAR
 SEQUENCE_ABLATIONS = ("gem_no_seq", "gem_no_interleave")  # without streams these are GEM itself
 REPORTED = ("auc", "ne", "captured", "oracle_captured", "captured_over_oracle", "calibration")
 TASKS = ("click", "conversion")
@@ -106,40 +108,49 @@ class Mode:
     max_epochs: int
     recipe: str = "tiny"
     preset: str = "tiny"  # the world preset
-    real: dict[str, list[str]] = field(default_factory=lambda: {"ml100k": ["model.max_seq_len=64"], "obd": []})
+    real: dict[str, list[str]] = field(
+        default_factory=lambda: {"ml100k": ["model.max_seq_len=64"], "obd": []}
+    )
 
 
-# --quick's MovieLens batch: 512 rows (the full mode's 128 takes 1,263 steps for 2 epochs, ~6 min a GEM
-# trial on a shared 2-core machine); every model gets the same batch, so the comparison stays alike.
+# --quick's MovieLens batch: 512 rows (the full mode's 128 takes 1,263 steps for 2 epochs, ~6 min a
+# GEM trial on a shared 2-core machine); every model gets the same batch, so the comparison
+# stays alike.
 QUICK_REAL = {"ml100k": ["model.max_seq_len=64", "data.batch_size=512"], "obd": []}
 
 
 QUICK = Mode(dev_worlds=[0, 1], held_out=held_out_world_seeds(3), train_seeds=[0, 1],
-             world=["sizes.num_users=1500"], dense_lrs=(2e-3, 6e-3), table_lrs=(0.1, 0.3), max_epochs=2,
-             real=QUICK_REAL)
+             world=["sizes.num_users=1500"], dense_lrs=(2e-3, 6e-3), table_lrs=(0.1, 0.3),
+             max_epochs=2, real=QUICK_REAL)
 FULL = Mode(dev_worlds=[0, 1, 2], held_out=held_out_world_seeds(5), train_seeds=[0, 1, 2],
-            world=["sizes.num_users=6000"], dense_lrs=(1e-3, 3e-3, 1e-2), table_lrs=(0.03, 0.1, 0.3), max_epochs=3)
-# The demo's size: --quick's 1,500 users are 1/24 of the demo world, so its gap to the oracle mixes the
-# world's form with the lack of data. Here every model trains as `make demo` trains GEM (the demo world and
-# recipe, one pass; per-model overrides as above). The grid is the 2 x 2 core of the demo recipe's own lr
-# grid (benchmarks/heldout_demo.py --tune, docs/experiments.md). Real datasets have their own sizes: --quick
-# reads them.
+            world=["sizes.num_users=6000"], dense_lrs=(1e-3, 3e-3, 1e-2),
+            table_lrs=(0.03, 0.1, 0.3), max_epochs=3)
+# The demo's size: --quick's 1,500 users are 1/24 of the demo world, so its gap to the oracle mixes
+# the world's form with the lack of data. Here every model trains as `make demo` trains GEM (the
+# demo world and recipe, one pass; per-model overrides as above). The grid is the 2 x 2 core of the
+# demo recipe's own lr grid (benchmarks/heldout_demo.py --tune, docs/experiments.md). Real datasets
+# have their own sizes: --quick reads them.
 DEMO = Mode(dev_worlds=[0, 1], held_out=held_out_world_seeds(3), train_seeds=[0, 1], world=[],
-            dense_lrs=(3e-3, 6e-3), table_lrs=(0.3, 0.8), max_epochs=1, recipe="demo", preset="demo", real={})
+            dense_lrs=(3e-3, 6e-3), table_lrs=(0.3, 0.8), max_epochs=1, recipe="demo",
+            preset="demo", real={})
 MODES = {"quick": QUICK, "full": FULL, "demo": DEMO}
-REAL_SOURCES = {"ml100k": ("movielens", "movielens-100k"), "obd": ("open_bandit", "open-bandit-small")}
+REAL_SOURCES = {"ml100k": ("movielens", "movielens-100k"),
+                "obd": ("open_bandit", "open-bandit-small")}
 
 
 # ------------------------------------------------------------------------------- data
 def synthetic_world(work: Path, world_seed: int, mode: Mode) -> Path:
-    """World ``world_seed`` (structure seed = data seed), with its oracle, generated once under ``work``."""
+    """World ``world_seed`` (structure seed = data seed), with its oracle, generated once
+    under ``work``."""
     from opengem.world.generate import generate
     from opengem.world.oracle import OracleCollector
     from opengem.world.presets import world_config
 
     out = work / "data" / f"world-{world_seed}"
-    if not (out / MANIFEST).exists():  # written last by generate: a world cut off half-way is made again
-        cfg = world_config(mode.preset, seed=world_seed, overrides=[*mode.world, f"structure_seed={world_seed}"])
+    # written last by generate: a world cut off half-way is made again
+    if not (out / MANIFEST).exists():
+        cfg = world_config(mode.preset, seed=world_seed,
+                           overrides=[*mode.world, f"structure_seed={world_seed}"])
         generate(cfg, out, progress=False, observer=OracleCollector)
     return out
 
@@ -167,8 +178,8 @@ def _quiet() -> None:
     torch.set_num_threads(1)
 
 
-def neural_trial(data: str, run: str, recipe_name: str, overrides: list[str], point: tuple[float, float],
-                 max_epochs: int, score_test: bool) -> dict:
+def neural_trial(data: str, run: str, recipe_name: str, overrides: list[str],
+                 point: tuple[float, float], max_epochs: int, score_test: bool) -> dict:
     """Train one model at one grid point with early stopping on valid; with ``score_test`` (only the
     chosen point's runs), the best-on-valid checkpoint's test metrics too."""
     _quiet()
@@ -184,9 +195,11 @@ def neural_trial(data: str, run: str, recipe_name: str, overrides: list[str], po
         from instruments.tune import best_evaluation
 
         value, step, valid = best_evaluation(run)
-        out = {"valid_value": value, "best_step": step, "valid": valid, "wall_s": None, "reused": True}
+        out = {"valid_value": value, "best_step": step, "valid": valid, "wall_s": None,
+               "reused": True}
     else:
-        shutil.rmtree(run, ignore_errors=True)  # a run killed half-way: its checkpoints and log start over
+        # a run killed half-way: its checkpoints and log start over
+        shutil.rmtree(run, ignore_errors=True)
         t = train_point(cfg, data, run, point, max_epochs=max_epochs)
         out = {"valid_value": t.value, "best_step": t.step, "valid": t.valid, "wall_s": t.wall_s}
     if score_test:
@@ -195,7 +208,8 @@ def neural_trial(data: str, run: str, recipe_name: str, overrides: list[str], po
 
 
 def score_run(data: str, run: str) -> dict:
-    """Test metrics of a search run that was chosen (a real dataset's seed 0): read once, after the choice."""
+    """Test metrics of a search run that was chosen (a real dataset's seed 0): read once, after
+    the choice."""
     _quiet()
     from opengem.evaluation.platt import evaluate_recalibrated
 
@@ -203,7 +217,8 @@ def score_run(data: str, run: str) -> dict:
 
 
 def crossfit_trial(data: str, run: str) -> dict:
-    """``evaluation.platt.crossfit`` of a development world's search run at its chosen point (valid only)."""
+    """``evaluation.platt.crossfit`` of a development world's search run at its chosen point
+    (valid only)."""
     _quiet()
     from opengem.evaluation.platt import crossfit
 
@@ -243,8 +258,8 @@ def linear_trial(data: str, max_seq_len: int) -> dict:
 
 
 def stack_trial(data: str, runs: dict[str, list[str]], max_seq_len: int) -> dict[str, list[dict]]:
-    """Each neural model's runs on ``data`` stacked with one regression (``bench.stack``: the blend's
-    weight chosen on valid), test read once, the oracle beside: model → one result a run."""
+    """Each neural model's runs on ``data`` stacked with one regression (``bench.stack``: the
+    blend's weight chosen on valid), test read once, the oracle beside: model → one result a run."""
     _quiet()
     from instruments.stack import run_stack
 
@@ -262,17 +277,20 @@ def stack_trial(data: str, runs: dict[str, list[str]], max_seq_len: int) -> dict
 
 
 def pair_blind_trial(data: str) -> dict:
-    """The pair-blind oracle's test captured ÷ the oracle's, per task (``evaluation.oracle.refit`` with
-    ``crosses="all"``): the exact history and numeric terms, every user field × ad field cross instead of
-    the world's own pairs, L2 chosen on valid. A reference beside the models: what a convex fit that knows
-    the world's formulas, but not which pairs interact, captures from the same rows."""
+    """The pair-blind oracle's test captured ÷ the oracle's, per task (``evaluation.oracle.refit``
+    with ``crosses="all"``): the exact history and numeric terms, every user field × ad field cross
+    instead of the world's own pairs, L2 chosen on valid. A reference beside the models: what a
+    convex fit that knows the world's formulas, but not which pairs interact, captures from the
+    same rows."""
     _quiet()
     from opengem.evaluation.evaluate import add_oracle
     from opengem.world.oracle import refit
 
     test = refit(data, crosses="all")["test"]
-    ratios = add_oracle({f"all/{t}": dict(test[f"all/{t}"]) for t in TASKS if f"all/{t}" in test}, data, "test")
-    return {t: ratios[f"all/{t}"].get("captured_over_oracle") for t in TASKS if f"all/{t}" in ratios}
+    ratios = add_oracle({f"all/{t}": dict(test[f"all/{t}"]) for t in TASKS if f"all/{t}" in test},
+                        data, "test")
+    return {t: ratios[f"all/{t}"].get("captured_over_oracle") for t in TASKS
+            if f"all/{t}" in ratios}
 
 
 # ------------------------------------------------------------------------------- report
@@ -303,8 +321,8 @@ def beats(gem: dict, peer: dict) -> bool:
 
 
 def peer_flags(summary: dict) -> dict:
-    """``gem_beats_every_peer`` (GEM against the peers) and ``gem_stacked_beats_every_peer`` (GEM's stack
-    against the peers, stacked or not), for the models ``summary`` has."""
+    """``gem_beats_every_peer`` (GEM against the peers) and ``gem_stacked_beats_every_peer`` (GEM's
+    stack against the peers, stacked or not), for the models ``summary`` has."""
     out = {}
     for flag, model, rivals in (("gem_beats_every_peer", "gem", PEERS),
                                 ("gem_stacked_beats_every_peer", stacked_name("gem"),
@@ -319,7 +337,9 @@ def print_table(title: str, summary: dict) -> None:
     cols = ("auc", "ne", "captured", "captured_over_oracle")
     print(f"{'model':<18}" + "".join(f"{c:>24}" for c in cols))
     for model, s in summary.items():
-        print(f"{model:<18}" + "".join(f"{_num(s['click'][c][0]):>14} ± {_num(s['click'][c][1]):<7}" for c in cols))
+        print(f"{model:<18}"
+              + "".join(f"{_num(s['click'][c][0]):>14} ± {_num(s['click'][c][1]):<7}"
+                        for c in cols))
 
 
 def _num(x) -> str:
@@ -333,24 +353,33 @@ def headline(mode_name: str, mode: Mode, models: list[str], chosen: dict, worlds
     ratios of each beside each other."""
     out: dict = {"mode": mode_name, "models": models, "dev_world_seeds": mode.dev_worlds,
                  "held_out_world_seeds": mode.held_out, "train_seeds": mode.train_seeds,
-                 "grid": {"dense_lr": mode.dense_lrs, "table_lr": mode.table_lrs, "max_epochs": mode.max_epochs},
-                 "chosen": chosen, "spread": "per world: std over training seeds; across worlds: std of world means"}
+                 "grid": {"dense_lr": mode.dense_lrs, "table_lr": mode.table_lrs,
+                          "max_epochs": mode.max_epochs},
+                 "chosen": chosen,
+                 "spread": "per world: std over training seeds; across worlds: std of world means"}
     out.update(figures(models, worlds, real))
     out["recalibrated"] = figures(models, worlds_platt, real_platt)
-    for name, figs in (("gem_over_oracle", out), ("gem_over_oracle_recalibrated", out["recalibrated"])):
+    for name, figs in (("gem_over_oracle", out),
+                       ("gem_over_oracle_recalibrated", out["recalibrated"])):
         if "gem_over_oracle" in figs:
-            out[f"{name}_mean"], out[f"{name}_min"] = figs["gem_over_oracle"]["mean"], figs["gem_over_oracle"]["min"]
+            out[f"{name}_mean"], out[f"{name}_min"] = (
+                figs["gem_over_oracle"]["mean"],
+                figs["gem_over_oracle"]["min"],
+            )
     if (stack := out.get(f"{stacked_name('gem')}_over_oracle")) is not None:
-        out["gem_stacked_over_oracle_mean"], out["gem_stacked_over_oracle_min"] = stack["mean"], stack["min"]
+        out["gem_stacked_over_oracle_mean"], out["gem_stacked_over_oracle_min"] = (
+            stack["mean"],
+            stack["min"],
+        )
     out["wall_s"] = round(wall_s, 1)
     return out
 
 
 def pair_blind_summary(pair_blind: dict) -> dict:
-    """Per held-out world the pair-blind oracle's click and conversion ratio (``pair_blind_trial``), and
-    the click ratio's mean and min over the worlds: the reference the models' ``*_over_oracle`` are read
-    against (the goal asks GEM for 0.95 mean, 0.90 min; a world where this is lower asks more of a learner
-    than a fit that knows the world's history and numeric formulas gets)."""
+    """Per held-out world the pair-blind oracle's click and conversion ratio (``pair_blind_trial``),
+    and the click ratio's mean and min over the worlds: the reference the models' ``*_over_oracle``
+    are read against (the goal asks GEM for 0.95 mean, 0.90 min; a world where this is lower asks
+    more of a learner than a fit that knows the world's history and numeric formulas gets)."""
     out: dict = {"worlds": {str(w): {t: (None if r is None else round(r, 5)) for t, r in v.items()}
                             for w, v in pair_blind.items()}}
     click = [v["click"] for v in pair_blind.values() if v.get("click") is not None]
@@ -361,42 +390,50 @@ def pair_blind_summary(pair_blind: dict) -> dict:
 
 def crossfit_summary(models: list[str], crossfits: dict) -> dict:
     """model → task → mean ± std over development worlds of (NE fitted − NE raw) on valid halves
-    fitted on the other half (negative: the fit carries), and ``adopt``: whether GEM's click mean is < 0,
-    the rule, fixed before any held-out world was read, for taking ``recalibrated`` as the headline."""
+    fitted on the other half (negative: the fit carries), and ``adopt``: whether GEM's click mean is
+    < 0, the rule, fixed before any held-out world was read, for taking ``recalibrated`` as
+    the headline."""
     out: dict = {}
     for m in models:
         per = [v for (model, _), v in crossfits.items() if model == m]
         if per:
-            out[m] = {t: mean_std([p[t]["ne_platt"] - p[t]["ne"] for p in per if t in p]) for t in TASKS}
+            out[m] = {t: mean_std([p[t]["ne_platt"] - p[t]["ne"] for p in per if t in p])
+                      for t in TASKS}
     if "gem" in out and out["gem"]["click"][0] is not None:
         out["adopt"] = out["gem"]["click"][0] < 0
     return out
 
 
 def figures(models: list[str], worlds: dict, real: dict) -> dict:
-    """Per held-out world and real dataset: each model's captured, oracle's, AUC and NE (click), GEM's
-    ratio to the oracle (click and conversion) and whether it beats every peer; each model's click
-    ratio and GEM's conversion ratio, mean, std and min over the worlds."""
+    """Per held-out world and real dataset: each model's captured, oracle's, AUC and NE (click),
+    GEM's ratio to the oracle (click and conversion) and whether it beats every peer; each model's
+    click ratio and GEM's conversion ratio, mean, std and min over the worlds."""
     out: dict = {}
     per_world = {}
     for w, summary in worlds.items():
-        row = {m: {k: summary[m]["click"][k] for k in ("captured", "oracle_captured", "auc", "ne")} for m in summary}
+        row = {m: {k: summary[m]["click"][k] for k in ("captured", "oracle_captured", "auc", "ne")}
+               for m in summary}
         if "gem" in summary:
             row["gem_over_oracle"] = summary["gem"]["click"]["captured_over_oracle"]
             if "conversion" in summary["gem"]:
-                row["gem_over_oracle_conversion"] = summary["gem"]["conversion"]["captured_over_oracle"]
+                row["gem_over_oracle_conversion"] = summary["gem"]["conversion"][
+                    "captured_over_oracle"
+                ]
         row.update(peer_flags(summary))
         per_world[str(w)] = row
     out["worlds"] = per_world
     for m in models:
-        ratios = [worlds[w][m]["click"]["captured_over_oracle"][0] for w in worlds if m in worlds[w]]
+        ratios = [worlds[w][m]["click"]["captured_over_oracle"][0] for w in worlds
+                  if m in worlds[w]]
         ratios = [r for r in ratios if r is not None]
         if ratios:
             out[f"{m}_over_oracle"] = {"mean": mean_std(ratios)[0], "std": mean_std(ratios)[1],
                                        "min": round(min(ratios), 5)}
-    conv = [r["gem_over_oracle_conversion"][0] for r in per_world.values() if "gem_over_oracle_conversion" in r]
+    conv = [r["gem_over_oracle_conversion"][0] for r in per_world.values()
+            if "gem_over_oracle_conversion" in r]
     conv = [r for r in conv if r is not None]
-    if conv:  # rare labels: a few dozen test conversions a world at --quick's size, read with its spread
+    # rare labels: a few dozen test conversions a world at --quick's size, read with its spread
+    if conv:
         out["gem_over_oracle_conversion"] = {"mean": mean_std(conv)[0], "std": mean_std(conv)[1],
                                              "min": round(min(conv), 5)}
     for name, summary in real.items():
@@ -409,15 +446,19 @@ def figures(models: list[str], worlds: dict, real: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="3 held-out worlds x 2 seeds, 1,500 users, grid 2x2")
-    size.add_argument("--demo", action="store_true", help="3 held-out worlds x 2 seeds at the demo's size, grid 2x2")
+    size.add_argument("--quick", action="store_true",
+                      help="3 held-out worlds x 2 seeds, 1,500 users, grid 2x2")
+    size.add_argument("--demo", action="store_true",
+                      help="3 held-out worlds x 2 seeds at the demo's size, grid 2x2")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel, one thread each")
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
     ap.add_argument("--real", default="ml100k,obd", help="real datasets ('' for none)")
-    ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    ap.add_argument("--shared",
+                    default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
     ap.add_argument("--stack", action=argparse.BooleanOptionalAction, default=True,
                     help="also report each neural model stacked with the regression (bench.stack)")
-    ap.add_argument("--work", default=None, help="where data and runs go (default: a temporary directory)")
+    ap.add_argument("--work", default=None,
+                    help="where data and runs go (default: a temporary directory)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mode_name = "quick" if args.quick else "demo" if args.demo else "full"
@@ -442,7 +483,8 @@ def main() -> None:
     asked = [n for n in args.real.split(",") if n]
     names = [n for n in asked if n in mode.real]
     if names != asked:
-        print(f"[quality] the {mode_name} mode reads real data only from {sorted(mode.real) or 'none'}", flush=True)
+        print(f"[quality] the {mode_name} mode reads real data only from "
+              f"{sorted(mode.real) or 'none'}", flush=True)
     real = {n: d for n in names if (d := real_dataset(work, n, Path(args.shared)))}
     print(f"[quality] data ready in {time.perf_counter() - t0:.0f} s under {work}", flush=True)
 
@@ -463,17 +505,19 @@ def main() -> None:
         # 1. the search: dev worlds (synthetic) and each real dataset's own valid split; seed 0
         search: dict = {}
         for model in models:
-            for kind, data in [*((f"world-{w}", worlds[w]) for w in mode.dev_worlds), *real.items()]:
+            for kind, data in [*((f"world-{w}", worlds[w]) for w in mode.dev_worlds),
+                               *real.items()]:
                 if not applies(model, data) or model == LINEAR:  # LINEAR: nothing to choose here
                     continue
                 if model == GBDT:
-                    search[(model, kind)] = pool.submit(gbdt_trial, str(data), None, 0, False, cap(kind))
+                    search[(model, kind)] = pool.submit(gbdt_trial, str(data), None, 0, False,
+                                                        cap(kind))
                     continue
                 for p in grid:
                     search[(model, kind, p)] = pool.submit(
                         neural_trial, str(data), run_dir(kind, model, p, 0), mode.recipe,
-                        [*mode.real.get(kind, []), *NEURAL[model], "train.seed=0", "data.seed=0"], p,
-                        mode.max_epochs, False)
+                        [*mode.real.get(kind, []), *NEURAL[model], "train.seed=0", "data.seed=0"],
+                        p, mode.max_epochs, False)
         results = {k: f.result() for k, f in search.items()}
         print(f"[quality] search done at {time.perf_counter() - t0:.0f} s", flush=True)
 
@@ -494,22 +538,25 @@ def main() -> None:
                                 t["valid_logloss"]["click"])
                     chosen[f"{model}/{scope}"] = json.loads(choose(values))
                 else:
-                    values = {p: [results[(model, k, p)]["valid_value"] for k in kinds if (model, k, p) in results]
+                    values = {p: [results[(model, k, p)]["valid_value"] for k in kinds
+                                  if (model, k, p) in results]
                               for p in grid}
                     values = {p: v for p, v in values.items() if v}
                     if values:
                         chosen[f"{model}/{scope}"] = list(choose(values))
 
-        # 1b. does a Platt fit on valid carry to rows it was not fitted on? Each neural model's chosen
-        #     point on each development world, its valid split halved by user (evaluation.platt.crossfit)
+        # 1b. does a Platt fit on valid carry to rows it was not fitted on? Each neural model's
+        #     chosen point on each development world, its valid split halved by
+        #     user (evaluation.platt.crossfit)
         xfit = {(model, w): pool.submit(crossfit_trial, str(worlds[w]),
-                                        run_dir(f"world-{w}", model, tuple(chosen[f"{model}/synthetic"]), 0))
+                                        run_dir(f"world-{w}", model,
+                                                tuple(chosen[f"{model}/synthetic"]), 0))
                 for model in models if model not in TABULAR and f"{model}/synthetic" in chosen
                 for w in mode.dev_worlds}
         crossfits = {k: f.result() for k, f in xfit.items()}
 
-        # 2. the report: held-out worlds and real datasets, every seed (a real dataset's seed 0 is its
-        #    search run at the chosen point, scored on test now)
+        # 2. the report: held-out worlds and real datasets, every seed (a real dataset's seed 0 is
+        #    its search run at the chosen point, scored on test now)
         report: dict = {}
         for model in models:
             for kind, data in [*((f"world-{w}", worlds[w]) for w in mode.held_out), *real.items()]:
@@ -524,9 +571,11 @@ def main() -> None:
                     if model == GBDT:
                         fut = pool.submit(gbdt_trial, str(data), [point], seed, True, cap(kind))
                     elif kind in real and seed == 0:
-                        fut = pool.submit(score_run, str(data), run_dir(kind, model, tuple(point), 0))
+                        fut = pool.submit(score_run, str(data),
+                                          run_dir(kind, model, tuple(point), 0))
                     else:
-                        fut = pool.submit(neural_trial, str(data), run_dir(kind, model, tuple(point), seed),
+                        fut = pool.submit(neural_trial, str(data),
+                                          run_dir(kind, model, tuple(point), seed),
                                           mode.recipe, [*mode.real.get(kind, []), *NEURAL[model],
                                                         f"train.seed={seed}", f"data.seed={seed}"],
                                           tuple(point), mode.max_epochs, True)
@@ -535,13 +584,16 @@ def main() -> None:
         reported = {k: f.result() for k, f in report.items()}
         pair_blind = {w: f.result() for w, f in blind.items()}
 
-        # 3. each neural model's reported runs stacked with the regression (bench.stack), per dataset
+        # 3. each neural model's reported runs stacked with the regression (bench.stack),
+        #    per dataset
         stacks = {}
         for kind, data in ([*((f"world-{w}", worlds[w]) for w in mode.held_out), *real.items()]
                            if args.stack else []):
             scope = kind if kind in real else "synthetic"
-            runs_of = {m: [run_dir(kind, m, tuple(chosen[f"{m}/{scope}"]), s) for s in mode.train_seeds]
-                       for m in models if m not in TABULAR and f"{m}/{scope}" in chosen and applies(m, data)}
+            runs_of = {m: [run_dir(kind, m, tuple(chosen[f"{m}/{scope}"]), s)
+                           for s in mode.train_seeds]
+                       for m in models if m not in TABULAR and f"{m}/{scope}" in chosen
+                       and applies(m, data)}
             if runs_of:
                 stacks[kind] = pool.submit(stack_trial, str(data), runs_of, cap(kind))
         stacked = {k: f.result() for k, f in stacks.items()}
@@ -555,11 +607,13 @@ def main() -> None:
     models = [*models, *(stacked_name(m) for m in models if any(m in v for v in stacked.values()))]
     print(f"\n[quality] {mode_name}; runs in {work}")
     views = {}
-    for key, title in (("metrics", "raw"), ("metrics_platt", "recalibrated: each side Platt-fitted on its valid")):
+    for key, title in (("metrics", "raw"),
+                       ("metrics_platt", "recalibrated: each side Platt-fitted on its valid")):
         summaries = {k: {m: summarize(rs, key) for m, rs in v.items()} for k, v in runs.items()}
         for kind, s in summaries.items():
             print_table(f"{kind}, {title}", s)
-        views[key] = ({w: summaries[f"world-{w}"] for w in mode.held_out if f"world-{w}" in summaries},
+        views[key] = ({w: summaries[f"world-{w}"] for w in mode.held_out
+                       if f"world-{w}" in summaries},
                       {n: summaries[n] for n in real if n in summaries})
     out = headline(mode_name, mode, models, chosen, *views["metrics"], time.perf_counter() - t0,
                    *views["metrics_platt"])

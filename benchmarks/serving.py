@@ -1,4 +1,5 @@
-"""Serving latency and throughput: ``opengem serve`` over loopback vs the training model in eager mode.
+"""Serving latency and throughput: ``opengem serve`` over loopback vs the training model in
+eager mode.
 
     python benchmarks/serving.py --quick                  the default VM (distilled), < 5 min on 2 cores
     python benchmarks/serving.py --quick --model gem      GEM itself: tiny world, demo-recipe GEM
@@ -12,21 +13,22 @@ The models (``--model``):
   (``--users``: the demo schema's vocabularies and stored history limits, 4096 organic / 512 ads
   events, and the demo's per-user activity, so request histories have the demo's long tail) and the
   teacher is a few steps of the ``tiny`` recipe (``--teacher-recipe``, ``--steps``). Requests are
-  test rows of the VM's surface. ``--student-recipe vm_xs`` measures another VM size (a separate row,
-  not the default VM).
+  test rows of the VM's surface. ``--student-recipe vm_xs`` measures another VM size (a separate
+  row, not the default VM).
 - ``gem``: GEM itself (``--recipe``, default demo) trained ``--steps`` steps on the ``tiny`` world.
 
 What is measured, for 1, 64 and 512 candidates per request:
 
-- served: a closed loop of ``--concurrency`` clients on keep-alive loopback connections, each sending
-  the next request as soon as the previous answer arrives; latency is the client's (request written →
-  response read: HTTP, JSON, validation, micro-batching, preprocessing, forward). The server runs
-  pinned to ``--server-core`` with one torch/OpenMP thread; the client (a raw asyncio HTTP/1.1 client,
-  so its own cost stays small) is pinned to ``--client-core``.
-- predictor: the same requests through ``Predictor.predict`` in process (no HTTP), on the server core.
+- served: a closed loop of ``--concurrency`` clients on keep-alive loopback connections, each
+  sending the next request as soon as the previous answer arrives; latency is the client's (request
+  written → response read: HTTP, JSON, validation, micro-batching, preprocessing, forward). The
+  server runs pinned to ``--server-core`` with one torch/OpenMP thread; the client (a raw asyncio
+  HTTP/1.1 client, so its own cost stays small) is pinned to ``--client-core``.
+- predictor: the same requests through ``Predictor.predict`` in process (no HTTP), on the
+  server core.
 - eager: the same rows (one per candidate, history repeated) through the plain training model, as
-  ``evaluate`` runs it: ``collate`` of the Arrow rows + ``GEM.forward`` + sigmoid, one thread, on the
-  server core. Building the Arrow table is not timed.
+  ``evaluate`` runs it: ``collate`` of the Arrow rows + ``GEM.forward`` + sigmoid, one thread, on
+  the server core. Building the Arrow table is not timed.
 
 - lookup (64 candidates, or the candidate count nearest 64): the same requests with their history
   fields left out, so the server reads them by ``user_id`` from the history store
@@ -64,21 +66,31 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="short runs: concurrency 1 and 8, 3 s per level")
-    p.add_argument("--model", choices=["vm", "gem"], default="vm", help="the default VM (distilled) or GEM itself")
-    p.add_argument("--artifact", default=None, help="benchmark this artifact (default: train and export one)")
-    p.add_argument("--data", default=None, help="world to draw requests from (default: generate the tiny world)")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="short runs: concurrency 1 and 8, 3 s per level")
+    p.add_argument("--model", choices=["vm", "gem"], default="vm",
+                   help="the default VM (distilled) or GEM itself")
+    p.add_argument("--artifact", default=None,
+                   help="benchmark this artifact (default: train and export one)")
+    p.add_argument("--data", default=None,
+                   help="world to draw requests from (default: generate the tiny world)")
     p.add_argument("--recipe", default="demo", help="--model gem: the GEM recipe to train")
     p.add_argument("--teacher-recipe", default="tiny", help="--model vm: the teacher GEM's recipe")
-    p.add_argument("--student-recipe", default=None, help="--model vm: another VM preset than the default (vm_s)")
-    p.add_argument("--users", type=int, default=None, help="--model vm: users of the demo world (default 1000; "
+    p.add_argument("--student-recipe", default=None,
+                   help="--model vm: another VM preset than the default (vm_s)")
+    p.add_argument("--users", type=int, default=None,
+                   help="--model vm: users of the demo world (default 1000; "
                                                              "not quick 3000)")
-    p.add_argument("--steps", type=int, default=20, help="training steps of the GEM (--model gem) or the teacher")
-    p.add_argument("--table-dtype", choices=["fp32", "fp16", "int8"], default="fp32", help="export's table dtype")
+    p.add_argument("--steps", type=int, default=20,
+                   help="training steps of the GEM (--model gem) or the teacher")
+    p.add_argument("--table-dtype", choices=["fp32", "fp16", "int8"], default="fp32",
+                   help="export's table dtype")
     p.add_argument("--no-compile", action="store_true", help="export without AOTInductor")
     p.add_argument("--candidates", default="1,64,512")
-    p.add_argument("--concurrency", default=None, help="comma-separated client counts (default 1,4,16; quick 1,8)")
+    p.add_argument("--concurrency", default=None,
+                   help="comma-separated client counts (default 1,4,16; quick 1,8)")
     p.add_argument("--seconds", type=float, default=None, help="per level (default 10; quick 3)")
     p.add_argument("--server-core", type=int, default=0)
     p.add_argument("--client-core", type=int, default=1)
@@ -91,7 +103,8 @@ def _args() -> argparse.Namespace:
 
 
 def _cli(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "opengem", "--quiet", *args], check=True, cwd=REPO, env=_env())
+    subprocess.run([sys.executable, "-m", "opengem", "--quiet", *args], check=True, cwd=REPO,
+                   env=_env())
 
 
 def _env() -> dict:
@@ -99,23 +112,26 @@ def _env() -> dict:
 
 
 def _prepare(a, work: Path) -> tuple[Path, Path, dict]:
-    """(artifact, data, what was built) — generated, trained, distilled and exported here unless given."""
+    """(artifact, data, what was built) — generated, trained, distilled and exported here
+    unless given."""
     from opengem.export.artifact import export_run
 
     data = Path(a.data) if a.data else work / "data"
     built = {}
     if not a.data:
         world = ["--preset", "tiny"] if a.model == "gem" else \
-            ["--preset", "demo", f"sizes.num_users={a.users}", f"sizes.users_per_block={min(a.users, 2048)}"]
+            ["--preset", "demo", f"sizes.num_users={a.users}",
+             f"sizes.users_per_block={min(a.users, 2048)}"]
         _cli("generate", "--out", str(data), "--seed", "1", "--layout", "v2", *world)
         built["world"] = " ".join(world[1:]) + " (layout v2)"
     if a.artifact:
         return Path(a.artifact), data, built
     run, art = work / "run", work / "artifact"
     recipe = a.recipe if a.model == "gem" else a.teacher_recipe
-    _cli("train", "--recipe", recipe, "--data", str(data), "--out", str(run), f"train.max_steps={a.steps}",
-         "data.batch_size=128")
-    built["trained"] = f"{recipe}, {a.steps} steps" + (" (the VM's teacher)" if a.model == "vm" else "")
+    _cli("train", "--recipe", recipe, "--data", str(data), "--out", str(run),
+         f"train.max_steps={a.steps}", "data.batch_size=128")
+    built["trained"] = f"{recipe}, {a.steps} steps" + (" (the VM's teacher)" if a.model == "vm"
+                                                       else "")
     if a.model == "vm":
         from opengem.pipeline import DEMO_OVERRIDES, DEMO_RECIPE, distill_demo
         from opengem.transfer.distill import distill
@@ -131,15 +147,17 @@ def _prepare(a, work: Path) -> tuple[Path, Path, dict]:
     return art, data, built
 
 
-def _requests(schema, data: Path, candidates: int, domains: list[int] | None, n: int = 16) -> list[dict]:
-    """``n`` requests from test rows (of ``domains``): a row's user, context and history + the ads of
-    ``candidates`` rows."""
+def _requests(schema, data: Path, candidates: int, domains: list[int] | None,
+              n: int = 16) -> list[dict]:
+    """``n`` requests from test rows (of ``domains``): a row's user, context and history + the ads
+    of ``candidates`` rows."""
     from opengem.data.events import ShardReader
     from opengem.data.parquet import DatasetManifest
     from opengem.export.request import split_row
 
     manifest = DatasetManifest.load(data)
-    reader, rows = ShardReader(data, manifest, schema), []  # v2: the histories are joined from the event logs
+    # v2: the histories are joined from the event logs
+    reader, rows = ShardReader(data, manifest, schema), []
     for info in manifest.split_files("test"):
         rows += [r for r in reader.read(info, schema.columns()).to_pylist()
                  if domains is None or r[schema.domains.column] in domains]
@@ -149,7 +167,8 @@ def _requests(schema, data: Path, candidates: int, domains: list[int] | None, n:
     out = []
     for i in rng.choice(len(rows), n, replace=False):
         req, _ = split_row(schema, rows[i])
-        req["candidates"] = [split_row(schema, rows[j])[1] for j in rng.choice(len(rows), candidates)]
+        req["candidates"] = [split_row(schema, rows[j])[1]
+                             for j in rng.choice(len(rows), candidates)]
         out.append(req)
     return out
 
@@ -158,7 +177,8 @@ def _vm_domains(schema) -> list[int]:
     """The default VM's surfaces (``pipeline.DEMO_OVERRIDES``' transfer.domains) as domain ids."""
     from opengem.pipeline import DEMO_OVERRIDES
 
-    names = [v for o in DEMO_OVERRIDES if o.startswith("transfer.domains=") for v in o.split("=", 1)[1].split(",")]
+    names = [v for o in DEMO_OVERRIDES if o.startswith("transfer.domains=")
+             for v in o.split("=", 1)[1].split(",")]
     return [list(schema.domains.names).index(n) for n in names]
 
 
@@ -173,14 +193,15 @@ def _shape(schema, reqs: list[dict]) -> dict:
 
 def _pct(lat: list[float]) -> dict:
     a = np.asarray(lat) * 1e3
-    return {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)), "n": len(a)}
+    return {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
+            "n": len(a)}
 
 
 # ----------------------------------------------------------------------------- the client
-async def _client(port: int, bodies: list[bytes], stop_at: float, warm_until: float, lat: list, errors: list,
-                  which: list | None = None):
-    """One keep-alive connection sending the next request when the last answer is read (no bodies: GET /healthz);
-    ``which`` gets the index in ``bodies`` of each timed request."""
+async def _client(port: int, bodies: list[bytes], stop_at: float, warm_until: float, lat: list,
+                  errors: list, which: list | None = None):
+    """One keep-alive connection sending the next request when the last answer is read (no bodies:
+    GET /healthz); ``which`` gets the index in ``bodies`` of each timed request."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     i = 0
     try:
@@ -219,8 +240,8 @@ def _load(port: int, bodies: list[bytes], concurrency: int, seconds: float) -> d
 
 
 def _load_paired(port: int, given: list[bytes], bare: list[bytes], seconds: float) -> dict:
-    """One client alternating each request with its history and the same request looked up by user id,
-    so both see the same machine: {"looked_up": percentiles, "given": percentiles, "errors"}."""
+    """One client alternating each request with its history and the same request looked up by user
+    id, so both see the same machine: {"looked_up": percentiles, "given": percentiles, "errors"}."""
     bodies = [b for pair in zip(given, bare) for b in pair]
 
     async def run():
@@ -231,7 +252,8 @@ def _load_paired(port: int, given: list[bytes], bare: list[bytes], seconds: floa
         return np.asarray(lat), errors, np.asarray(which) % 2
 
     lat, errors, odd = asyncio.run(run())
-    return {"looked_up": _pct(list(lat[odd == 1])), "given": _pct(list(lat[odd == 0])), "errors": len(errors)}
+    return {"looked_up": _pct(list(lat[odd == 1])), "given": _pct(list(lat[odd == 0])),
+            "errors": len(errors)}
 
 
 # ----------------------------------------------------------------------------- server + baselines
@@ -240,7 +262,8 @@ def _history_store(data: Path, work: Path) -> tuple[Path | None, dict]:
     from opengem.data.parquet import LAYOUT_V2, DatasetManifest
 
     if DatasetManifest.load(data).layout != LAYOUT_V2:
-        return None, {"skipped": f"{data} is layout v1: no event logs to build a history store from"}
+        return None, {"skipped": f"{data} is layout v1: no event logs to build a history "
+                                 f"store from"}
     t0 = time.perf_counter()
     _cli("history-store", "--data", str(data), "--out", str(work / "history"))
     meta = json.loads((work / "history" / "history.json").read_text())
@@ -257,10 +280,26 @@ def _bare(schema, reqs: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in drop} for r in reqs]
 
 
-def _start_server(artifact: Path, port: int, core: int, history: Path | None = None) -> subprocess.Popen:
-    cmd = ["taskset", "-c", str(core), sys.executable, "-m", "opengem", "--quiet", "serve", "--artifact",
-           str(artifact), "--port", str(port), "--threads", "1"] + (["--history", str(history)] if history else [])
-    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _start_server(artifact: Path, port: int, core: int,
+                  history: Path | None = None) -> subprocess.Popen:
+    cmd = [
+        "taskset",
+        "-c",
+        str(core),
+        sys.executable,
+        "-m",
+        "opengem",
+        "--quiet",
+        "serve",
+        "--artifact",
+        str(artifact),
+        "--port",
+        str(port),
+        "--threads",
+        "1",
+    ] + (["--history", str(history)] if history else [])
+    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
 
 
 def _timed(fn, n: int) -> dict:
@@ -309,7 +348,8 @@ def _eager(model, schema, reqs: list[dict], n: int) -> dict:
 
 
 def _check_lookup(p, lp, reqs: list[dict], bare: list[dict]) -> float:
-    """Max |Δp| between the requests with their histories and the same requests looked up by user id."""
+    """Max |Δp| between the requests with their histories and the same requests looked up by
+    user id."""
     diff = 0.0
     for r, b in zip(reqs, bare):
         x, y = p.predict(r)["predictions"], lp.predict(b)["predictions"]
@@ -318,8 +358,8 @@ def _check_lookup(p, lp, reqs: list[dict], bare: list[dict]) -> float:
 
 
 def _paired(p, reqs: list[dict], bare: list[dict], n: int) -> dict:
-    """In process, the requests with their histories and without (looked up) alternated, so both see the
-    same machine load: {"predictor": looked up, "predictor_given": histories in the request}."""
+    """In process, the requests with their histories and without (looked up) alternated, so both see
+    the same machine load: {"predictor": looked up, "predictor_given": histories in the request}."""
     bodies = [json.dumps(r).encode() for pair in zip(reqs, bare) for r in pair]
     given, looked = [], []
 
@@ -370,10 +410,12 @@ def main() -> None:
     for c in cands:
         n = 10 if c >= 512 else (30 if a.quick else 100)
         eager[c] = _eager(model, schema, reqs[c], n)
-        inproc[c] = _in_process(predictor, reqs[c], 4 * n if c >= 512 else 10 * n)  # p99 needs samples
+        # p99 needs samples
+        inproc[c] = _in_process(predictor, reqs[c], 4 * n if c >= 512 else 10 * n)
         print(f"C={c:4d}  eager p50 {eager[c]['p50_ms']:8.2f} ms   predictor ({predictor.runtime}) "
               f"p50 {inproc[c]['p50_ms']:8.2f} ms  p99 {inproc[c]['p99_ms']:8.2f} ms  "
-              f"(CPU time p50 {inproc[c]['cpu_p50_ms']:.2f}, p99 {inproc[c]['cpu_p99_ms']:.2f} ms)", flush=True)
+              f"(CPU time p50 {inproc[c]['cpu_p50_ms']:.2f}, p99 {inproc[c]['cpu_p99_ms']:.2f} ms)",
+              flush=True)
     del model
     store_dir, store_info = _history_store(data, work)
     lk = {}
@@ -391,9 +433,11 @@ def main() -> None:
               "checked": _check_lookup(predictor, lp, reqs[c], bare)}
         print(f"C={c:4d}  predictor with lookup p50 {lk['predictor']['p50_ms']:8.2f} ms  p99 "
               f"{lk['predictor']['p99_ms']:8.2f} ms (histories in the request, alternated: p50 "
-              f"{lk['predictor_given']['p50_ms']:.2f}, p99 {lk['predictor_given']['p99_ms']:.2f})   "
+              f"{lk['predictor_given']['p50_ms']:.2f}, "
+              f"p99 {lk['predictor_given']['p99_ms']:.2f})   "
               f"lookup alone p50 {lk['only']['p50_ms']:.3f} ms  "
-              f"p99 {lk['only']['p99_ms']:.3f} ms  (max |Δp| vs request histories {lk['checked']:.1e})", flush=True)
+              f"p99 {lk['only']['p99_ms']:.3f} ms  (max |Δp| vs request "
+              f"histories {lk['checked']:.1e})", flush=True)
         del lp
     del predictor
 
@@ -404,28 +448,34 @@ def main() -> None:
         wait_ready(f"http://127.0.0.1:{port}", server, timeout=300)
         os.sched_setaffinity(0, {a.client_core})
         floor = _load(port, [], 1, a.seconds)  # GET /healthz: HTTP stack + the machine, no model
-        print(f"GET /healthz (no model) concurrency 1: p50 {floor['p50_ms']:8.2f} ms  p99 {floor['p99_ms']:8.2f} ms",
+        print(f"GET /healthz (no model) concurrency 1: p50 {floor['p50_ms']:8.2f} ms  p99 "
+              f"{floor['p99_ms']:8.2f} ms",
               flush=True)
         for c in cands:
             bodies = [json.dumps(r).encode() for r in reqs[c]]
             for k in concs:
                 served[(c, k)] = r = _load(port, bodies, k, a.seconds)
-                print(f"C={c:4d} concurrency {k:3d}: p50 {r['p50_ms']:8.2f} ms  p99 {r['p99_ms']:8.2f} ms  "
-                      f"{r['rps']:8.1f} req/s  {r['rps'] * c:10.0f} candidates/s  errors {r['errors']}", flush=True)
+                print(f"C={c:4d} concurrency {k:3d}: p50 {r['p50_ms']:8.2f} ms  p99 "
+                      f"{r['p99_ms']:8.2f} ms  {r['rps']:8.1f} req/s  {r['rps'] * c:10.0f} "
+                      f"candidates/s  errors {r['errors']}", flush=True)
         if lk:
             c = lk["candidates"]
             lk["served"] = r = _load_paired(port, [json.dumps(x).encode() for x in reqs[c]],
-                                            [json.dumps(x).encode() for x in _bare(schema, reqs[c])], a.seconds)
-            print(f"C={c:4d} concurrency   1, histories looked up by user id: p50 {r['looked_up']['p50_ms']:8.2f} ms  "
-                  f"p99 {r['looked_up']['p99_ms']:8.2f} ms (alternated with the same requests carrying them: "
-                  f"p50 {r['given']['p50_ms']:.2f}, p99 {r['given']['p99_ms']:.2f})  errors {r['errors']}", flush=True)
+                                            [json.dumps(x).encode()
+                                             for x in _bare(schema, reqs[c])], a.seconds)
+            print(f"C={c:4d} concurrency   1, histories looked up by user id: p50 "
+                  f"{r['looked_up']['p50_ms']:8.2f} ms  "
+                  f"p99 {r['looked_up']['p99_ms']:8.2f} ms (alternated with the same requests "
+                  f"carrying them: p50 {r['given']['p50_ms']:.2f}, p99 "
+                  f"{r['given']['p99_ms']:.2f})  errors {r['errors']}", flush=True)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
 
     out = {"model": a.model if not a.artifact else "artifact",
            "artifact": {"kind": manifest["model"]["kind"], "recipe": manifest["model"]["recipe"],
-                        "parameters": manifest["model"]["parameters"]["total"], "runtime": inproc[cands[0]]["runtime"],
+                        "parameters": manifest["model"]["parameters"]["total"],
+                        "runtime": inproc[cands[0]]["runtime"],
                         "table_dtype": table_dtype, "layout": manifest["layout"]},
            "built": built, "requests": _shape(schema, reqs[cands[0]]),
            "cores": {"server": a.server_core, "client": a.client_core}, "server_threads": 1,
@@ -444,13 +494,15 @@ def main() -> None:
         for k in ("p50_ms", "p99_ms"):
             out[f"lookup_{k.split('_')[0]}_ms_{c}"] = round(lk["served"]["looked_up"][k], 3)
             out[f"lookup_given_{k.split('_')[0]}_ms_{c}"] = round(lk["served"]["given"][k], 3)
-        for name, key in (("predictor", "predictor"), ("predictor_given", "predictor_given"), ("only", "only")):
+        for name, key in (("predictor", "predictor"), ("predictor_given", "predictor_given"),
+                          ("only", "only")):
             for m in ("p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms"):
                 out[f"lookup_{name}_{m}_{c}"] = round(lk[key][m], 3)
         out["lookup_max_abs_diff"] = lk["checked"]
         out["errors_lookup"] = lk["served"]["errors"]
     out["history_store"] = store_info
-    out["healthz_p50_ms"], out["healthz_p99_ms"] = round(floor["p50_ms"], 3), round(floor["p99_ms"], 3)
+    out["healthz_p50_ms"], out["healthz_p99_ms"] = round(floor["p50_ms"],
+                                                         3), round(floor["p99_ms"], 3)
     out["levels"] = [{"candidates": c, "concurrency": k, **{m: round(v, 3) for m, v in r.items()}}
                      for (c, k), r in served.items()]
     out["errors"] = sum(r["errors"] for r in served.values())

@@ -1,4 +1,5 @@
-"""Where a training step's time goes, each speed/memory lever on/off, and the headline speed figures.
+"""Where a training step's time goes, each speed/memory lever on/off, and the headline
+speed figures.
 
     python benchmarks/speed.py --quick          # a few CPU minutes, ends with one JSON line
     python benchmarks/speed.py --recipe demo --levers eager,compile,ac,bf16,fp8 [key=value …]
@@ -18,14 +19,17 @@ def parser() -> argparse.ArgumentParser:
     b = argparse.ArgumentParser(prog="opengem bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--recipe", default="demo")
-    b.add_argument("--data", default=None, help="a dataset directory (default: a fresh tiny synthetic world)")
-    b.add_argument("--levers", default="eager,compile,ac,bf16,fp8", help="comma-separated; combine with '+'")
+    b.add_argument("--data", default=None,
+                   help="a dataset directory (default: a fresh tiny synthetic world)")
+    b.add_argument("--levers", default="eager,compile,ac,bf16,fp8",
+                   help="comma-separated; combine with '+'")
     b.add_argument("--steps", type=int, default=10)
     b.add_argument("--warmup", type=int, default=3)
     b.add_argument("--json", default=None, help="write the figures here")
     b.add_argument("--quick", action="store_true",
-                   help="the headline figures in a few CPU minutes: GEM's attention jagged vs padded, loader "
-                        "vs training, FP8 and int8 memory, time to DLRM-DCN's quality; ends with one JSON line")
+                   help="the headline figures in a few CPU minutes: GEM's attention jagged vs "
+                        "padded, loader vs training, FP8 and int8 memory, time to DLRM-DCN's "
+                        "quality; ends with one JSON line")
     b.add_argument("overrides", nargs="*", help="config overrides key=value")
     return b
 

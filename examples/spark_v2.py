@@ -2,9 +2,9 @@
 
     python examples/spark_v2.py --in LOG --out DATA [--buckets 4]      (then: opengem validate DATA)
 
-``LOG`` holds ``impressions.parquet`` (user, ts, item_id, cat, click) and ``events.parquet`` (user, ts,
-item_id, action, cat), the shape ``opengem.data.sources.fake_log.write_log`` makes; any log of that
-shape works. Spark does the heavy part: user ids, buckets, the split, and each bucket's events
+``LOG`` holds ``impressions.parquet`` (user, ts, item_id, cat, click) and ``events.parquet`` (user,
+ts, item_id, action, cat), the shape ``opengem.data.sources.fake_log.write_log`` makes; any log of
+that shape works. Spark does the heavy part: user ids, buckets, the split, and each bucket's events
 sorted by (user_id, ts) and written once (``docs/dataset-layout.md``). A few lines of Python then
 write ``schema.json`` and ``dataset.json`` listing the files Spark wrote (rows from their footers).
 
@@ -32,7 +32,8 @@ from opengem.features.schema import (
 
 ITEMS, CATS = 10_000, 50  # the log's item and category ids are already in [0, ITEMS) and [0, CATS)
 
-# Spark SQL: user ids (dense, by raw user), buckets = user_id % B, day 0/1/2 by time rank (80/10/10).
+# Spark SQL: user ids (dense, by raw user), buckets = user_id % B, day 0/1/2 by time
+# rank (80/10/10).
 IMPRESSIONS = """
 SELECT u.user_id, i.ts AS request_ts,
        CAST(CASE WHEN i.q < 0.8 THEN 0 WHEN i.q < 0.9 THEN 1 ELSE 2 END AS INT) AS day,
@@ -50,14 +51,16 @@ def schema() -> FeatureSchema:
     return FeatureSchema(
         sparse=(SparseFeature("item_id", ITEMS, "ad"), SparseFeature("cat", CATS, "ad")), dense=(),
         sequences=(SequenceStream("clicks", ITEMS, 2, 200, (EventAttribute("cat", CATS),)),),
-        tasks=(Task("click", "click"),), domains=Domains(("default",)), meta={"source": "examples/spark_v2.py"})
+        tasks=(Task("click", "click"),), domains=Domains(("default",)),
+        meta={"source": "examples/spark_v2.py"})
 
 
 def write_with_spark(log: Path, out: Path, buckets: int) -> None:
     from pyspark.sql import SparkSession
 
     spark = (SparkSession.builder.master("local[2]").appName("opengem-v2")
-             .config("spark.sql.shuffle.partitions", str(buckets)).config("spark.ui.enabled", "false")
+             .config("spark.sql.shuffle.partitions",
+                     str(buckets)).config("spark.ui.enabled", "false")
              .getOrCreate())
     try:
         spark.read.parquet(str(log / "impressions.parquet")).createOrReplaceTempView("impressions")
@@ -65,10 +68,12 @@ def write_with_spark(log: Path, out: Path, buckets: int) -> None:
         spark.sql("SELECT user, CAST(dense_rank() OVER (ORDER BY user) - 1 AS BIGINT) AS user_id "
                   "FROM (SELECT DISTINCT user FROM impressions)").createOrReplaceTempView("users")
         imp = spark.sql(IMPRESSIONS.format(B=buckets))
-        (imp.withColumn("d", imp.day).repartition("d", "b").sortWithinPartitions("d", "b", "request_ts")
+        (imp.withColumn("d", imp.day).repartition("d",
+                                                  "b").sortWithinPartitions("d", "b", "request_ts")
          .write.partitionBy("d", "b").parquet(str(out / "shards")))
         ev = spark.sql(EVENTS.format(B=buckets))
-        # One Spark partition per bucket, sorted by (user_id, ts): each bucket's file is its sorted log.
+        # One Spark partition per bucket, sorted by (user_id, ts): each bucket's file is its
+        # sorted log.
         (ev.repartition(buckets, "b").sortWithinPartitions("b", "user_id", "ts")
          .write.partitionBy("b").parquet(str(out / "events" / "clicks")))
     finally:
@@ -88,7 +93,8 @@ def write_manifest(out: Path) -> DatasetManifest:
               for p in sorted((out / "events" / "clicks").rglob("*.parquet"))]
     writer = ShardWriter(out, schema(), layout=LAYOUT_V2)  # only for its close(): schema + manifest
     writer.files, writer.events = files, {"clicks": events}
-    m = writer.close({"train": [0], "valid": [1], "test": [2]}, source={"kind": "examples/spark_v2.py"})
+    m = writer.close({"train": [0], "valid": [1], "test": [2]},
+                     source={"kind": "examples/spark_v2.py"})
     assert (out / SCHEMA_FILE).exists()
     return m
 

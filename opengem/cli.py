@@ -39,13 +39,17 @@ log = logging.getLogger("opengem")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="opengem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="opengem", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--log-level", choices=LEVELS, default=None,
-                   help="info (default); warning: no progress bars either; debug: also the INFO lines fbgemm_gpu and "
-                        "torchrec log at import and the warnings torch raises in a single process")
-    p.add_argument("--quiet", action="store_true", help="no progress bars, warnings only (--log-level warning)")
+                   help="info (default); warning: no progress bars either; debug: also the INFO "
+                        "lines fbgemm_gpu and torchrec log at import and the warnings torch raises "
+                        "in a single process")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars, warnings only (--log-level warning)")
     p.add_argument("--log-format", choices=FORMATS, default="text",
-                   help="json: one JSON object per log line on stderr, for scripts (no progress bars)")
+                   help="json: one JSON object per log line on stderr, for scripts (no "
+                        "progress bars)")
     sub = p.add_subparsers(dest="cmd", required=True)
     for add in _STAGES:  # each sets its handler: set_defaults(handler=…)
         add(sub)
@@ -53,11 +57,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_checkpoint(parser: argparse.ArgumentParser, whose: str = "the run's model") -> None:
-    # run.CHECKPOINTS, spelled here so that parsing imports no torch (tests/unit/test_cli_surface.py)
+    # run.CHECKPOINTS, spelled here so that parsing imports no
+    # torch (tests/unit/test_cli_surface.py)
     parser.add_argument("--checkpoint", choices=("best", "last"), default="best",
-                        help=f"{whose}: best (default) is the best held-out evaluation's model when "
-                             "the run kept one (train.keep_best), else its last checkpoint; last: the "
-                             "last checkpoint")
+                        help=f"{whose}: best (default) is the best held-out evaluation's "
+                             f"model when "
+                             "the run kept one (train.keep_best), else its last checkpoint; "
+                             "last: the last checkpoint")
 
 
 def _add_generate(sub) -> None:
@@ -66,13 +72,17 @@ def _add_generate(sub) -> None:
     g.add_argument("--out", required=True)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--world-seed", type=int, default=None,
-                   help="structure seed: the world's functional form (0: the demo world's; dev 0-99, report >= 1000)")
+                   help="structure seed: the world's functional form (0: the demo world's; dev "
+                        "0-99, report >= 1000)")
     g.add_argument("--no-oracle", action="store_true",
-                   help="skip fitting the world's oracle (its captured is what evaluate divides by; ~20-80 s on demo)")
+                   help="skip fitting the world's oracle (its captured is what evaluate divides "
+                        "by; ~20-80 s on demo)")
     g.add_argument("--layout", choices=["v1", "v2"], default="v2",
-                   help="v2 (default): event logs stored once per user, joined at read time, ~12x smaller; v1:"
-                        " histories copied into every row (docs/dataset-layout.md); the same batches either way")
-    g.add_argument("overrides", nargs="*", help="world config overrides key=value (e.g. sizes.num_users=3000)")
+                   help="v2 (default): event logs stored once per user, joined at read time, ~12x "
+                        "smaller; v1: histories copied into every row (docs/dataset-layout.md); "
+                        "the same batches either way")
+    g.add_argument("overrides", nargs="*",
+                   help="world config overrides key=value (e.g. sizes.num_users=3000)")
     g.set_defaults(handler=cmd_generate)
 
 
@@ -84,23 +94,29 @@ def cmd_generate(args) -> dict:
     structure = [] if args.world_seed is None else [f"structure_seed={args.world_seed}"]
     cfg = world_config(args.preset, seed=args.seed, overrides=[*args.overrides, *structure])
     t0 = time.perf_counter()
-    manifest = generate(cfg, args.out, progress=not args.quiet, observer=None if args.no_oracle else OracleCollector,
+    manifest = generate(cfg, args.out, progress=not args.quiet,
+                        observer=None if args.no_oracle else OracleCollector,
                         layout=args.layout)
     rows = sum(f.rows for f in manifest.files)
-    log.info("wrote %d rows in %d shards to %s in %.1f s", rows, len(manifest.files), args.out, time.perf_counter() - t0)
+    log.info("wrote %d rows in %d shards to %s in %.1f s", rows, len(manifest.files), args.out,
+             time.perf_counter() - t0)
     return {"rows": rows, "shards": len(manifest.files), "out": args.out}
 
 
 def _add_train(sub) -> None:
     t = sub.add_parser("train", help="train a GEM foundation model")
-    t.add_argument("--recipe", default=None, help="the preset (default demo); a --continue run keeps its own")
+    t.add_argument("--recipe", default=None,
+                   help="the preset (default demo); a --continue run keeps its own")
     t.add_argument("--data", required=True)
     t.add_argument("--out", default=None, help="the run directory (required unless --continue)")
-    t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the run's latest checkpoint")
     t.add_argument("--continue", dest="continue_run", default=None, metavar="RUN",
-                   help="continuous training: warm-start RUN from its last checkpoint and train --days, one pass "
-                        "each, publishing RUN/snapshots/day-N after each (opengem.train.continual)")
-    t.add_argument("--days", default=None, help="the days to train, in order: 4,5 or 2-4 (a stream: one pass a day)")
+                   help="continuous training: warm-start RUN from its last checkpoint and train "
+                        "--days, one pass each, publishing RUN/snapshots/day-N after "
+                        "each (opengem.train.continual)")
+    t.add_argument("--days", default=None,
+                   help="the days to train, in order: 4,5 or 2-4 (a stream: one pass a day)")
     t.add_argument("overrides", nargs="*", help="config overrides key=value (e.g. optim.lr=1e-3)")
     t.set_defaults(handler=cmd_train)
 
@@ -117,19 +133,25 @@ def cmd_train(args) -> dict:
     if args.continue_run is not None:
         if days is None:
             raise ConfigError("--continue needs --days: the new days to train on")
-        if args.recipe is not None or (args.out is not None and Path(args.out) != Path(args.continue_run)):
-            raise ConfigError("--continue RUN trains RUN itself with its own recipe: drop --recipe and --out")
+        if args.recipe is not None or (args.out is not None
+                                       and Path(args.out) != Path(args.continue_run)):
+            raise ConfigError("--continue RUN trains RUN itself with its own recipe: drop "
+                              "--recipe and --out")
         cfg = continue_config(args.continue_run, overrides)
         evaluator = held_out_evaluator(args.data, cfg.train.eval_split)
-        final = train(cfg, args.data, args.continue_run, args.resume, evaluator, days=days, warm=True)
-        log.info("trained to step %d (%d examples), days seen %s", final["steps"], final["examples"], final["days"])
+        final = train(cfg, args.data, args.continue_run, args.resume, evaluator, days=days,
+                      warm=True)
+        log.info("trained to step %d (%d examples), days seen %s", final["steps"],
+                 final["examples"], final["days"])
         return final
     if args.out is None:
         raise ConfigError("train needs --out RUN (or --continue RUN)")
     cfg = apply_overrides(recipe(args.recipe or "demo"), overrides)
-    evaluator = held_out_evaluator(args.data, cfg.train.eval_split)  # used when train.eval_* asks for it
+    # used when train.eval_* asks for it
+    evaluator = held_out_evaluator(args.data, cfg.train.eval_split)
     final = train(cfg, args.data, args.out, resume=args.resume, evaluator=evaluator, days=days)
-    log.info("trained %d steps (%d examples) in %.1f s", final["steps"], final["examples"], final["wall_s"])
+    log.info("trained %d steps (%d examples) in %.1f s", final["steps"], final["examples"],
+             final["wall_s"])
     return final
 
 
@@ -139,7 +161,8 @@ def _add_evaluate(sub) -> None:
     e.add_argument("--data", required=True)
     e.add_argument("--split", default="test")
     e.add_argument("--json", default=None, help="write the evaluation JSON here")
-    e.add_argument("--batch-size", type=int, default=None, help="rows per forward (default: EVAL_BATCH, 1024)")
+    e.add_argument("--batch-size", type=int, default=None,
+                   help="rows per forward (default: EVAL_BATCH, 1024)")
     e.add_argument("--signal", action="store_true",
                    help="synthetic data: slope of the model's logit on each true term of the world")
     _add_checkpoint(e)
@@ -153,7 +176,8 @@ def cmd_evaluate(args) -> dict:
 
     batch, best = args.batch_size or EVAL_BATCH, use_best(args.run, args.checkpoint)
     out = evaluate_run(args.run, args.data, args.split, batch, progress=not args.quiet, best=best)
-    if args.signal:  # the world's instrument, not evaluation's: it reads the synthetic world's terms
+    # the world's instrument, not evaluation's: it reads the synthetic world's terms
+    if args.signal:
         from opengem.world.signal import signal_decomposition
 
         model, _, schema = load_run_model(args.run, best=best)
@@ -167,14 +191,18 @@ def cmd_evaluate(args) -> dict:
 
 
 def _add_recalibrate(sub) -> None:
-    r = sub.add_parser("recalibrate", help="fit a logit offset per (domain, task) (--form platt: and a slope per task) "
+    r = sub.add_parser("recalibrate",
+                       help="fit a logit offset per (domain, task) (--form platt: and a slope "
+                            "per task) "
                                            "on held-out days (RUN/recalibration.json)")
     r.add_argument("--run", required=True)
     r.add_argument("--data", required=True)
     r.add_argument("--split", default="valid", help="the days to fit on (never test)")
-    r.add_argument("--prior-std", type=float, default=0.1, help="Gaussian prior on each offset (keeps thin slices near 0)")
+    r.add_argument("--prior-std", type=float, default=0.1,
+                   help="Gaussian prior on each offset (keeps thin slices near 0)")
     r.add_argument("--form", choices=("offset", "platt"), default="offset",
-                   help="offset: one per (domain, task); platt: also a slope per task (logits too spread)")
+                   help="offset: one per (domain, task); platt: also a slope per task (logits "
+                        "too spread)")
     _add_checkpoint(r, "the model to fit on (later stages should read the same one)")
     r.set_defaults(handler=cmd_recalibrate)
 
@@ -190,14 +218,19 @@ def cmd_recalibrate(args) -> dict:
 
 
 def _add_distill(sub) -> None:
-    k = sub.add_parser("distill", help="distil a vertical model from a trained GEM (directly or --via a domain FM)")
+    k = sub.add_parser("distill",
+                       help="distil a vertical model from a trained GEM (directly or --via "
+                            "a domain FM)")
     k.add_argument("--teacher", required=True, help="the GEM run")
-    k.add_argument("--student-recipe", default="vm_s", help="vm_xs | vm_s | vm_m | fm_domain (or a train recipe)")
+    k.add_argument("--student-recipe", default="vm_s",
+                   help="vm_xs | vm_s | vm_m | fm_domain (or a train recipe)")
     k.add_argument("--data", required=True)
     k.add_argument("--out", required=True)
     k.add_argument("--via", default=None, help="a distilled domain FM run: GEM → FM → this student")
     k.add_argument("overrides", nargs="*", help="student recipe or transfer.* overrides key=value")
-    _add_checkpoint(k, "the teacher's model, when it publishes no snapshots (else the one transfer.snapshot_lag "
+    _add_checkpoint(k,
+                    "the teacher's model, when it publishes no snapshots (else the "
+                    "one transfer.snapshot_lag "
                        "picks)")
     k.set_defaults(handler=cmd_distill)
 
@@ -206,22 +239,27 @@ def cmd_distill(args) -> dict:
     from opengem.run import use_best
     from opengem.transfer.distill import distill
 
-    out = distill(args.teacher, args.student_recipe, args.data, args.out, list(args.overrides), via=args.via,
-                  best=use_best(args.teacher, args.checkpoint))
+    out = distill(args.teacher, args.student_recipe, args.data, args.out, list(args.overrides),
+                  via=args.via, best=use_best(args.teacher, args.checkpoint))
     print(format_table(out["metrics"]))
     print("\n" + distill_line(out))
     return out
 
 
 def _add_export(sub) -> None:
-    x = sub.add_parser("export", help="write a serving artifact of a run (torch.export program, schema, manifest)")
+    x = sub.add_parser("export",
+                       help="write a serving artifact of a run (torch.export program, "
+                            "schema, manifest)")
     x.add_argument("--run", required=True)
     x.add_argument("--out", required=True)
-    x.add_argument("--data", default=None, help="evaluate on --split now and record the metrics in the manifest")
+    x.add_argument("--data", default=None,
+                   help="evaluate on --split now and record the metrics in the manifest")
     x.add_argument("--split", default="test")
-    x.add_argument("--no-compile", action="store_true", help="skip the AOTInductor package (faster export)")
+    x.add_argument("--no-compile", action="store_true",
+                   help="skip the AOTInductor package (faster export)")
     x.add_argument("--table-dtype", choices=["fp32", "fp16", "int8"], default="fp32",
-                   help="embedding tables in the artifact: fp32, or TorchRec-quantised fp16 / int8 rows (serving only)")
+                   help="embedding tables in the artifact: fp32, or TorchRec-quantised fp16 / int8 "
+                        "rows (serving only)")
     x.add_argument("--force", action="store_true", help="replace a non-empty --out")
     _add_checkpoint(x)
     x.set_defaults(handler=cmd_export)
@@ -231,10 +269,12 @@ def cmd_export(args) -> dict:
     from opengem.export.artifact import export_run
     from opengem.run import use_best
 
-    m = export_run(args.run, args.out, args.data, args.split, compile=not args.no_compile, overwrite=args.force,
-                   table_dtype=args.table_dtype, best=use_best(args.run, args.checkpoint))
+    m = export_run(args.run, args.out, args.data, args.split, compile=not args.no_compile,
+                   overwrite=args.force, table_dtype=args.table_dtype,
+                   best=use_best(args.run, args.checkpoint))
     par = max(v for k, v in m["parity"].items() if k.startswith("max_abs_diff"))
-    log.info("wrote %s: model %s, parity max |Δp| %.2g vs the training model", args.out, m["model_version"], par)
+    log.info("wrote %s: model %s, parity max |Δp| %.2g vs the training model", args.out,
+             m["model_version"], par)
     return m
 
 
@@ -244,11 +284,15 @@ def _add_serve(sub) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--runtime", default="auto", choices=["auto", "aoti", "exported", "eager"])
-    s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
-    s.add_argument("--batch-window-ms", type=float, default=2.0, help="longest wait to batch concurrent requests")
-    s.add_argument("--max-candidates", type=int, default=1024, help="candidates per request; more is a 413")
+    s.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (0 = torch's default)")
+    s.add_argument("--batch-window-ms", type=float, default=2.0,
+                   help="longest wait to batch concurrent requests")
+    s.add_argument("--max-candidates", type=int, default=1024,
+                   help="candidates per request; more is a 413")
     s.add_argument("--no-admin", action="store_true", help="no /admin/reload endpoint")
-    s.add_argument("--history", default=None, help="a history store (opengem history-store): requests with "
+    s.add_argument("--history", default=None,
+                   help="a history store (opengem history-store): requests with "
                                                    "user_id may leave histories out")
     s.set_defaults(handler=cmd_serve)
 
@@ -268,7 +312,8 @@ def cmd_serve(args) -> dict:
 
 
 def _add_history_store(sub) -> None:
-    h = sub.add_parser("history-store", help="build the serving history store from a v2 dataset's event logs")
+    h = sub.add_parser("history-store",
+                       help="build the serving history store from a v2 dataset's event logs")
     h.add_argument("--data", required=True)
     h.add_argument("--out", required=True)
     h.set_defaults(handler=cmd_history_store)
@@ -279,25 +324,28 @@ def cmd_history_store(args) -> dict:
 
     meta = build_history_store(args.data, args.out)
     for name, st in meta["streams"].items():
-        log.info("%s: stream %s, %d events of %d users (%d bytes)", args.out, name, st["events"], st["users"],
-                 st["bytes"])
+        log.info("%s: stream %s, %d events of %d users (%d bytes)", args.out, name, st["events"],
+                 st["users"], st["bytes"])
     return meta
 
 
 def _add_bench(sub) -> None:
-    # no arguments of its own: main collects them all (--help included) for benchmarks/speed.py's parser
-    b = sub.add_parser("bench", help="speed figures: runs benchmarks/speed.py of a source checkout", add_help=False)
+    # no arguments of its own: main collects them all (--help included) for
+    # benchmarks/speed.py's parser
+    b = sub.add_parser("bench", help="speed figures: runs benchmarks/speed.py of a source checkout",
+                       add_help=False)
     b.set_defaults(handler=cmd_bench)
 
 
 def cmd_bench(args) -> dict:
-    """Run ``benchmarks/speed.py``: the instruments stand beside the library, not in it, so the command
-    finds them in the checkout the package was installed from (``pip install -e .``)."""
+    """Run ``benchmarks/speed.py``: the instruments stand beside the library, not in it, so the
+    command finds them in the checkout the package was installed from (``pip install -e .``)."""
     from opengem.config import ConfigError
 
     bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
     if not (bench_dir / "speed.py").is_file():
-        raise ConfigError(f"opengem bench runs benchmarks/speed.py of a source checkout; {bench_dir} has none "
+        raise ConfigError(f"opengem bench runs benchmarks/speed.py of a source checkout; "
+                          f"{bench_dir} has none "
                           "(the instruments are not part of the installed package)")
     sys.path.insert(0, str(bench_dir))
     import speed
@@ -306,9 +354,11 @@ def cmd_bench(args) -> dict:
 
 
 def _add_validate(sub) -> None:
-    v = sub.add_parser("validate", help="check a dataset (schema, manifest, columns, ids, times, event logs)")
+    v = sub.add_parser("validate",
+                       help="check a dataset (schema, manifest, columns, ids, times, event logs)")
     v.add_argument("data")
-    v.add_argument("--strict", action="store_true", help="warnings (e.g. exact duplicate events) fail too")
+    v.add_argument("--strict", action="store_true",
+                   help="warnings (e.g. exact duplicate events) fail too")
     v.set_defaults(handler=cmd_validate)
 
 
@@ -325,13 +375,19 @@ def cmd_validate(args) -> dict:
 
 
 def _add_demo(sub) -> None:
-    d = sub.add_parser("demo", help="the main job: generate, train, evaluate, distil, export, serve (demo world)")
+    d = sub.add_parser("demo",
+                       help="the main job: generate, train, evaluate, distil, export, serve "
+                            "(demo world)")
     d.add_argument("--out", default="./opengem-demo")
-    d.add_argument("--preset", default="demo", help="world preset and recipe (tiny for a smoke run)")
+    d.add_argument("--preset", default="demo",
+                   help="world preset and recipe (tiny for a smoke run)")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--no-recalibrate", action="store_true", help="skip fitting the per-(domain, task) offsets on valid")
-    d.add_argument("--no-distill", action="store_true", help="skip distilling a vertical model (then GEM is served)")
-    d.add_argument("--no-serve", action="store_true", help="skip the last step: export, serve, score one request")
+    d.add_argument("--no-recalibrate", action="store_true",
+                   help="skip fitting the per-(domain, task) offsets on valid")
+    d.add_argument("--no-distill", action="store_true",
+                   help="skip distilling a vertical model (then GEM is served)")
+    d.add_argument("--no-serve", action="store_true",
+                   help="skip the last step: export, serve, score one request")
     d.add_argument("overrides", nargs="*", help="training config overrides key=value")
     d.set_defaults(handler=cmd_demo)
 
@@ -339,15 +395,16 @@ def _add_demo(sub) -> None:
 def cmd_demo(args) -> dict:
     from opengem.pipeline import demo, format_demo
 
-    result = demo(args.out, args.preset, args.seed, args.overrides, recalibrate=not args.no_recalibrate,
+    result = demo(args.out, args.preset, args.seed, args.overrides,
+                  recalibrate=not args.no_recalibrate,
                   distil=not args.no_distill, serve=not args.no_serve, progress=not args.quiet)
     print(format_demo(result))
     return result
 
 
 _STAGES = (_add_generate, _add_train, _add_evaluate, _add_recalibrate, _add_distill, _add_export,
-           _add_serve, _add_history_store, _add_bench, _add_demo, _add_validate, import_cli.add_parser,
-           report_cli.add_parser)  # the order --help lists them in
+           _add_serve, _add_history_store, _add_bench, _add_demo, _add_validate,
+           import_cli.add_parser, report_cli.add_parser)  # the order --help lists them in
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -11,8 +11,8 @@ Module configs live beside their modules (``opengem.model.*.Config``); this file
       parallel: ParallelConfig (opengem.parallel.dims; used only under torchrun)
 
 ``apply_overrides(cfg, ["optim.lr=3e-3", "model.wukong.num_layers=3"])`` returns a validated copy of
-``cfg`` with them set; it parses values by the field's declared type and fails with the list of valid
-keys when a key is unknown. It is the one override path for every dataclass tree: the training
+``cfg`` with them set; it parses values by the field's declared type and fails with the list of
+valid keys when a key is unknown. It is the one override path for every dataclass tree: the training
 ``Config``, the synthetic ``WorldConfig`` (``opengem generate … sizes.num_users=3000``) and, through
 ``apply_prefixed_overrides``, a student ``Config`` and its ``TransferConfig`` on one command line
 (``optim.lr=…`` and ``transfer.kd.weight=…``). Lists take commas (``model.wukong.mlp_dims=64,32``,
@@ -80,7 +80,8 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """The two optimizers: AdamW on dense parameters, row-wise Adagrad fused into the embedding tables.
+    """The two optimizers: AdamW on dense parameters, row-wise Adagrad fused into the
+    embedding tables.
 
     Args:
         lr / weight_decay / betas: dense AdamW.
@@ -103,7 +104,8 @@ class OptimConfig:
 
     def validate(self) -> None:
         if self.lr <= 0 or self.sparse_lr <= 0:
-            raise ConfigError(f"optim.lr and optim.sparse_lr must be > 0 (got {self.lr}, {self.sparse_lr})")
+            raise ConfigError(f"optim.lr and optim.sparse_lr must be > 0 (got "
+                              f"{self.lr}, {self.sparse_lr})")
         if self.schedule not in ("cosine", "constant"):
             raise ConfigError(f"optim.schedule must be cosine or constant, got {self.schedule!r}")
         if self.warmup_steps < 0:
@@ -114,12 +116,14 @@ class OptimConfig:
 class TrainConfig:
     """The training loop: how long, how often to log and checkpoint, determinism and speed levers.
 
-    Each field's comment says what it does; ``resume_reshard`` applies to ``--resume`` at another world size.
+    Each field's comment says what it does; ``resume_reshard`` applies to ``--resume`` at another
+    world size.
     """
 
     epochs: int = 1
     max_steps: int = 0  # 0 = run the epochs through
-    stop_at: int = 0  # end early after this step, checkpointed, as if preempted; --resume continues the same schedule
+    # end early after this step, checkpointed, as if preempted; --resume continues the same schedule
+    stop_at: int = 0
     log_every: int = 50
     ckpt_every: int = 0  # 0 = only at the end
     seed: int = 0
@@ -127,26 +131,33 @@ class TrainConfig:
     progress: bool = True
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     fp8_activations: bool = False  # store saved activations >= 64 KiB as e4m3 (opengem.ops.fp8)
-    ema_decay: float = 0.0  # > 0: evaluate, keep and serve an EMA of the dense weights (opengem.train.ema)
-    # Runs whose mean predicted probability is mixed into the labels, the share ``soft_label_weight``: one
-    # model distilled from an ensemble of trained runs (opengem.train.soft_labels). () = the labels as they are.
+    # > 0: evaluate, keep and serve an EMA of the dense weights (opengem.train.ema)
+    ema_decay: float = 0.0
+    # Runs whose mean predicted probability is mixed into the labels, the share
+    # ``soft_label_weight``: one model distilled from an ensemble of trained runs
+    # (opengem.train.soft_labels). () = the labels as they are.
     soft_label_runs: tuple[str, ...] = ()
     soft_label_weight: float = 1.0
     # --resume at another world size (docs/distributed.md): "exact" resumes only where the saved
     # per-rank data positions meet at a shard boundary and refuses otherwise; "rewind" restarts
     # the data at the last boundary all ranks had passed (no row lost, rows read after it repeated).
     resume_reshard: str = "exact"
-    # Held-out evaluation while training (opengem.train.hooks; the caller passes the evaluator). All off by default.
+    # Held-out evaluation while training (opengem.train.hooks; the caller passes the evaluator). All
+    # off by default.
     eval_every: int = 0  # after every N-th step (0 = never)
     eval_each_epoch: bool = False  # after the step that finishes each epoch
-    eval_at: tuple[int, ...] = ()  # after these steps; 0: the untrained model, before the first step
+    # after these steps; 0: the untrained model, before the first step
+    eval_at: tuple[int, ...] = ()
     eval_split: str = "valid"
     eval_metric: str = "all/click:ne"  # slice:metric that early stopping and keep_best follow
-    early_stop_patience: int = 0  # stop after this many evaluations in a row without a better metric (0 = never)
+    # stop after this many evaluations in a row without a better metric (0 = never)
+    early_stop_patience: int = 0
     keep_best: bool = False  # RUN/checkpoints/best: the model of the best evaluation
 
-    # Which way is better for each metric ``eval_metric`` may name (calibration has no direction: 1 is best).
-    METRIC_GOALS: typing.ClassVar[dict[str, str]] = {"ne": "min", "logloss": "min", "auc": "max", "gauc": "max",
+    # Which way is better for each metric ``eval_metric`` may name (calibration has no direction: 1
+    # is best).
+    METRIC_GOALS: typing.ClassVar[dict[str, str]] = {"ne": "min", "logloss": "min", "auc": "max",
+                                                     "gauc": "max",
                                                       "captured": "max"}
 
     @property
@@ -157,28 +168,35 @@ class TrainConfig:
         """(slice, metric, higher is better) of ``eval_metric``, e.g. ("all/click", "ne", False)."""
         where, _, metric = self.eval_metric.rpartition(":")
         if not where or metric not in self.METRIC_GOALS:
-            raise ConfigError(f"train.eval_metric must be <domain|all>/<task>:<metric> with metric one of "
-                              f"{sorted(self.METRIC_GOALS)}, got {self.eval_metric!r}")
+            raise ConfigError(f"train.eval_metric must be <domain|all>/<task>:<metric> with "
+                              f"metric one of {sorted(self.METRIC_GOALS)}, "
+                              f"got {self.eval_metric!r}")
         return where, metric, self.METRIC_GOALS[metric] == "max"
 
     def validate(self) -> None:
         if self.epochs < 1:
             raise ConfigError(f"train.epochs must be >= 1, got {self.epochs}")
         if self.max_steps < 0 or self.ckpt_every < 0 or self.stop_at < 0 or self.log_every < 1:
-            raise ConfigError("train.max_steps/stop_at/ckpt_every must be >= 0 and train.log_every >= 1")
+            raise ConfigError("train.max_steps/stop_at/ckpt_every must be >= 0 and "
+                              "train.log_every >= 1")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"train.ema_decay must be in [0, 1) (0 = off), got {self.ema_decay}")
         if not 0.0 < self.soft_label_weight <= 1.0:
-            raise ConfigError(f"train.soft_label_weight must be in (0, 1], got {self.soft_label_weight}")
+            raise ConfigError(f"train.soft_label_weight must be in (0, 1], "
+                              f"got {self.soft_label_weight}")
         if any(not isinstance(r, str) or not r for r in self.soft_label_runs):
-            raise ConfigError(f"train.soft_label_runs must be run directories, got {self.soft_label_runs!r}")
+            raise ConfigError(f"train.soft_label_runs must be run directories, "
+                              f"got {self.soft_label_runs!r}")
         if self.resume_reshard not in ("exact", "rewind"):
-            raise ConfigError(f"train.resume_reshard must be exact or rewind, got {self.resume_reshard!r}")
+            raise ConfigError(f"train.resume_reshard must be exact or rewind, "
+                              f"got {self.resume_reshard!r}")
         if self.eval_every < 0 or self.early_stop_patience < 0 or any(s < 0 for s in self.eval_at):
-            raise ConfigError("train.eval_every/early_stop_patience must be >= 0 and train.eval_at steps >= 0")
+            raise ConfigError("train.eval_every/early_stop_patience must be >= 0 and "
+                              "train.eval_at steps >= 0")
         self.eval_goal()
         if (self.early_stop_patience or self.keep_best) and not self.evaluates:
-            raise ConfigError("train.early_stop_patience and train.keep_best follow held-out evaluations: "
+            raise ConfigError("train.early_stop_patience and train.keep_best follow "
+                              "held-out evaluations: "
                               "set train.eval_every, train.eval_each_epoch or train.eval_at too")
 
 
@@ -204,28 +222,38 @@ class Config:
         self.data.validate()
         self.optim.validate()
         self.train.validate()
-        if (self.train.early_stop_patience or self.train.keep_best) and self.train.eval_split == self.data.eval_split:
+        if (
+            self.train.early_stop_patience or self.train.keep_best
+        ) and self.train.eval_split == self.data.eval_split:
             # Choosing when to stop (or which checkpoint to keep) on the split a run is reported on
             # would tune on it: the choice belongs to a held-out split of its own.
-            raise ConfigError(f"train.eval_split={self.train.eval_split!r} is data.eval_split, the split a run "
-                              "reports on: early stopping and keep_best must choose on another (e.g. valid)")
+            raise ConfigError(f"train.eval_split={self.train.eval_split!r} is data.eval_split, the "
+                              f"split a run "
+                              "reports on: early stopping and keep_best must choose on another "
+                              "(e.g. valid)")
         if self.train.early_stop_patience or self.train.keep_best:
-            try:  # the best checkpoint is a choice: never made on test, whatever split the run reports on
-                require_tuning_split(self.train.eval_split, "the checkpoint early stopping and keep_best "
+            # the best checkpoint is a choice: never made on test, whatever split the run reports on
+            try:
+                require_tuning_split(self.train.eval_split,
+                                     "the checkpoint early stopping and keep_best "
                                      f"keep (train.eval_split={self.train.eval_split!r})")
             except DisciplineError as e:
                 raise ConfigError(str(e)) from e
-        if self.train.soft_label_runs and (self.data.negative_rate < 1 or self.data.negative_rate_by_domain):
-            # The teachers' probabilities are of all rows (load_run_model corrects for sampling); a loss on
-            # the kept rows would need them in the sampled space, per teacher: not built.
-            raise ConfigError("train.soft_label_runs cannot be combined with negative down-sampling "
+        if self.train.soft_label_runs and (self.data.negative_rate < 1
+                                           or self.data.negative_rate_by_domain):
+            # The teachers' probabilities are of all rows (load_run_model corrects for sampling); a
+            # loss on the kept rows would need them in the sampled space, per teacher: not built.
+            raise ConfigError("train.soft_label_runs cannot be combined with "
+                              "negative down-sampling "
                               "(data.negative_rate / negative_rate_by_domain)")
         try:
-            self.model.validate()  # module configs raise ValueError: one error type for the CLI and callers
+            # module configs raise ValueError: one error type for the CLI and callers
+            self.model.validate()
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if not isinstance(self.parallel.sharding, dict):
-            raise ConfigError(f"parallel.sharding must map table → sharding type, got {self.parallel.sharding!r}")
+            raise ConfigError(f"parallel.sharding must map table → sharding type, "
+                              f"got {self.parallel.sharding!r}")
         try:
             self.parallel.validate()
         except ParallelConfigError as e:
@@ -251,7 +279,11 @@ def _from_dict(kind, d: dict, where: str):
     kwargs = {}
     for k, v in d.items():
         t = hints[k]
-        kwargs[k] = _from_dict(t, v, f"{where}{k}.") if dataclasses.is_dataclass(t) else _coerce(v, t, where + k)
+        kwargs[k] = (
+            _from_dict(t, v, f"{where}{k}.")
+            if dataclasses.is_dataclass(t)
+            else _coerce(v, t, where + k)
+        )
     return kind(**kwargs)
 
 
@@ -293,7 +325,8 @@ def _coerce(v, t, key: str):
                 raise ValueError(v)
             return bool(v)
         if t is int:
-            x = float(v) if isinstance(v, str) and not v.strip().lstrip("+-").isdigit() else v  # 1e6 is an int
+            # 1e6 is an int
+            x = float(v) if isinstance(v, str) and not v.strip().lstrip("+-").isdigit() else v
             if isinstance(x, float) and not x.is_integer():
                 raise ValueError(v)
             return int(x)
@@ -321,16 +354,19 @@ T = typing.TypeVar("T")
 
 
 def apply_overrides(cfg: T, overrides: Iterable[str]) -> T:
-    """A validated copy of the dataclass tree ``cfg`` with ``key=value`` strings (dotted keys) applied in order.
+    """A validated copy of the dataclass tree ``cfg`` with ``key=value`` strings (dotted keys)
+    applied in order.
 
     ``cfg`` itself is left as it was: one base config can seed several runs (it once did not, and a
     shared base silently carried one run's ``model.arch`` into the next)."""
     return apply_prefixed_overrides({"": cfg}, overrides)[""]
 
 
-def apply_prefixed_overrides(trees: dict[str, typing.Any], overrides: Iterable[str]) -> dict[str, typing.Any]:
+def apply_prefixed_overrides(trees: dict[str, typing.Any],
+                             overrides: Iterable[str]) -> dict[str, typing.Any]:
     """``apply_overrides`` over several trees on one command line, each addressed by its prefix
-    (``""``: keys without one). ``opengem distill`` passes ``{"": student, "transfer": techniques}``:
+    (``""``: keys without one). ``opengem distill`` passes ``{"": student,
+    "transfer": techniques}``:
     ``optim.lr=1e-3`` sets the student, ``transfer.kd.weight=1`` the techniques. Returns the
     validated copies by prefix."""
     trees = {p: copy.deepcopy(t) for p, t in trees.items()}
@@ -366,7 +402,8 @@ def _set(tree, path: str, value: str, key: str, valid: list[str]) -> None:
 
 
 def _validate(tree) -> None:
-    """``tree.validate()``, with a module's plain ``ValueError`` raised as the one ``ConfigError``."""
+    """``tree.validate()``, with a module's plain ``ValueError`` raised as the
+    one ``ConfigError``."""
     try:
         tree.validate()
     except ConfigError:

@@ -2,14 +2,14 @@
 
 Two rules, each one function that tuning code calls before it reads anything:
 
-* **Tune on valid, report on test, once.** A choice (a learning rate, a recipe value, a technique set,
-  a recalibration prior, the oracle's L2) is made on a split that is not ``test``;
+* **Tune on valid, report on test, once.** A choice (a learning rate, a recipe value, a technique
+  set, a recalibration prior, the oracle's L2) is made on a split that is not ``test``;
   ``require_tuning_split`` raises otherwise. The test split is read only for the figure reported.
 * **Worlds we did not design on.** Synthetic world seeds ``DEV_WORLD_SEEDS`` (0-99) are for
-  development: every choice is made on them. Seeds from ``HELD_OUT_WORLD_SEED_MIN`` (1000) on are for
-  reporting only; ``require_dev_world`` refuses to tune on them. Do not tune on a held-out seed, not
-  even by hand: a choice read off one is a choice shaped by it, and the figure it gives is no longer
-  one of a world the model was not designed on.
+  development: every choice is made on them. Seeds from ``HELD_OUT_WORLD_SEED_MIN`` (1000) on are
+  for reporting only; ``require_dev_world`` refuses to tune on them. Do not tune on a held-out seed,
+  not even by hand: a choice read off one is a choice shaped by it, and the figure it gives is no
+  longer one of a world the model was not designed on.
 
 This module sits at the bottom of the house (it imports nothing of ours), so data, evaluation,
 training, transfer and the benchmarks can all call it.
@@ -30,13 +30,14 @@ def require_tuning_split(split: str, what: str) -> str:
     """``split`` if ``what`` (a choice, e.g. "the race's learning rate") may be made on it; the test
     split never may."""
     if split == REPORT_SPLIT:
-        raise DisciplineError(f"{what} is chosen on a split other than {REPORT_SPLIT!r} (use 'valid'): "
-                              f"the test split only grades the choice, once")
+        raise DisciplineError(f"{what} is chosen on a split other than {REPORT_SPLIT!r} "
+                              f"(use 'valid'): the test split only grades the choice, once")
     return split
 
 
 def require_dev_world(world_seed: int, what: str) -> int:
-    """``world_seed`` if ``what`` may be tuned on it: a development seed (0-99), never a held-out one."""
+    """``world_seed`` if ``what`` may be tuned on it: a development seed (0-99), never a
+    held-out one."""
     if world_seed not in DEV_WORLD_SEEDS:
         raise DisciplineError(f"{what} is tuned on development world seeds {DEV_WORLD_SEEDS.start}-"
                               f"{DEV_WORLD_SEEDS.stop - 1}, got {world_seed}"

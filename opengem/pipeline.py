@@ -52,8 +52,8 @@ from opengem.world.presets import world_config
 # The demo's vertical model: the default techniques (kd + adapter + share), one pass over the
 # student's day of the video surface (30% of the demo world's rows: the teacher scores fewer rows).
 DEMO_RECIPE, DEMO_OVERRIDES = "vm_s", ("transfer.domains=video",)
-# The held-out NE over training scores 1 file in 3 of valid (6 of the demo world's 18, ~27k rows): the
-# same rows at every evaluation, a few seconds each on 2 CPU cores.
+# The held-out NE over training scores 1 file in 3 of valid (6 of the demo world's 18, ~27k rows):
+# the same rows at every evaluation, a few seconds each on 2 CPU cores.
 DEMO_EVAL_EVERY_KTH_FILE = 3
 
 
@@ -63,12 +63,14 @@ def demo(out: str | Path, preset: str = "demo", seed: int = 0, overrides: Sequen
     """generate → train → recalibrate → evaluate → distil → export, serve, score one request, into
     ``out`` (see the module docstring). ``preset`` names both the world and the training recipe;
     ``overrides`` (``key=value``) go to the recipe, ``world_overrides`` to the world (e.g.
-    ``structure_seed=1000``: a world of another form, ``benchmarks/heldout_demo.py``). Returns ``evaluation`` (what
-    OUT/evaluation.json holds), ``recalibration`` and ``served`` (None when skipped) and ``out``.
-    The data is written in ``layout`` (v2 by default: ~12x smaller, the same batches as v1)."""
+    ``structure_seed=1000``: a world of another form, ``benchmarks/heldout_demo.py``). Returns
+    ``evaluation`` (what OUT/evaluation.json holds), ``recalibration`` and ``served`` (None when
+    skipped) and ``out``. The data is written in ``layout`` (v2 by default: ~12x smaller, the same
+    batches as v1)."""
     out = Path(out)
     data, run = out / "data", out / "run"
-    for owned in (run, out / "vm", out / "artifact"):  # the demo's own outputs of an earlier demo: made anew
+    # the demo's own outputs of an earlier demo: made anew
+    for owned in (run, out / "vm", out / "artifact"):
         if owned.exists():
             shutil.rmtree(owned)
     times: dict[str, float] = {}
@@ -79,9 +81,11 @@ def demo(out: str | Path, preset: str = "demo", seed: int = 0, overrides: Sequen
     cfg = apply_overrides(recipe(preset), list(overrides))
     cfg.train.progress = progress
     with _timed(times, "train_s"):
-        # publish_end: the same weights as the last checkpoint (~4 MB on demo), so every number stays as it was
-        # used where the recipe evaluates periodically (demo: every 250 steps): a third of valid's files
-        evaluator = held_out_evaluator(data, cfg.train.eval_split, every_kth_file=DEMO_EVAL_EVERY_KTH_FILE)
+        # publish_end: the same weights as the last checkpoint (~4 MB on demo), so every number
+        # stays as it was used where the recipe evaluates periodically (demo: every 250 steps): a
+        # third of valid's files
+        evaluator = held_out_evaluator(data, cfg.train.eval_split,
+                                       every_kth_file=DEMO_EVAL_EVERY_KTH_FILE)
         final = train(cfg, data, run, evaluator=evaluator, publish_end=True)
     recal = None
     if recalibrate and cfg.data.eval_split != "valid" and _has_split(data, "valid"):
@@ -94,11 +98,13 @@ def demo(out: str | Path, preset: str = "demo", seed: int = 0, overrides: Sequen
         with _timed(times, "distill_s"):
             ev["distill"] = distill_demo(run, data, out / "vm")
     if serve:
-        with _timed(times, "serve_s"):  # the portable torch.export program: AOTInductor would add ~1 min here
+        # the portable torch.export program: AOTInductor would add ~1 min here
+        with _timed(times, "serve_s"):
             served = serve_smoke(out / "vm" if distil else run, out / "artifact", compile=False)
         ev["serving"] = {k: served[k] for k in ("artifact", "model_version", "runtime", "times")}
     times["total_s"] = time.perf_counter() - t0
-    ev["train"] = {k: final[k] for k in ("steps", "examples", "examples_per_s", "parameters", "params_sha256")}
+    ev["train"] = {k: final[k]
+                   for k in ("steps", "examples", "examples_per_s", "parameters", "params_sha256")}
     ev["times"] = times
     (out / EVALUATION_FILE).write_text(json.dumps(ev, indent=2, default=str))
     return {"evaluation": ev, "recalibration": recal, "served": served, "out": str(out)}
@@ -118,30 +124,35 @@ def _timed(times: dict[str, float], key: str) -> Iterator[None]:
 
 def distill_demo(teacher_run: str | Path, data_dir: str | Path, out_dir: str | Path) -> dict:
     """Distil the default vertical model from a trained GEM run on the same data (one pass over
-    the student's days), its teacher the run's newest published snapshot (else its checkpoint); returns
-    the student's evaluation with the teacher's on the same slice (``metrics``, ``teacher``, ``alone``,
-    ``transfer_ratio``; ``report.text.distill_line`` prints it)."""
+    the student's days), its teacher the run's newest published snapshot (else its checkpoint);
+    returns the student's evaluation with the teacher's on the same slice (``metrics``, ``teacher``,
+    ``alone``, ``transfer_ratio``; ``report.text.distill_line`` prints it)."""
     return distill(teacher_run, DEMO_RECIPE, data_dir, out_dir, DEMO_OVERRIDES)
 
 
-def serve_smoke(run_dir: str | Path, artifact_dir: str | Path, compile: bool = True, candidates: int = 8) -> dict:
-    """Export ``run_dir`` to ``artifact_dir`` (replacing it), serve it on a free loopback port, score
-    one request of ``candidates`` ads, stop the server with SIGTERM. Returns the response and timings."""
+def serve_smoke(run_dir: str | Path, artifact_dir: str | Path, compile: bool = True,
+                candidates: int = 8) -> dict:
+    """Export ``run_dir`` to ``artifact_dir`` (replacing it), serve it on a free loopback port,
+    score one request of ``candidates`` ads, stop the server with SIGTERM. Returns the response
+    and timings."""
     t0 = time.perf_counter()
     manifest = export_run(run_dir, artifact_dir, compile=compile, overwrite=True)
     times = {"export_s": time.perf_counter() - t0}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "opengem", "--quiet", "serve", "--artifact", str(artifact_dir), "--port", str(port)]
+    cmd = [sys.executable, "-m", "opengem", "--quiet", "serve", "--artifact", str(artifact_dir),
+           "--port", str(port)]
     status, response, runtime = 0, {}, None
-    with tempfile.TemporaryFile() as log:  # a file, not a pipe: a chatty server never blocks on a full pipe
+    # a file, not a pipe: a chatty server never blocks on a full pipe
+    with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ})
         try:
             times["startup_s"] = wait_ready(url, proc)
             runtime = http("GET", f"{url}/readyz")[1].get("runtime")
             schema = FeatureSchema.load(Path(artifact_dir) / SCHEMA_FILE)
             t1 = time.perf_counter()
-            status, response = http("POST", f"{url}/v1/score", synthetic_request(schema, candidates, 20, seed=1))
+            status, response = http("POST", f"{url}/v1/score",
+                                    synthetic_request(schema, candidates, 20, seed=1))
             times["request_ms"] = (time.perf_counter() - t1) * 1e3
         finally:
             t2 = time.perf_counter()
@@ -164,12 +175,18 @@ def serve_smoke(run_dir: str | Path, artifact_dir: str | Path, compile: bool = T
 def format_demo(result: dict) -> str:
     """What ``opengem demo`` prints: GEM's table, the recalibration, sizes and timings, the VM, the
     served request."""
-    ev, recal, served, out = result["evaluation"], result["recalibration"], result["served"], Path(result["out"])
+    ev, recal, served, out = (
+        result["evaluation"],
+        result["recalibration"],
+        result["served"],
+        Path(result["out"]),
+    )
     tr = ev["train"]
     lines = [format_table(ev["metrics"])]
     if recal is not None:
         lines.append("\n" + recalibration_line(recal))
-    lines.append(f"\nparameters {tr['parameters']['total']:,} (dense {tr['parameters']['dense']:,}); "
+    lines.append(f"\nparameters {tr['parameters']['total']:,} "
+                 f"(dense {tr['parameters']['dense']:,}); "
                  f"{tr['examples']:,} examples at {tr['examples_per_s']:,.0f}/s; "
                  + ", ".join(f"{k} {v:.0f}s" for k, v in ev["times"].items()))
     if "distill" in ev:
@@ -177,8 +194,10 @@ def format_demo(result: dict) -> str:
     if served is not None:
         preds = served["response"]["predictions"]
         first = ", ".join(f"p({t}) {v[0]:.4f}" for t, v in preds.items())
-        lines.append(f"served {out / 'artifact'} ({'the vertical model' if 'distill' in ev else 'GEM'}, "
-                     f"{served['runtime']}): one request of {len(next(iter(preds.values())))} candidates in "
-                     f"{served['times']['request_ms']:.1f} ms; first candidate {first}")
+        lines.append(f"served {out / 'artifact'} "
+                     f"({'the vertical model' if 'distill' in ev else 'GEM'}, "
+                     f"{served['runtime']}): one request of {len(next(iter(preds.values())))} "
+                     f"candidates in {served['times']['request_ms']:.1f} ms; first "
+                     f"candidate {first}")
     lines.append(f"wrote {out / EVALUATION_FILE}")
     return "\n".join(lines)

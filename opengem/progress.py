@@ -43,8 +43,8 @@ def file_kwargs() -> dict:
 
 
 def progress_bar(iterable=None, **kwargs) -> tqdm:
-    """``tqdm(iterable, **kwargs)``; a ``FileBar`` that redraws once a minute at most when its stream
-    (``kwargs["file"]``, else stderr) is not a terminal."""
+    """``tqdm(iterable, **kwargs)``; a ``FileBar`` that redraws once a minute at most when its
+    stream (``kwargs["file"]``, else stderr) is not a terminal."""
     if is_terminal(kwargs.get("file") or sys.stderr):
         return tqdm(iterable, **kwargs)
     return FileBar(iterable, **{**file_kwargs(), **kwargs})

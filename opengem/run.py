@@ -1,8 +1,9 @@
 """The run directory: the third contract beside the feature schema and the ``Batch``.
 
 ``opengem train`` (and ``opengem distill``, for a student) writes a run directory; every later stage
-reads one: evaluation, recalibration, export, teachers, reports. Its files, each name spelled once: here,
-but for ``schema.json`` (the schema's own name) and ``checkpoints/`` (the checkpoint format's)::
+reads one: evaluation, recalibration, export, teachers, reports. Its files, each name spelled once:
+here, but for ``schema.json`` (the schema's own name) and ``checkpoints/`` (the
+checkpoint format's)::
 
     RUN/config.json         the full config (recipe + overrides); the model is rebuilt from it
     RUN/schema.json         the data's schema (``features.schema.SCHEMA_FILE``)
@@ -32,17 +33,19 @@ but for ``schema.json`` (the schema's own name) and ``checkpoints/`` (the checkp
     RUN/report/             ``opengem report``'s default output
 
 Training writes config, schema and base rates on rank 0 once its resume checks pass, metrics while
-it trains, checkpoints on every rank, final.json last. ``load_run_model`` is how every stage gets the
-trained model back: rebuilt from config.json and schema.json, the latest checkpoint loaded, the
+it trains, checkpoints on every rank, final.json last. ``load_run_model`` is how every stage gets
+the trained model back: rebuilt from config.json and schema.json, the latest checkpoint loaded, the
 down-sampling correction (if any) and then the recalibration offsets (if any, fitted on top of the
 corrected model) added to the heads' output biases, so evaluation, export, serving and teachers all
 read the corrected, recalibrated model while the checkpoint itself is never changed.
 
 The maths of both corrections (offsets folded into the heads, the down-sampling offsets, the
-trainer's ``LogitShift``) is ``opengem.model.logit_shift``'s; this module reads and writes their records.
+trainer's ``LogitShift``) is ``opengem.model.logit_shift``'s; this module reads and writes
+their records.
 
-This module sits above ``model/`` and the checkpoint format (``opengem.checkpoint``), below everything
-that writes or reads a run (``train/trainer.py``, ``evaluation/``, ``transfer/``, ``export/``, ``report/``).
+This module sits above ``model/`` and the checkpoint format (``opengem.checkpoint``), below
+everything that writes or reads a run (``train/trainer.py``, ``evaluation/``, ``transfer/``,
+``export/``, ``report/``).
 """
 
 from __future__ import annotations
@@ -53,7 +56,13 @@ from pathlib import Path
 
 import torch
 
-from opengem.checkpoint import SNAPSHOT_META, CheckpointError, best_checkpoint, latest_checkpoint, load_checkpoint
+from opengem.checkpoint import (
+    SNAPSHOT_META,
+    CheckpointError,
+    best_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+)
 from opengem.config import Config
 from opengem.features.schema import SCHEMA_FILE, FeatureSchema
 from opengem.model.build import build_gem, materialize
@@ -89,7 +98,8 @@ log = logging.getLogger(__name__)
 
 
 def write_json(path: Path, obj: dict, sort_keys: bool = True) -> None:
-    """Write ``obj`` atomically (a reader never sees half a file); values JSON lacks are written as str."""
+    """Write ``obj`` atomically (a reader never sees half a file); values JSON lacks are written
+    as str."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=sort_keys, default=str))
     tmp.replace(path)
@@ -124,14 +134,16 @@ def save_base_rates(run_dir: str | Path, rates: dict[str, float]) -> None:
 
 
 def save_dense_stats(run_dir: str | Path, stats: dict) -> None:
-    """The dense normaliser's training-split figures, for reading (the checkpoint holds them as buffers)."""
+    """The dense normaliser's training-split figures, for reading (the checkpoint holds them
+    as buffers)."""
     write_json(Path(run_dir) / DENSE_STATS_FILE, stats)
 
 
 def load_base_rates(run_dir: str | Path) -> dict[str, float]:
     path = Path(run_dir) / BASE_RATES_FILE
     if not path.exists():
-        raise CheckpointError(f"{run_dir}: no {BASE_RATES_FILE} (NE's normaliser; written when training starts)")
+        raise CheckpointError(f"{run_dir}: no {BASE_RATES_FILE} (NE's normaliser; written when "
+                              f"training starts)")
     return json.loads(path.read_text())
 
 
@@ -145,11 +157,13 @@ def load_final(run_dir: str | Path) -> dict | None:
 
 
 def save_recalibration(run_dir: str | Path, record: dict) -> None:
-    write_json(Path(run_dir) / RECALIBRATION_FILE, record, sort_keys=False)  # the fitting's order reads best
+    # the fitting's order reads best
+    write_json(Path(run_dir) / RECALIBRATION_FILE, record, sort_keys=False)
 
 
 def load_recalibration(run_dir: str | Path) -> dict | None:
-    """The record ``evaluation.recalibrate`` wrote (``offsets``, calibration before and after), or None."""
+    """The record ``evaluation.recalibrate`` wrote (``offsets``, calibration before and after),
+    or None."""
     return _read_json(Path(run_dir) / RECALIBRATION_FILE)
 
 
@@ -158,7 +172,8 @@ def save_downsampling(run_dir: str | Path, record: dict) -> None:
 
 
 def load_downsampling(run_dir: str | Path) -> dict | None:
-    """The record ``downsampling_record`` built for the run (rates, weights, offsets), or None (off)."""
+    """The record ``downsampling_record`` built for the run (rates, weights, offsets), or
+    None (off)."""
     return _read_json(Path(run_dir) / DOWNSAMPLING_FILE)
 
 
@@ -167,15 +182,22 @@ def load_run_model(run_dir: str | Path, recalibrated: bool = True, best: bool = 
                    snapshot: str | Path | None = None,
                    corrected: bool = True) -> tuple[torch.nn.Module, Config, FeatureSchema]:
     """The trained model of a run (latest checkpoint; with ``best``, the best held-out evaluation's,
-    ``train.keep_best``; with ``snapshot``, that published snapshot of RUN/snapshots), single process,
-    in eval mode; with ``corrected``, plus the down-sampling correction of ``RUN/downsampling.json`` if
-    negatives were down-sampled (any checkpoint or snapshot of the run: all were trained so); with
-    ``recalibrated``, plus the offsets of ``RUN/recalibration.json`` if the run has been recalibrated
-    (for a snapshot: only if it holds the run's final model, which they were fitted on)."""
+    ``train.keep_best``; with ``snapshot``, that published snapshot of RUN/snapshots), single
+    process, in eval mode; with ``corrected``, plus the down-sampling correction of
+    ``RUN/downsampling.json`` if negatives were down-sampled (any checkpoint or snapshot of the run:
+    all were trained so); with ``recalibrated``, plus the offsets of ``RUN/recalibration.json`` if
+    the run has been recalibrated (for a snapshot: only if it holds the run's final model, which
+    they were fitted on)."""
     run = Path(run_dir)
     cfg = load_config(run)
     schema = load_schema(run)
-    ckpt = Path(snapshot) if snapshot is not None else best_checkpoint(run) if best else latest_checkpoint(run)
+    ckpt = (
+        Path(snapshot)
+        if snapshot is not None
+        else best_checkpoint(run)
+        if best
+        else latest_checkpoint(run)
+    )
     if ckpt is None:
         raise CheckpointError(f"{run}: no {'best ' if best else ''}checkpoint "
                               f"({'was train.keep_best on?' if best else 'did training finish?'})")
@@ -190,8 +212,8 @@ def load_run_model(run_dir: str | Path, recalibrated: bool = True, best: bool = 
 
 
 def use_best(run_dir: str | Path, checkpoint: str = "best") -> bool:
-    """``load_run_model``'s ``best`` for a ``--checkpoint`` choice (``CHECKPOINTS``): ``best`` is the
-    best held-out evaluation's model when the run kept one (``train.keep_best``), else the last
+    """``load_run_model``'s ``best`` for a ``--checkpoint`` choice (``CHECKPOINTS``): ``best`` is
+    the best held-out evaluation's model when the run kept one (``train.keep_best``), else the last
     checkpoint, the only model such a run has to give; ``last`` is the last."""
     if checkpoint not in CHECKPOINTS:
         raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
@@ -209,19 +231,29 @@ def _check_fitted_on(record: dict | None, run: Path, loaded: str) -> None:
 
 
 def _is_final(run: Path, snapshot: Path) -> bool:
-    """Whether ``snapshot`` holds the model of the run's final.json (the one recalibration was fitted on)."""
+    """Whether ``snapshot`` holds the model of the run's final.json (the one recalibration was
+    fitted on)."""
     final, meta = load_final(run), snapshot / SNAPSHOT_META
-    return final is not None and meta.exists() and json.loads(meta.read_text())["step"] == final["steps"]
+    return (
+        final is not None
+        and meta.exists()
+        and json.loads(meta.read_text())["step"] == final["steps"]
+    )
 
 
-def apply_recalibration(model: torch.nn.Module, run_dir: str | Path, schema: FeatureSchema) -> dict | None:
-    """Add the run's fitted offsets (if any) to the heads' output biases; returns the file's record."""
+def apply_recalibration(
+    model: torch.nn.Module, run_dir: str | Path, schema: FeatureSchema
+) -> dict | None:
+    """Add the run's fitted offsets (if any) to the heads' output biases; returns the
+    file's record."""
     return fold_offsets(model, load_recalibration(run_dir), schema)
 
 
 # ------------------------------------------------------------------------------------- down-sampling
-def downsampling_record(heads: Heads, schema: FeatureSchema, rates: dict[str, float], counts: dict) -> dict:
-    """What ``RUN/downsampling.json`` holds: rate and weight per domain, the offsets, rows read and kept."""
+def downsampling_record(heads: Heads, schema: FeatureSchema, rates: dict[str, float],
+                        counts: dict) -> dict:
+    """What ``RUN/downsampling.json`` holds: rate and weight per domain, the offsets, rows read
+    and kept."""
     delta = downsampling_offsets(heads, schema, rates)
     groups = offset_groups(heads, schema)
     return {"negative": "a row with no label equal to 1 (with click -> conversion: click = 0)",
@@ -231,6 +263,8 @@ def downsampling_record(heads: Heads, schema: FeatureSchema, rates: dict[str, fl
             "exact": sum(p < 0 for p in heads.parent) == 1, **counts}
 
 
-def apply_downsampling(model: torch.nn.Module, run_dir: str | Path, schema: FeatureSchema) -> dict | None:
+def apply_downsampling(
+    model: torch.nn.Module, run_dir: str | Path, schema: FeatureSchema
+) -> dict | None:
     """Add the run's down-sampling correction (if it down-sampled) to the heads' output biases."""
     return fold_offsets(model, load_downsampling(run_dir), schema)

@@ -20,17 +20,21 @@ from opengem.features.schema import (
 def tiny_schema(num_domains: int = 2, with_probs: bool = True, streams: int = 2) -> FeatureSchema:
     return FeatureSchema(
         sparse=(SparseFeature("user_id", 50, "user"), SparseFeature("ad_id", 30, "ad"),
-                SparseFeature("category", 5, "ad"), SparseFeature("tags", 7, "user", multi_hot=True)),
+                SparseFeature("category", 5, "ad"),
+                SparseFeature("tags", 7, "user", multi_hot=True)),
         dense=(DenseFeature("activity", "user"), DenseFeature("quality", "ad")),
-        sequences=tuple(SequenceStream(f"s{i}", 40, 3, 64, (EventAttribute("category", 5),) if i == 0 else ())
+        sequences=tuple(SequenceStream(f"s{i}", 40, 3, 64,
+                                       (EventAttribute("category", 5),) if i == 0 else ())
                         for i in range(streams)),
         tasks=(Task("click", "click", "p_click" if with_probs else None),
-               Task("conversion", "conversion", "p_conversion" if with_probs else None, requires="click")),
+               Task("conversion", "conversion", "p_conversion" if with_probs else None,
+                    requires="click")),
         domains=Domains(tuple(f"d{i}" for i in range(num_domains))),
     )
 
 
-def random_table(schema: FeatureSchema, n: int, seed: int = 0, lengths: dict[str, np.ndarray] | None = None) -> pa.Table:
+def random_table(schema: FeatureSchema, n: int, seed: int = 0,
+                 lengths: dict[str, np.ndarray] | None = None) -> pa.Table:
     """``n`` valid random rows for ``schema``; ``lengths`` fixes per-stream history lengths."""
     rng = np.random.default_rng(seed)
     t0 = 1_700_000_000
@@ -73,21 +77,24 @@ def random_table(schema: FeatureSchema, n: int, seed: int = 0, lengths: dict[str
         if t.prob_column:
             cols[t.prob_column] = pa.array(p)
     for f in schema.embeddings:  # drawn last: tables of schemas without embeddings are as before
-        cols[f.name] = pa.FixedSizeListArray.from_arrays(pa.array(rng.normal(size=n * f.dim).astype(np.float32)),
-                                                         f.dim).cast(pa.list_(pa.float32()))
+        cols[f.name] = pa.FixedSizeListArray.from_arrays(
+            pa.array(rng.normal(size=n * f.dim).astype(np.float32)), f.dim
+        ).cast(pa.list_(pa.float32()))
     return pa.table(cols)
 
 
-def with_events(table: pa.Table, row: int, stream: str, ts: list[int], attrs: dict[str, int]) -> pa.Table:
-    """``table`` with events at times ``ts`` appended (newest) to ``row``'s history of ``stream``: item
-    and event type 0, and each attribute named in ``attrs`` at its value (the caller extends any other
-    attribute column of the stream)."""
+def with_events(table: pa.Table, row: int, stream: str, ts: list[int],
+                attrs: dict[str, int]) -> pa.Table:
+    """``table`` with events at times ``ts`` appended (newest) to ``row``'s history of ``stream``:
+    item and event type 0, and each attribute named in ``attrs`` at its value (the caller extends
+    any other attribute column of the stream)."""
     for name in ("item", "event", "ts", *attrs):
         col = f"{stream}.{name}"
         values = table.column(col).to_pylist()
         values[row] = values[row] + (ts if name == "ts" else [attrs.get(name, 0)] * len(ts))
         flat = np.concatenate([np.asarray(v, dtype=np.int64) for v in values])
-        table = table.set_column(table.schema.get_field_index(col), col, list_array(flat, [len(v) for v in values]))
+        table = table.set_column(table.schema.get_field_index(col), col,
+                                 list_array(flat, [len(v) for v in values]))
     return table
 
 

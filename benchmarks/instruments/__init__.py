@@ -1,7 +1,7 @@
 """The instruments: research and benchmarking code beside the library, imported by the scripts in
 ``benchmarks/`` (run as ``python benchmarks/X.py``, so this folder is on ``sys.path``) and by
-``opengem bench``. The dependency runs one way: these import ``opengem``, nothing in ``opengem`` imports
-them.
+``opengem bench``. The dependency runs one way: these import ``opengem``, nothing in ``opengem``
+imports them.
 
     levers.py          where a training step's time goes, each speed/memory lever on/off, the loader alone
     ops.py             the ops alone: GEM's attention jagged vs padded, FP8 saved activations, compressed tables

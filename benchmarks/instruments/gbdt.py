@@ -16,8 +16,9 @@ required), the factorisation GEM's chained heads use, so NE/AUC compare with the
 
 Tuning: early stopping on the tuning split (``lightgbm.early_stopping``, ``PATIENCE`` rounds) and
 ``GRID``, learning rate × num_leaves with as many points as the neural models' lr grid
-(``GRID_POINTS``), chosen by the tuning split's log loss of the first task that requires none (click),
-under ``opengem.discipline``: never on test, and with more than one point only on a development world.
+(``GRID_POINTS``), chosen by the tuning split's log loss of the first task that requires none
+(click), under ``opengem.discipline``: never on test, and with more than one point only on a
+development world.
 """
 
 from __future__ import annotations
@@ -42,11 +43,14 @@ from opengem.model.foundation import match_attributes
 from opengem.ops.jagged import row_ids
 
 GRID_POINTS = 4  # the neural models' learning-rate grid has 4 points; the GBDT gets as many trials
-GRID = tuple({"learning_rate": lr, "num_leaves": leaves} for lr in (0.03, 0.1) for leaves in (15, 63))
-MAX_ROUNDS = 3000  # a ceiling only: early stopping ends every fit long before it on the worlds we run
+GRID = tuple({"learning_rate": lr, "num_leaves": leaves} for lr in (0.03, 0.1)
+             for leaves in (15, 63))
+# a ceiling only: early stopping ends every fit long before it on the worlds we run
+MAX_ROUNDS = 3000
 PATIENCE = 50  # rounds without a better tuning-split log loss before a fit stops
 WINDOWS_S = (("1h", 3600.0), ("24h", 86400.0), ("7d", 604800.0))
-FEATURE_BATCH = 4096  # rows per loader batch while building features (the result does not depend on it)
+# rows per loader batch while building features (the result does not depend on it)
+FEATURE_BATCH = 4096
 
 
 def _lightgbm():
@@ -61,8 +65,8 @@ def _lightgbm():
 # ------------------------------------------------------------------------------------ features
 @dataclass
 class GBDTRows:
-    """One split as LightGBM (or the logistic-regression peer, ``bench.linear``) reads it, row-aligned
-    with the evaluator's batches.
+    """One split as LightGBM (or the logistic-regression peer, ``bench.linear``) reads it,
+    row-aligned with the evaluator's batches.
 
     X [n, k] float64 (NaN = missing), ``names``/``categorical`` the feature names, labels and mask
     [n, T] (labels 0 where the mask is false), domain and user_id [n], true_probs [n, T] or None.
@@ -94,7 +98,8 @@ def _count(row: torch.Tensor, keep: torch.Tensor, B: int) -> torch.Tensor:
     return torch.bincount(row[keep], minlength=B).double()
 
 
-def _reduce(age: torch.Tensor, row: torch.Tensor, keep: torch.Tensor, B: int, how: str) -> torch.Tensor:
+def _reduce(age: torch.Tensor, row: torch.Tensor, keep: torch.Tensor, B: int,
+            how: str) -> torch.Tensor:
     """Per-row min or max of ``age`` over the kept events; NaN for a row with none."""
     fill = math.inf if how == "amin" else -math.inf
     out = age.new_full((B,), fill).scatter_reduce(0, row[keep], age[keep], how)
@@ -111,12 +116,14 @@ def stream_features(batch: Batch, schema: FeatureSchema, stream: str) -> list[to
     ages = batch.seq_age.to_dict()[stream]
     age, row = ages.values().double(), row_ids(ages.lengths())
     past = age > 0
-    cols = [_count(row, past, B), _reduce(age, row, past, B, "amin"), _reduce(age, row, past, B, "amax")]
+    cols = [_count(row, past, B), _reduce(age, row, past, B, "amin"),
+            _reduce(age, row, past, B, "amax")]
     cols += [_count(row, past & (age <= w), B) for _, w in WINDOWS_S]
     seq, cand = batch.sequences.to_dict(), batch.sparse.to_dict()
     for col, feat, oov in match_attributes(schema, stream):
         ids = seq[col].values()
-        hit = past & (ids == cand[feat].values()[row]) & (ids != oov)  # the OOV id never matches, as in GEM
+        # the OOV id never matches, as in GEM
+        hit = past & (ids == cand[feat].values()[row]) & (ids != oov)
         cols += [_count(row, hit, B), _reduce(age, row, hit, B, "amin")]
     return cols
 
@@ -147,15 +154,19 @@ def features(data_dir: str | Path, split: str, schema: FeatureSchema | None = No
     """``split`` of ``data_dir`` read through GEM's loader (unshuffled, one pass) as ``GBDTRows``.
 
     ``max_seq_len`` caps each stream's history as a GEM run's loader does (default: the schema's).
-    ``columns``: an object with ``names``, ``categorical`` and ``batch(batch) -> [B, k]`` that builds X
-    in place of this module's features (``bench.linear.LinearColumns``).
+    ``columns``: an object with ``names``, ``categorical`` and ``batch(batch) -> [B, k]`` that
+    builds X in place of this module's features (``bench.linear.LinearColumns``).
     """
     schema = schema or FeatureSchema.load(data_dir)
     names, cats = feature_names(schema) if columns is None else (columns.names, columns.categorical)
-    loader = ShardLoader(data_dir, split, batch_size, schema, shuffle=False, epochs=1, max_seq_len=max_seq_len)
-    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("X", "labels", "mask", "domain", "user_id", "true_probs")}
+    loader = ShardLoader(data_dir, split, batch_size, schema, shuffle=False, epochs=1,
+                         max_seq_len=max_seq_len)
+    parts: dict[str, list[np.ndarray]] = {k: []
+                                          for k in ("X", "labels", "mask", "domain", "user_id",
+                                                    "true_probs")}
     for batch in loader:
-        parts["X"].append(batch_features(batch, schema) if columns is None else columns.batch(batch))
+        parts["X"].append(batch_features(batch, schema) if columns is None
+                          else columns.batch(batch))
         parts["labels"].append(batch.labels.numpy())
         parts["mask"].append(batch.label_mask.numpy())
         parts["domain"].append(batch.domain.numpy())
@@ -180,12 +191,13 @@ def _check_labels(y: np.ndarray, what: str) -> np.ndarray:
     return y
 
 
-def fit_task(X: np.ndarray, y: np.ndarray, X_valid: np.ndarray, y_valid: np.ndarray, names: list[str],
-             categorical: list[str], params: dict, what: str = "task"):
+def fit_task(X: np.ndarray, y: np.ndarray, X_valid: np.ndarray, y_valid: np.ndarray,
+             names: list[str], categorical: list[str], params: dict, what: str = "task"):
     """One binary LightGBM, early-stopped on (X_valid, y_valid); returns the ``Booster``."""
     lgb = _lightgbm()
     y, y_valid = _check_labels(y, f"{what} (train)"), _check_labels(y_valid, f"{what} (valid)")
-    train = lgb.Dataset(X, y, feature_name=names, categorical_feature=categorical, free_raw_data=False)
+    train = lgb.Dataset(X, y, feature_name=names, categorical_feature=categorical,
+                        free_raw_data=False)
     valid = lgb.Dataset(X_valid, y_valid, reference=train)
     return lgb.train(params, train, MAX_ROUNDS, valid_sets=[valid],
                      callbacks=[lgb.early_stopping(PATIENCE, verbose=False)])
@@ -196,7 +208,8 @@ def task_parents(schema: FeatureSchema) -> list[int]:
 
 
 def task_rows(rows: GBDTRows, t: int, parent: int) -> np.ndarray:
-    """Rows a task's model fits: labelled, and with the required task's label 1 for a chained one."""
+    """Rows a task's model fits: labelled, and with the required task's label 1 for a
+    chained one."""
     keep = rows.mask[:, t].copy()
     if parent >= 0:
         keep &= rows.mask[:, parent] & (rows.labels[:, parent] == 1)
@@ -206,13 +219,14 @@ def task_rows(rows: GBDTRows, t: int, parent: int) -> np.ndarray:
 def fit(train: GBDTRows, valid: GBDTRows, schema: FeatureSchema, point: dict, seed: int = 0,
         threads: int = 1) -> list:
     """One ``Booster`` per task at grid point ``point`` (learning_rate, num_leaves)."""
-    params = {"objective": "binary", "metric": "binary_logloss", **point, "seed": seed, "num_threads": threads,
-              "deterministic": True, "force_row_wise": True, "verbose": -1}
+    params = {"objective": "binary", "metric": "binary_logloss", **point, "seed": seed,
+              "num_threads": threads, "deterministic": True, "force_row_wise": True, "verbose": -1}
     models = []
     for t, p in enumerate(task_parents(schema)):
         tr, va = task_rows(train, t, p), task_rows(valid, t, p)
         models.append(fit_task(train.X[tr], train.labels[tr, t], valid.X[va], valid.labels[va, t],
-                               train.names, train.categorical, params, f"task {schema.task_names[t]!r}"))
+                               train.names, train.categorical, params,
+                               f"task {schema.task_names[t]!r}"))
     return models
 
 
@@ -235,7 +249,8 @@ def chain(raw: list[np.ndarray], schema: FeatureSchema) -> np.ndarray:
 
 
 def metrics(probs: np.ndarray, rows: GBDTRows, schema: FeatureSchema, base_rates: dict) -> dict:
-    """``evaluate_model``'s metrics of ``probs`` on ``rows`` (MetricAccumulator, the train base rates)."""
+    """``evaluate_model``'s metrics of ``probs`` on ``rows`` (MetricAccumulator, the train
+    base rates)."""
     acc = MetricAccumulator(list(schema.domains.names), schema.task_names, base_rates)
     acc.update(probs, rows.labels, rows.mask, rows.domain, rows.user_id, rows.true_probs)
     return acc.compute()
@@ -251,20 +266,22 @@ def _check_grid(grid: list[dict]) -> list[dict]:
         raise ValueError("the LightGBM grid is empty")
     for point in grid:
         if not isinstance(point, dict) or set(point) != {"learning_rate", "num_leaves"}:
-            raise ValueError(f"each LightGBM grid point is {{'learning_rate': …, 'num_leaves': …}}, got {point!r}")
+            raise ValueError(f"each LightGBM grid point is {{'learning_rate': …, 'num_leaves': "
+                             f"…}}, got {point!r}")
     return grid
 
 
 def run_gbdt(data_dir: str | Path, grid: list[dict] | None = None, seed: int = 0, threads: int = 1,
-             tune_split: str = "valid", max_seq_len: dict[str, int] | None = None, score_test: bool = True) -> dict:
+             tune_split: str = "valid", max_seq_len: dict[str, int] | None = None,
+             score_test: bool = True) -> dict:
     """Tune LightGBM on ``tune_split`` over ``grid`` (default ``GRID``), then read test once (not at
     all without ``score_test``: a search over development worlds never needs it).
 
     Returns {"metrics": test metrics (``evaluate_run(...)["metrics"]``'s shape), "valid": the chosen
     point's metrics on ``tune_split``, "chosen": its params and rounds, "trials": every point's
     rounds and tuning-split log losses, "wall_s": the whole run (features, fits, scoring)}; with
-    ``score_test`` also "metrics_platt", the test metrics after a per-task Platt fit on ``tune_split``
-    (``evaluation.platt``), and its "platt" parameters.
+    ``score_test`` also "metrics_platt", the test metrics after a per-task Platt fit on
+    ``tune_split`` (``evaluation.platt``), and its "platt" parameters.
     """
     t0 = time.perf_counter()
     require_tuning_split(tune_split, "the LightGBM grid point (learning rate × num_leaves)")
@@ -292,7 +309,8 @@ def run_gbdt(data_dir: str | Path, grid: list[dict] | None = None, seed: int = 0
         test = features(data_dir, REPORT_SPLIT, schema, max_seq_len)
         p_test = predict(models, test, schema)
         out["metrics"] = metrics(p_test, test, schema, rates)
-        platt = TaskPlatt.fit(p_valid, valid.labels, valid.mask)  # as evaluation.platt does for a neural run
+        # as evaluation.platt does for a neural run
+        platt = TaskPlatt.fit(p_valid, valid.labels, valid.mask)
         out["metrics_platt"] = metrics(platt(p_test), test, schema, rates)
         out["platt"] = platt.as_dict(schema.task_names)
     return {**out, "valid": metrics(p_valid, valid, schema, rates),

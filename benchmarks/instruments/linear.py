@@ -7,19 +7,21 @@ Legend: n rows of a split, G one-hot groups, K numeric columns, T tasks.
         ─► per task oracle.choose_l2 (L-BFGS, the L2 path on valid) ─► p [n, T] ─► MetricAccumulator
 
 Why this peer: the sparse logistic regression over crossed ids and counters is what ads click models
-were before deep ones (McMahan et al. 2013; He et al. 2014), and on little data it is hard to beat: a
-convex fit to convergence with one regularisation strength. The other peers are deep models and a GBDT.
+were before deep ones (McMahan et al. 2013; He et al. 2014), and on little data it is hard to beat:
+a convex fit to convergence with one regularisation strength. The other peers are deep models and
+a GBDT.
 
 Columns, generic (built from the schema alone, nothing from how a synthetic world draws its labels):
 
 - one-hot (one weight per cell): every single-valued sparse feature (its OOV row included) and the
   domain; every cross of a user- or context-side field or the domain with an ad-side field that has
-  at most ``MAX_CROSS_CELLS`` cells (``user_id`` × ``item_id`` on MovieLens has 1.6M and is left out).
-  Multi-hot features are left out (one index per group and row);
+  at most ``MAX_CROSS_CELLS`` cells (``user_id`` × ``item_id`` on MovieLens has 1.6M and is left
+  out). Multi-hot features are left out (one index per group and row);
 - numbers, standardised on train: each dense feature raw and as ``signed_log`` (missing → 0); per
   stream GEM's own history counters (``HistoryCounts.stream_counts``: per event type and decay τ in
-  ``DECAY_HOURS``, over all events and those matching the candidate, log1p of the decayed sums and the
-  newest such event's e^(−age/τ)) and per τ and matched attribute the share Σ matching / (1 + Σ all).
+  ``DECAY_HOURS``, over all events and those matching the candidate, log1p of the decayed sums and
+  the newest such event's e^(−age/τ)) and per τ and matched attribute the share Σ matching / (1 +
+  Σ all).
 
 Tasks as the LightGBM peer has them (``bench.gbdt``): one model per task, a chained task's fitted on
 the rows where the required label is 1 and read as p(required) · p(task | required).
@@ -39,7 +41,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from instruments.gbdt import FEATURE_BATCH, GBDTRows, chain, features, metrics, task_parents, task_rows
+from instruments.gbdt import (
+    FEATURE_BATCH,
+    GBDTRows,
+    chain,
+    features,
+    metrics,
+    task_parents,
+    task_rows,
+)
 from opengem.data.base_rates import train_base_rates
 from opengem.data.batch import Batch
 from opengem.discipline import REPORT_SPLIT, require_tuning_split
@@ -48,16 +58,19 @@ from opengem.evaluation.platt import TaskPlatt
 from opengem.features.schema import FeatureSchema
 from opengem.model.foundation import HistoryCounts, match_attributes, match_flags, signed_log
 
-MAX_CROSS_CELLS = 100_000  # a cross with more cells is left out (its cells would see a row or two each)
+# a cross with more cells is left out (its cells would see a row or two each)
+MAX_CROSS_CELLS = 100_000
 DECAY_HOURS = (1.0, 6.0, 24.0, 168.0, 720.0)  # the counters' τ: an hour to a month, log-spaced
-# sum-form λ, largest first: wider than the oracle's (far more weights; a rare task's few rows want more)
+# sum-form λ, largest first: wider than the oracle's (far more weights; a rare task's few rows
+# want more)
 L2_GRID = (10000.0, 3000.0, 1000.0, 300.0, 100.0, 30.0, 10.0, 3.0, 1.0)
 USER_SIDE = ("user", "context")
 
 
 class LinearColumns:
     """The peer's columns for one schema (module docstring): ``groups`` (name, cells, source), the
-    numeric ``names``, and ``batch(batch)`` → [B, G + K] float64 (G local cell ids, then K numbers)."""
+    numeric ``names``, and ``batch(batch)`` → [B, G + K] float64 (G local cell ids, then
+    K numbers)."""
 
     def __init__(self, schema: FeatureSchema, max_cross_cells: int = MAX_CROSS_CELLS):
         self.schema = schema
@@ -77,11 +90,13 @@ class LinearColumns:
         self.num_weights = int(self.offsets[-1])
         streams = [s.name for s in schema.sequences]
         self.match_pairs = {s: match_attributes(schema, s) for s in streams}
-        self.counts = HistoryCounts(schema, streams, self.match_pairs, DECAY_HOURS, dim=1, recency=True)
+        self.counts = HistoryCounts(schema, streams, self.match_pairs, DECAY_HOURS, dim=1,
+                                    recency=True)
         names = [n for f in schema.dense for n in (f.name, f"{f.name}.signed_log")]
         for s in streams:
             sel = ["all"] + [col for col, _, _ in self.match_pairs[s]]
-            cells = [f"{m}.e{e}.tau{h:g}h" for m in sel for e in range(self.counts.num_events[s]) for h in DECAY_HOURS]
+            cells = [f"{m}.e{e}.tau{h:g}h" for m in sel for e in range(self.counts.num_events[s])
+                     for h in DECAY_HOURS]
             names += [f"{s}.log1p_sum.{c}" for c in cells] + [f"{s}.newest.{c}" for c in cells]
             names += [f"{s}.share.{col}.tau{h:g}h" for col in sel[1:] for h in DECAY_HOURS]
         self.names = [name for name, _, _ in groups] + names
@@ -97,7 +112,8 @@ class LinearColumns:
         half = c.shape[1] // 2
         sums = c[:, :half]
         out = [torch.log1p(sums), c[:, half:]]
-        per = sums.view(sums.shape[0], 1 + len(pairs), self.counts.num_events[stream], len(DECAY_HOURS)).sum(2)
+        per = sums.view(sums.shape[0], 1 + len(pairs), self.counts.num_events[stream],
+                        len(DECAY_HOURS)).sum(2)
         out += [per[:, 1 + a] / (1 + per[:, 0]) for a in range(len(pairs))]  # [B, K] each
         return out
 
@@ -126,12 +142,14 @@ class LinearColumns:
         return Design(split, idx, rows.X[sel, G:], rows.labels[sel, task].astype(np.float64))
 
 
-def fit(train: GBDTRows, valid: GBDTRows, cols: LinearColumns, tune_split: str = "valid") -> tuple[list[Fit], list]:
+def fit(train: GBDTRows, valid: GBDTRows, cols: LinearColumns,
+        tune_split: str = "valid") -> tuple[list[Fit], list]:
     """One L2-chosen fit per task, and each task's valid log loss per λ tried."""
     fits, paths = [], []
     for t, p in enumerate(task_parents(cols.schema)):
         tr, va = task_rows(train, t, p), task_rows(valid, t, p)
-        f, losses = choose_l2(cols.design("train", train, tr, t), cols.design(tune_split, valid, va, t),
+        f, losses = choose_l2(cols.design("train", train, tr, t),
+                              cols.design(tune_split, valid, va, t),
                               cols.num_weights, L2_GRID)
         fits.append(f)
         paths.append(losses)
@@ -147,7 +165,8 @@ def predict(fits: list[Fit], rows: GBDTRows, cols: LinearColumns, split: str) ->
 
 @dataclass
 class Fitted:
-    """The regression fitted on train with λ chosen on ``tune_split``: each split's rows and probabilities."""
+    """The regression fitted on train with λ chosen on ``tune_split``: each split's rows
+    and probabilities."""
 
     schema: FeatureSchema
     fits: list[Fit]
@@ -156,23 +175,29 @@ class Fitted:
     probs: dict[str, np.ndarray]
 
 
-def fit_data(data_dir: str | Path, tune_split: str = "valid", max_seq_len: dict[str, int] | None = None,
+def fit_data(data_dir: str | Path, tune_split: str = "valid",
+             max_seq_len: dict[str, int] | None = None,
              score_test: bool = True, batch_size: int = FEATURE_BATCH) -> Fitted:
-    """Fit on train with λ chosen on ``tune_split``; rows and probabilities of it and (``score_test``) test."""
+    """Fit on train with λ chosen on ``tune_split``; rows and probabilities of it and
+    (``score_test``) test."""
     require_tuning_split(tune_split, "the logistic regression's L2 strength")
     schema = FeatureSchema.load(data_dir)
     cols = LinearColumns(schema)
-    train, valid = (features(data_dir, s, schema, max_seq_len, batch_size, cols) for s in ("train", tune_split))
+    train, valid = (features(data_dir, s, schema, max_seq_len, batch_size, cols)
+                    for s in ("train", tune_split))
     fits, paths = fit(train, valid, cols, tune_split)
     rows = {tune_split: valid}
     if score_test:
         rows[REPORT_SPLIT] = features(data_dir, REPORT_SPLIT, schema, max_seq_len, batch_size, cols)
-    return Fitted(schema, fits, paths, rows, {s: predict(fits, r, cols, s) for s, r in rows.items()})
+    return Fitted(schema, fits, paths, rows,
+                  {s: predict(fits, r, cols, s) for s, r in rows.items()})
 
 
-def run_linear(data_dir: str | Path, tune_split: str = "valid", max_seq_len: dict[str, int] | None = None,
+def run_linear(data_dir: str | Path, tune_split: str = "valid",
+               max_seq_len: dict[str, int] | None = None,
                score_test: bool = True, batch_size: int = FEATURE_BATCH) -> dict:
-    """Fit on train with λ chosen on ``tune_split``, then read test once (not without ``score_test``).
+    """Fit on train with λ chosen on ``tune_split``, then read test once (not
+    without ``score_test``).
 
     Returns what ``gbdt.run_gbdt`` does: {"metrics", "metrics_platt", "platt" (with ``score_test``),
     "valid", "chosen": {"l2": task → λ}, "trials": [{"l2": task → {λ: valid log loss}}], "wall_s"}.
@@ -185,11 +210,13 @@ def run_linear(data_dir: str | Path, tune_split: str = "valid", max_seq_len: dic
     if score_test:
         test, p_test = lr.rows[REPORT_SPLIT], lr.probs[REPORT_SPLIT]
         out["metrics"] = metrics(p_test, test, schema, rates)
-        platt = TaskPlatt.fit(p_valid, valid.labels, valid.mask)  # as every peer's figures are recalibrated
+        # as every peer's figures are recalibrated
+        platt = TaskPlatt.fit(p_valid, valid.labels, valid.mask)
         out["metrics_platt"] = metrics(platt(p_test), test, schema, rates)
         out["platt"] = platt.as_dict(schema.task_names)
     names = schema.task_names
     return {**out, "valid": metrics(p_valid, valid, schema, rates),
             "chosen": {"l2": {names[t]: f.l2 for t, f in enumerate(lr.fits)}},
-            "trials": [{"l2": {names[t]: {str(k): v for k, v in p.items()} for t, p in enumerate(lr.paths)}}],
+            "trials": [{"l2": {names[t]: {str(k): v for k, v in p.items()} for t,
+                               p in enumerate(lr.paths)}}],
             "wall_s": round(time.perf_counter() - t0, 3)}

@@ -1,4 +1,5 @@
-"""A trained run stacked with the logistic regression: w·p(run) + (1 − w)·p(regression), w chosen on valid.
+"""A trained run stacked with the logistic regression: w·p(run) + (1 − w)·p(regression), w chosen
+on valid.
 
 Legend: n rows of a split, T tasks.
 
@@ -8,15 +9,15 @@ Legend: n rows of a split, T tasks.
 Why: on little data a deep model and a convex one err differently, so their blend can beat both
 (docs/results.md; docs/experiments.md, 'Figures moved from code docstrings'). This is the classic
 wide-and-deep pairing (Cheng et al. 2016) done in two stages, each part fitted its own way: the
-regression convex with its own L2, the run as trained. Where the record is silent (GEM's papers name no
-linear part) this is a choice, made per dataset on valid.
+regression convex with its own L2, the run as trained. Where the record is silent (GEM's papers name
+no linear part) this is a choice, made per dataset on valid.
 
 The weight: probabilities, not logits, are averaged (chosen on development worlds' valid splits:
 docs/experiments.md, "The stack's form: probabilities or logits"); one
-weight for every task and domain, the one of ``WEIGHTS`` with the lowest valid NE of the choice task (the
-first task that requires no other), ties going to the larger weight on the run. Chained tasks'
-probabilities are joint (p(click) · p(conv | click)) on both sides, so their average is too. Serving the
-stack is not built: ``opengem export`` exports the run alone.
+weight for every task and domain, the one of ``WEIGHTS`` with the lowest valid NE of the choice task
+(the first task that requires no other), ties going to the larger weight on the run. Chained tasks'
+probabilities are joint (p(click) · p(conv | click)) on both sides, so their average is too. Serving
+the stack is not built: ``opengem export`` exports the run alone.
 """
 
 from __future__ import annotations
@@ -47,15 +48,19 @@ def blend(p_run, p_lr, w: float):
 
 
 def run_stack(data_dir: str | Path, runs: Sequence[str | Path], tune_split: str = "valid",
-              max_seq_len: dict[str, int] | None = None, weights: Sequence[float] = WEIGHTS) -> list[dict]:
-    """Each of ``runs`` (trained on ``data_dir``'s train split) stacked with one regression fitted on it,
-    its weight chosen on ``tune_split``, test read once. One result a run, as ``linear.run_linear`` gives:
-    {"metrics", "metrics_platt", "platt", "valid", "chosen": {"w"}, "trials": [{"w": {w: valid NE}}], "wall_s"}.
+              max_seq_len: dict[str, int] | None = None,
+              weights: Sequence[float] = WEIGHTS) -> list[dict]:
+    """Each of ``runs`` (trained on ``data_dir``'s train split) stacked with one regression fitted
+    on it, its weight chosen on ``tune_split``, test read once. One result a run, as
+    ``linear.run_linear`` gives:
+    {"metrics", "metrics_platt", "platt", "valid", "chosen": {"w"}, "trials": [{"w": {w: valid
+    NE}}], "wall_s"}.
     """
     t0 = time.perf_counter()
     require_tuning_split(tune_split, "the stack's weight")
     if not weights or any(not 0.0 <= w <= 1.0 for w in weights):
-        raise ValueError(f"the stack's weights must be a non-empty list in [0, 1], got {list(weights)}")
+        raise ValueError(f"the stack's weights must be a non-empty list in [0, 1], "
+                         f"got {list(weights)}")
     schema = FeatureSchema.load(data_dir)
     models = []
     for run in runs:  # every run checked before the regression's fit
@@ -72,10 +77,12 @@ def run_stack(data_dir: str | Path, runs: Sequence[str | Path], tune_split: str 
         for split in (tune_split, REPORT_SPLIT):
             rows = score_rows(model, schema, data_dir, split)
             if not np.array_equal(rows["labels"].numpy(), lr.rows[split].labels, equal_nan=True):
-                raise ValueError(f"{data_dir} {split}: the run's rows and the regression's are not in the same order")
+                raise ValueError(f"{data_dir} {split}: the run's rows and the regression's are not "
+                                 f"in the same order")
             scored[split] = (rows, rows["probs"].numpy(), lr.probs[split])
         rows, p_run, p_lr = scored[tune_split]
-        ne = {w: metrics_of(rows, schema, rates, blend(p_run, p_lr, w))[f"all/{schema.task_names[c]}"]["ne"]
+        ne = {w: metrics_of(rows, schema, rates,
+                            blend(p_run, p_lr, w))[f"all/{schema.task_names[c]}"]["ne"]
               for w in weights}
         w = choose({w: [v] for w, v in ne.items()})
         valid = blend(p_run, p_lr, w)
@@ -84,7 +91,8 @@ def run_stack(data_dir: str | Path, runs: Sequence[str | Path], tune_split: str 
         test = blend(t_run, t_lr, w)
         out.append({"metrics": metrics_of(test_rows, schema, rates, test),
                     "metrics_platt": metrics_of(test_rows, schema, rates, platt(test)),
-                    "platt": platt.as_dict(schema.task_names), "valid": metrics_of(rows, schema, rates, valid),
+                    "platt": platt.as_dict(schema.task_names),
+                    "valid": metrics_of(rows, schema, rates, valid),
                     "chosen": {"w": w}, "trials": [{"w": {str(k): v for k, v in ne.items()}}],
                     "run": str(run), "wall_s": round(time.perf_counter() - t0, 3)})
     return out

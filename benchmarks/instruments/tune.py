@@ -11,8 +11,9 @@ the one path the benchmarks tune through (GEM, the TorchRec peers, DIN alike):
 Nothing here reads the test split (``discipline.require_tuning_split``). The number of epochs is
 the early stopping's: a trial runs up to ``max_epochs`` passes with one evaluation after each, stops
 after ``patience`` evaluations without a better one, and keeps the best (``train.keep_best``). Its
-cosine schedule spans ``max_epochs``, so a model that peaks after one pass is scored at the lr it had
-then, not annealed: the cost of choosing the epochs on valid with one run instead of one per count.
+cosine schedule spans ``max_epochs``, so a model that peaks after one pass is scored at the lr it
+had then, not annealed: the cost of choosing the epochs on valid with one run instead of one
+per count.
 """
 
 from __future__ import annotations
@@ -43,18 +44,20 @@ def lr_grid(dense: Sequence[float] = DENSE_LRS, tables: Sequence[float] = TABLE_
 
 def search_overrides(split: str = "valid", max_epochs: int = 1, patience: int = 1,
                      metric: str = "all/click:ne") -> list[str]:
-    """The ``train.*`` keys of one trial: evaluate on ``split`` before training and after each epoch, stop
-    early, keep the best. The untrained model (heads at the training base rates) is a candidate, so a
-    model that learns nothing on valid falls back to the base rate rather than to noise, alike for
-    every model in a comparison."""
+    """The ``train.*`` keys of one trial: evaluate on ``split`` before training and after each
+    epoch, stop early, keep the best. The untrained model (heads at the training base rates) is a
+    candidate, so a model that learns nothing on valid falls back to the base rate rather than to
+    noise, alike for every model in a comparison."""
     require_tuning_split(split, "the learning-rate search")
-    return [f"train.eval_split={split}", "train.eval_at=[0]", "train.eval_each_epoch=true", "train.keep_best=true",
-            f"train.epochs={max_epochs}", f"train.early_stop_patience={patience}", f"train.eval_metric={metric}"]
+    return [f"train.eval_split={split}", "train.eval_at=[0]", "train.eval_each_epoch=true",
+            "train.keep_best=true", f"train.epochs={max_epochs}",
+            f"train.early_stop_patience={patience}", f"train.eval_metric={metric}"]
 
 
 @dataclass
 class Trial:
-    """One grid point's run: its best held-out value of ``metric``, at which step, that evaluation's metrics."""
+    """One grid point's run: its best held-out value of ``metric``, at which step, that
+    evaluation's metrics."""
 
     point: Point
     value: float
@@ -65,10 +68,13 @@ class Trial:
 
 
 def best_evaluation(run: str | Path) -> tuple[float, int, dict]:
-    """(best value, its step, that evaluation's metrics per slice) from a run's ``metrics.jsonl``."""
-    evals = [r for r in map(json.loads, (Path(run) / METRICS_FILE).read_text().splitlines()) if "eval" in r]
+    """(best value, its step, that evaluation's metrics per slice) from a
+    run's ``metrics.jsonl``."""
+    evals = [r for r in map(json.loads, (Path(run) / METRICS_FILE).read_text().splitlines())
+             if "eval" in r]
     if not evals:
-        raise ValueError(f"{run}: no held-out evaluation in {METRICS_FILE} (were train.eval_* keys set?)")
+        raise ValueError(f"{run}: no held-out evaluation in {METRICS_FILE} (were train.eval_* "
+                         f"keys set?)")
     last = evals[-1]["eval_metric"]
     at = {r["step"]: r for r in evals}[last["best_step"]]
     return last["best"], last["best_step"], at["eval"]
@@ -90,10 +96,11 @@ def train_point(cfg: Config, data: str | Path, run: str | Path, point: Point, sp
 
 
 def choose(values: Mapping[Point, Sequence[float]], higher_is_better: bool = False) -> Point:
-    """The point whose mean value (over worlds or seeds) is best; ties go to the earlier point, and a
-    point with a non-finite value (a diverged run) is never chosen over a finite one."""
+    """The point whose mean value (over worlds or seeds) is best; ties go to the earlier point, and
+    a point with a non-finite value (a diverged run) is never chosen over a finite one."""
     worst = -math.inf if higher_is_better else math.inf
-    mean = {p: (m if math.isfinite(m := sum(v) / len(v)) else worst) for p, v in values.items() if v}
+    mean = {p: (m if math.isfinite(m := sum(v) / len(v)) else worst) for p,
+            v in values.items() if v}
     if not mean:
         raise ValueError("nothing to choose from: the grid is empty")
     return (max if higher_is_better else min)(mean, key=mean.__getitem__)

@@ -1,10 +1,10 @@
 """Base rates: the mean label per task and per (domain, task) of a split, NE's normaliser.
 
-They are counted from the label and domain columns alone, before any model exists (the trainer records
-the training split's in ``RUN/base_rates.json``; distillation counts a student's slice), so they sit
-with the data, below ``train/`` and ``evaluation/``. The checks of a labelled batch's arrays (labels
-and mask ``[B, T]``, domains ``[B]``, names) are here for the same reason: evaluation's
-``MetricAccumulator`` applies the same ones.
+They are counted from the label and domain columns alone, before any model exists (the trainer
+records the training split's in ``RUN/base_rates.json``; distillation counts a student's slice), so
+they sit with the data, below ``train/`` and ``evaluation/``. The checks of a labelled batch's
+arrays (labels and mask ``[B, T]``, domains ``[B]``, names) are here for the same reason:
+evaluation's ``MetricAccumulator`` applies the same ones.
 
 Arrays may be torch tensors (detached and moved to CPU here) or numpy arrays. In multi-process
 counting each rank updates with its own shard of the data and then calls ``reduce()`` once.
@@ -25,7 +25,8 @@ from opengem.features.schema import FeatureSchema
 
 __all__ = ["ALL_DOMAIN", "RateCounter", "train_base_rates"]
 
-ALL_DOMAIN = "all"  # the pooled pseudo-domain of evaluation's "all/<task>" slices: no real domain may be named so
+# the pooled pseudo-domain of evaluation's "all/<task>" slices: no real domain may be named so
+ALL_DOMAIN = "all"
 
 
 # ------------------------------------------------------------------------------------- checks
@@ -76,7 +77,8 @@ def as_2d(x: Any, name: str, num_tasks: int) -> np.ndarray:
     if arr.ndim == 1 and num_tasks == 1:
         arr = arr[:, None]
     if arr.ndim != 2 or arr.shape[1] != num_tasks:
-        raise ValueError(f"{name} must have shape [B, {num_tasks}] (one column per task), got {arr.shape}")
+        raise ValueError(f"{name} must have shape [B, {num_tasks}] (one column per task), "
+                         f"got {arr.shape}")
     return arr
 
 
@@ -92,7 +94,8 @@ def domain_index(domains: Any, batch: int, num_domains: int) -> np.ndarray:
     d = d.astype(np.int64, copy=False)
     if d.size and (int(d.min()) < 0 or int(d.max()) >= num_domains):
         raise ValueError(
-            f"domains must lie in [0, {num_domains}), got values in [{int(d.min())}, {int(d.max())}]"
+            f"domains must lie in [0, {num_domains}), got values in "
+            f"[{int(d.min())}, {int(d.max())}]"
         )
     return d
 
@@ -184,7 +187,8 @@ class RateCounter:
         return out
 
     def reduce(self, group: Any = None) -> None:
-        """Sum the counters of all ranks (``all_reduce``); call once. No-op without torch.distributed."""
+        """Sum the counters of all ranks (``all_reduce``); call once. No-op
+        without torch.distributed."""
         if initialized_dist() is None:
             return
         if self._reduced:
@@ -209,8 +213,13 @@ def train_base_rates(data_dir: str | Path, schema: FeatureSchema, split: str,
     cols = [schema.domains.column] + [t.label_column for t in schema.tasks]
     for info in manifest.split_files(split)[rank::world_size]:
         table = read_shard(data_dir, info, cols, schema)  # a wrong type is a DataError naming it
-        labels = np.stack([table.column(t.label_column).to_numpy(zero_copy_only=False).astype(np.float64)
-                           for t in schema.tasks], 1)
+        labels = np.stack(
+            [
+                table.column(t.label_column).to_numpy(zero_copy_only=False).astype(np.float64)
+                for t in schema.tasks
+            ],
+            1,
+        )
         mask = ~np.isnan(labels) & ((labels == 0) | (labels == 1))
         counter.update(np.nan_to_num(labels), mask, table.column(schema.domains.column).to_numpy())
     if world_size > 1:

@@ -42,7 +42,8 @@ class Batch:
     weights: torch.Tensor  # [B] float32
     user_id: torch.Tensor  # [B] int64
     true_probs: torch.Tensor | None = None  # [B, T] float64 (synthetic worlds)
-    embeddings: torch.Tensor | None = None  # [B, E] float32: the schema's embedding features side by side
+    # [B, E] float32: the schema's embedding features side by side
+    embeddings: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -64,7 +65,8 @@ class CollateStats:
     truncated_events: Counter = field(default_factory=Counter)
 
     def as_dict(self) -> dict:
-        return {k: dict(getattr(self, k)) for k in ("oov_ids", "truncated_rows", "truncated_events")}
+        return {k: dict(getattr(self, k))
+                for k in ("oov_ids", "truncated_rows", "truncated_events")}
 
     @classmethod
     def from_dict(cls, d: dict) -> CollateStats:
@@ -97,7 +99,8 @@ def _list_parts(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray
 
 
 def keep_recent(offsets: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Indices into the flat values that keep each row's last ``max_len`` events, and new lengths."""
+    """Indices into the flat values that keep each row's last ``max_len`` events, and
+    new lengths."""
     lengths = np.diff(offsets)
     new_len = np.minimum(lengths, max_len)
     starts = offsets[1:] - new_len
@@ -114,7 +117,8 @@ def collate(
     max_seq_len: dict[str, int] | None = None,
     stats: CollateStats | None = None,
 ) -> Batch:
-    """Build a ``Batch`` from validated Arrow rows. ``max_seq_len`` caps each stream (most recent kept)."""
+    """Build a ``Batch`` from validated Arrow rows. ``max_seq_len`` caps each stream (most
+    recent kept)."""
     stats = stats if stats is not None else CollateStats()
     max_seq_len = max_seq_len or {}
     B = table.num_rows
@@ -127,7 +131,8 @@ def collate(
             sp_vals.append(_ids(vals.astype(np.int64), f.vocab_size, f.name, stats))
             sp_lens.append(torch.from_numpy(np.diff(offs)))
         else:
-            sp_vals.append(_ids(col.to_numpy().astype(np.int64, copy=False), f.vocab_size, f.name, stats))
+            sp_vals.append(_ids(col.to_numpy().astype(np.int64, copy=False), f.vocab_size, f.name,
+                                stats))
             sp_lens.append(torch.ones(B, dtype=torch.int64))
     sparse = KeyedJaggedTensor.from_lengths_sync(
         keys=[f.name for f in schema.sparse],
@@ -136,7 +141,8 @@ def collate(
     )
 
     if schema.dense:
-        dense = np.stack([table.column(f.name).to_numpy().astype(np.float32) for f in schema.dense], axis=1)
+        dense = np.stack([table.column(f.name).to_numpy().astype(np.float32) for f in schema.dense],
+                         axis=1)
     else:
         dense = np.zeros((B, 0), dtype=np.float32)
 
@@ -178,15 +184,18 @@ def collate(
         keys=seq_keys, values=torch.cat(seq_vals) if seq_vals else empty_i,
         lengths=torch.cat(seq_lens) if seq_lens else empty_i)
     seq_age = KeyedJaggedTensor.from_lengths_sync(
-        keys=[s.name for s in schema.sequences], values=torch.cat(age_vals) if age_vals else empty_f,
+        keys=[s.name for s in schema.sequences],
+        values=torch.cat(age_vals) if age_vals else empty_f,
         lengths=torch.cat(age_lens) if age_lens else empty_i)
 
-    labels = np.stack([table.column(t.label_column).to_numpy(zero_copy_only=False) for t in schema.tasks], 1)
+    labels = np.stack([table.column(t.label_column).to_numpy(zero_copy_only=False)
+                       for t in schema.tasks], 1)
     mask = ~np.isnan(labels.astype(np.float64))
     true_probs = None
     if schema.has_true_probs and all(t.prob_column in table.column_names for t in schema.tasks):
         true_probs = torch.from_numpy(
-            np.stack([table.column(t.prob_column).to_numpy().astype(np.float64) for t in schema.tasks], 1))
+            np.stack([table.column(t.prob_column).to_numpy().astype(np.float64)
+                      for t in schema.tasks], 1))
     return Batch(
         sparse=sparse,
         dense=torch.from_numpy(dense),
@@ -203,25 +212,27 @@ def collate(
 
 
 def _vectors(col: pa.ChunkedArray | pa.Array, dim: int) -> np.ndarray:
-    """[B, dim] float32 of a list<float> (or fixed_size_list) column whose rows hold ``dim`` values each."""
+    """[B, dim] float32 of a list<float> (or fixed_size_list) column whose rows hold ``dim``
+    values each."""
     flat = pc.list_flatten(col)
     flat = flat.combine_chunks() if isinstance(flat, pa.ChunkedArray) else flat
     return np.array(flat.to_numpy(zero_copy_only=False), dtype=np.float32).reshape(len(col), dim)
 
 
 # ---------------------------------------------------------------------------------- row checks
-def validate_rows(table: pa.Table, schema: FeatureSchema) -> tuple[np.ndarray, list[tuple[str, int]], np.ndarray]:
+def validate_rows(table: pa.Table,
+                  schema: FeatureSchema) -> tuple[np.ndarray, list[tuple[str, int]], np.ndarray]:
     """Row-level checks before collate.
 
     Returns (keep mask [B] bool, [(reason, count), …], first failing reason per row ("" if kept)).
 
     Quarantined (not repaired) because a model trained on them would learn something false:
     a null in a feature column or inside a list (an empty history is ``[]``, not null); NaN/inf
-    dense values (a dense feature with ``missing="indicator"`` keeps null/NaN as missing; inf is still
-    dropped); an embedding vector of another length than its ``dim``, or holding NaN/inf;
+    dense values (a dense feature with ``missing="indicator"`` keeps null/NaN as missing; inf is
+    still dropped); an embedding vector of another length than its ``dim``, or holding NaN/inf;
     labels outside {0, 1}; a label set whose ``requires`` task is 0 (conversion without click); a
-    domain index out of range; event timestamps out of order or not before the
-    request time. Missing labels (null) are allowed and masked out of the loss.
+    domain index out of range; event timestamps out of order or not before the request time. Missing
+    labels (null) are allowed and masked out of the loss.
     """
     B = table.num_rows
     keep = np.ones(B, dtype=bool)
@@ -237,7 +248,8 @@ def validate_rows(table: pa.Table, schema: FeatureSchema) -> tuple[np.ndarray, l
             reasons.append((reason, n))
 
     label_columns = {t.label_column for t in schema.tasks}  # null labels are allowed (masked)
-    kept_missing = {f.name for f in schema.dense if f.missing == "indicator"}  # null/NaN = missing, kept
+    # null/NaN = missing, kept
+    kept_missing = {f.name for f in schema.dense if f.missing == "indicator"}
     for c in schema.columns():
         if c in table.column_names and c not in label_columns | kept_missing:
             drop(_null_rows(table.column(c)), f"{c} is null")
@@ -249,12 +261,14 @@ def validate_rows(table: pa.Table, schema: FeatureSchema) -> tuple[np.ndarray, l
             drop(~np.isfinite(v), f"dense {f.name} is NaN/inf")
     for f in schema.embeddings:
         col = table.column(f.name)
-        drop(pc.list_value_length(col).to_numpy(zero_copy_only=False) != f.dim, f"embedding {f.name} length != {f.dim}")
+        drop(pc.list_value_length(col).to_numpy(zero_copy_only=False) != f.dim,
+             f"embedding {f.name} length != {f.dim}")
         flat = pc.list_flatten(col)
         if len(flat):
             v = flat.to_numpy(zero_copy_only=False).astype(np.float64)
             parent = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)
-            drop(np.bincount(parent[~np.isfinite(v)], minlength=B) > 0, f"embedding {f.name} is NaN/inf")
+            drop(np.bincount(parent[~np.isfinite(v)], minlength=B) > 0,
+                 f"embedding {f.name} is NaN/inf")
     labels = {}
     for t in schema.tasks:
         y = table.column(t.label_column).to_numpy(zero_copy_only=False).astype(np.float64)
@@ -262,7 +276,8 @@ def validate_rows(table: pa.Table, schema: FeatureSchema) -> tuple[np.ndarray, l
         drop(~np.isnan(y) & (y != 0) & (y != 1), f"label {t.label_column} not in {{0,1}}")
     for t in schema.tasks:
         if t.requires:
-            drop((labels[t.name] == 1) & (labels[t.requires] == 0), f"{t.name}=1 without {t.requires}=1")
+            drop((labels[t.name] == 1) & (labels[t.requires] == 0),
+                 f"{t.name}=1 without {t.requires}=1")
     dom = table.column(schema.domains.column).to_numpy(zero_copy_only=False)
     drop((dom < 0) | (dom >= schema.num_domains), f"{schema.domains.column} out of range")
     req = table.column(schema.time_column).to_numpy().astype(np.int64)
@@ -276,23 +291,32 @@ def validate_rows(table: pa.Table, schema: FeatureSchema) -> tuple[np.ndarray, l
             later = ts >= req[row]
             unordered = np.zeros(len(ts), dtype=bool)
             unordered[1:] = (ts[1:] < ts[:-1]) & (row[1:] == row[:-1])
-            drop(np.bincount(row[later], minlength=B) > 0, f"{s.ts_column} not before {schema.time_column}")
+            drop(np.bincount(row[later], minlength=B) > 0,
+                 f"{s.ts_column} not before {schema.time_column}")
             drop(np.bincount(row[unordered], minlength=B) > 0, f"{s.ts_column} out of order")
         bad_len = np.zeros(B, dtype=bool)
         for col in [s.item_column, s.event_column] + [s.attribute_column(a) for a in s.attributes]:
-            bad_len |= pc.list_value_length(table.column(col)).to_numpy(zero_copy_only=False) != lens
+            bad_len |= (
+                pc.list_value_length(table.column(col)).to_numpy(zero_copy_only=False) != lens
+            )
         drop(bad_len, f"{s.name} event lists (item/event/ts/attributes) differ in length")
     return keep, reasons, row_reason
 
 
 def _null_rows(col: pa.ChunkedArray) -> np.ndarray:
     """Rows whose value, or an element of whose list, is null."""
-    is_list = pa.types.is_list(col.type) or pa.types.is_large_list(col.type) or pa.types.is_fixed_size_list(col.type)
+    is_list = (
+        pa.types.is_list(col.type)
+        or pa.types.is_large_list(col.type)
+        or pa.types.is_fixed_size_list(col.type)
+    )
     if not col.null_count and not (is_list and pc.list_flatten(col).null_count):
         return np.zeros(len(col), dtype=bool)  # the common case: no copy
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     bad = arr.is_null().to_numpy(zero_copy_only=False)
     if is_list:
         flat = pc.list_flatten(arr)
-        bad[pc.list_parent_indices(arr).to_numpy()[flat.is_null().to_numpy(zero_copy_only=False)]] = True
+        bad[
+            pc.list_parent_indices(arr).to_numpy()[flat.is_null().to_numpy(zero_copy_only=False)]
+        ] = True
     return bad

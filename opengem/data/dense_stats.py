@@ -18,16 +18,19 @@ from opengem.features.schema import FeatureSchema
 
 __all__ = ["DENSE_QUANTILES", "train_dense_stats"]
 
-DENSE_QUANTILES = 33  # quantile knots per feature (32 equal-mass bins): the rank transform's resolution
+# quantile knots per feature (32 equal-mass bins): the rank transform's resolution
+DENSE_QUANTILES = 33
 
 
-def train_dense_stats(data_dir: str | Path, schema: FeatureSchema, split: str, max_rows: int = 1_000_000,
+def train_dense_stats(data_dir: str | Path, schema: FeatureSchema, split: str,
+                      max_rows: int = 1_000_000,
                       num_quantiles: int = DENSE_QUANTILES) -> dict[str, list]:
-    """``{"names", "mean", "std", "quantiles"}`` of each dense feature over ``split`` (non-finite values
-    are skipped: the loader quarantines those rows, or they are missing values). ``quantiles[f]`` has
-    ``num_quantiles`` knots from the minimum to the maximum. When the schema has ``missing="indicator"``
-    features, also ``"median"`` (what a missing value is imputed with) and ``"missing"`` (NaNs read, per
-    feature). Raises ``DataError`` when the split has no finite value of a feature."""
+    """``{"names", "mean", "std", "quantiles"}`` of each dense feature over ``split`` (non-finite
+    values are skipped: the loader quarantines those rows, or they are missing values).
+    ``quantiles[f]`` has ``num_quantiles`` knots from the minimum to the maximum. When the schema
+    has ``missing="indicator"`` features, also ``"median"`` (what a missing value is imputed with)
+    and ``"missing"`` (NaNs read, per feature). Raises ``DataError`` when the split has no finite
+    value of a feature."""
     names = [f.name for f in schema.dense]
     if not names:
         return {"names": [], "mean": [], "std": [], "quantiles": []}
@@ -50,8 +53,10 @@ def train_dense_stats(data_dir: str | Path, schema: FeatureSchema, split: str, m
     for n, parts in zip(names, cols):
         v = np.concatenate(parts) if parts else np.zeros(0)
         if v.size == 0:
-            raise DataError(f"{data_dir}: dense feature {n!r} has no finite value in split {split!r}; "
-                            "it cannot be normalised (drop it from the schema or fill it at import)")
+            raise DataError(f"{data_dir}: dense feature {n!r} has no finite value in "
+                            f"split {split!r}; "
+                            "it cannot be normalised (drop it from the schema or fill it "
+                            "at import)")
         out["mean"].append(float(v.mean()))
         out["std"].append(float(v.std()))
         out["quantiles"].append([float(x) for x in np.quantile(v, qs)])

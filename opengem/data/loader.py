@@ -5,7 +5,8 @@ online ads training), the shards of one day in a seeded random order, and the ro
 in a seeded random permutation. Rank ``r`` of ``W`` reads shards ``r, r+W, …`` of that order, so no
 rank ever reads (or holds) another rank's shards, and only one shard is in memory at a time.
 Layout v2 datasets (``opengem.data.events``) join each shard with its user bucket's event logs as it
-is read (the bucket's files, nothing else: the join is local), so both layouts yield the same batches.
+is read (the bucket's files, nothing else: the join is local), so both layouts yield the
+same batches.
 
 ``state_dict()`` is the position after the last row handed out: (epoch, shard cursor, row cursor).
 Loading it and iterating yields exactly the rows not yet yielded, in the same order and batching
@@ -109,7 +110,8 @@ class ShardLoader:
 
     # ------------------------------------------------------------------ order
     def shard_order(self, epoch: int) -> list[ShardInfo]:
-        """This rank's shards for ``epoch``: days in order, shards of a day shuffled, then strided."""
+        """This rank's shards for ``epoch``: days in order, shards of a day shuffled,
+        then strided."""
         out: list[ShardInfo] = []
         days = sorted({f.day for f in self.files})
         for day in days:
@@ -140,11 +142,13 @@ class ShardLoader:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return {**self._pos, "seed": self.seed, "split": self.split, "rank": self.rank,
-                "world_size": self.world_size, "quarantined": dict(self.quarantined), "repaired": self.stats.as_dict()}
+                "world_size": self.world_size, "quarantined": dict(self.quarantined),
+                "repaired": self.stats.as_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if (state.get("seed"), state.get("split")) != (self.seed, self.split):
-            raise ValueError(f"loader state is for seed/split {state.get('seed')}/{state.get('split')}, "
+            raise ValueError(f"loader state is for "
+                             f"seed/split {state.get('seed')}/{state.get('split')}, "
                              f"this loader is {self.seed}/{self.split}")
         self._pos = {k: int(state[k]) for k in ("epoch", "shard", "row")}
         self.quarantined = Counter(state.get("quarantined", {}))
@@ -173,13 +177,16 @@ class ShardLoader:
             return
         self.quarantine_dir.mkdir(parents=True, exist_ok=True)
         rows = table.filter(pa.array(~keep))
-        rows = rows.append_column("quarantine_reason", pa.array(list(row_reason[~keep]), pa.string()))
+        rows = rows.append_column("quarantine_reason",
+                                  pa.array(list(row_reason[~keep]), pa.string()))
         rows = rows.append_column("quarantine_shard", pa.array([info.path] * rows.num_rows))
-        pq.write_table(rows, self.quarantine_dir / f"{Path(info.path).stem}-rank{self.rank}.parquet")
+        pq.write_table(rows,
+                       self.quarantine_dir / f"{Path(info.path).stem}-rank{self.rank}.parquet")
 
     def _batches(self) -> Iterator[tuple[pa.Table | None, dict, Counter]]:
         """Yields (rows, position after them, quarantine counts to add then); rows may span shards.
-        A last item with rows None carries counts no batch did (shards with no valid row at the end)."""
+        A last item with rows None carries counts no batch did (shards with no valid row at
+        the end)."""
         pending: list[pa.Table] = []
         n_pending = 0
         epoch, shard, row = self._pos["epoch"], self._pos["shard"], self._pos["row"]
@@ -213,14 +220,17 @@ class ShardLoader:
             batch = None if rows is None else collate(rows, self.schema, self.max_seq_len, stats)
             return batch, stats, pos, counts
 
-        items = (make(*x) for x in self._batches()) if self.prefetch <= 0 else self._prefetched(make)
+        items = (
+            (make(*x) for x in self._batches()) if self.prefetch <= 0 else self._prefetched(make)
+        )
         try:
             # The position and both counters advance together, when a batch is handed out.
             for batch, stats, pos, counts in items:
                 self._pos = pos
                 self.quarantined += counts
                 for what in self.stats.add(stats):
-                    # cutting histories to the recipe's length is what it asks for; ids out of the vocab are not
+                    # cutting histories to the recipe's length is what it asks for; ids out of the
+                    # vocab are not
                     level = logging.INFO if what.startswith("truncated_rows") else logging.WARNING
                     log.log(level, "repairing %s (counted in the run's 'repaired' summary)", what)
                 if batch is not None:

@@ -7,11 +7,13 @@ A dataset directory holds (layout 1, "v1")::
     DIR/shards/*.parquet one impression per row; sequences as list<int64> columns
 
 Layout 2 ("v2", ``docs/dataset-layout.md``) stores each stream's events once per user instead, in
-``DIR/events/<stream>/bucket=<b>/*.parquet``; impression shards then carry no history columns and name
-the user bucket whose event files hold their users' events (``opengem.data.events`` joins them).
+``DIR/events/<stream>/bucket=<b>/*.parquet``; impression shards then carry no history columns and
+name the user bucket whose event files hold their users' events (``opengem.data.events``
+joins them).
 
 Every producer (the synthetic world, the real-data adapters) writes this layout through
-``ShardWriter``; the loader reads it through ``DatasetManifest``. A manifest without ``layout`` is v1.
+``ShardWriter``; the loader reads it through ``DatasetManifest``. A manifest without ``layout``
+is v1.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import pyarrow.parquet as pq
 from opengem.features.schema import SCHEMA_FILE, FeatureSchema, SchemaError, SequenceStream
 
 MANIFEST = "dataset.json"
-LAYOUT_V1, LAYOUT_V2 = 1, 2  # the manifest's "layout": v1 copies histories into rows, v2 joins event logs
+# the manifest's "layout": v1 copies histories into rows, v2 joins event logs
+LAYOUT_V1, LAYOUT_V2 = 1, 2
 LAYOUTS = {"v1": LAYOUT_V1, "v2": LAYOUT_V2}
 
 
@@ -38,7 +41,8 @@ class DataError(ValueError):
 
 
 def list_array(values: np.ndarray, lengths: np.ndarray) -> pa.ListArray:
-    """A ``list<int64>`` (or float) Arrow column from flat values and per-row lengths, no copy of rows."""
+    """A ``list<int64>`` (or float) Arrow column from flat values and per-row lengths, no copy
+    of rows."""
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
     if offsets[-1] != len(values):
@@ -51,12 +55,14 @@ class ShardInfo:
     path: str  # relative to the dataset dir
     day: int
     rows: int
-    bucket: int | None = None  # v2: the user bucket whose event files hold this shard's users' events
+    # v2: the user bucket whose event files hold this shard's users' events
+    bucket: int | None = None
 
 
 @dataclass
 class EventFileInfo:
-    """One Parquet file of a stream's event log (v2): a bucket's files, in listed order, are its log."""
+    """One Parquet file of a stream's event log (v2): a bucket's files, in listed order, are
+    its log."""
 
     path: str  # relative to the dataset dir
     bucket: int
@@ -69,7 +75,8 @@ class DatasetManifest:
     splits: dict[str, list[int]]
     source: dict = field(default_factory=dict)
     layout: int = LAYOUT_V1
-    events: dict[str, list[EventFileInfo]] = field(default_factory=dict)  # v2: stream → its event files
+    # v2: stream → its event files
+    events: dict[str, list[EventFileInfo]] = field(default_factory=dict)
 
     def split_files(self, split: str) -> list[ShardInfo]:
         if split not in self.splits:
@@ -91,7 +98,8 @@ class DatasetManifest:
     def load(cls, data_dir: str | Path) -> "DatasetManifest":
         p = Path(data_dir) / MANIFEST
         if not p.exists():
-            raise DataError(f"{data_dir}: no {MANIFEST} (not a dataset directory; run `opengem generate` first?)")
+            raise DataError(f"{data_dir}: no {MANIFEST} (not a dataset directory; run `opengem "
+                            f"generate` first?)")
         try:
             d = json.loads(p.read_text())
             files = [ShardInfo(**f) for f in d["files"]]
@@ -106,7 +114,8 @@ class DatasetManifest:
             no_bucket = [f.path for f in files if f.bucket is None]
             if no_bucket:
                 raise DataError(f"{p}: layout 2 but files {no_bucket[:3]} name no bucket")
-        return cls(files=files, splits=splits, source=d.get("source", {}), layout=layout, events=events)
+        return cls(files=files, splits=splits, source=d.get("source", {}), layout=layout,
+                   events=events)
 
 
 TS = "ts"  # the event time column of an event log (seconds, like request_ts)
@@ -116,25 +125,28 @@ def event_columns(schema: FeatureSchema, stream: SequenceStream) -> list[str]:
     """An event log's columns: the user, the time, then what each event carries."""
     cols = [schema.user_column, TS, "item", "event"] + [a.name for a in stream.attributes]
     if len(set(cols)) != len(cols):
-        raise DataError(f"stream {stream.name!r}: attribute names clash with the event log's columns {cols[:4]}")
+        raise DataError(f"stream {stream.name!r}: attribute names clash with the event log's "
+                        f"columns {cols[:4]}")
     return cols
 
 
 def stream_columns(schema: FeatureSchema) -> set[str]:
     """The history list columns of every stream (what v2 impression shards do not hold)."""
     return {c for s in schema.sequences
-            for c in [s.item_column, s.event_column, s.ts_column] + [s.attribute_column(a) for a in s.attributes]}
+            for c in [s.item_column, s.event_column, s.ts_column]
+            + [s.attribute_column(a) for a in s.attributes]}
 
 
-def impression_columns(schema: FeatureSchema, layout: int = LAYOUT_V1, with_probs: bool = True) -> list[str]:
+def impression_columns(schema: FeatureSchema, layout: int = LAYOUT_V1,
+                       with_probs: bool = True) -> list[str]:
     """The columns an impression shard of ``layout`` holds."""
     drop = stream_columns(schema) if layout == LAYOUT_V2 else set()
     return [c for c in schema.columns(with_probs) if c not in drop]
 
 
 class ShardWriter:
-    """Writes shards into ``DIR/shards`` (v2: also event logs into ``DIR/events``) and, on ``close()``,
-    the schema and manifest.
+    """Writes shards into ``DIR/shards`` (v2: also event logs into ``DIR/events``) and, on
+    ``close()``, the schema and manifest.
 
     Files are written to a temporary name and renamed, so a crash never leaves a truncated file
     under a name the manifest lists.
@@ -153,14 +165,17 @@ class ShardWriter:
         self.events: dict[str, list[EventFileInfo]] = {}
 
     def write(self, table: pa.Table, name: str, day: int, bucket: int | None = None) -> ShardInfo:
-        missing = [c for c in impression_columns(self.schema, self.layout) if c not in table.column_names]
+        missing = [c for c in impression_columns(self.schema, self.layout)
+                   if c not in table.column_names]
         if missing:
             raise SchemaError(f"shard {name}: missing columns {missing}")
         if (bucket is None) != (self.layout == LAYOUT_V1):
-            raise ValueError(f"shard {name}: a bucket is required in layout 2 and not allowed in layout 1")
+            raise ValueError(f"shard {name}: a bucket is required in layout 2 and not allowed "
+                             f"in layout 1")
         rel = f"shards/{name}.parquet"
         self._write(table, rel)
-        info = ShardInfo(path=rel, day=int(day), rows=table.num_rows, bucket=None if bucket is None else int(bucket))
+        info = ShardInfo(path=rel, day=int(day), rows=table.num_rows,
+                         bucket=None if bucket is None else int(bucket))
         self.files.append(info)
         return info
 
@@ -169,12 +184,14 @@ class ShardWriter:
         already sorted by user then time; v2 only."""
         if self.layout != LAYOUT_V2:
             raise ValueError("event logs are written in layout 2 only")
-        missing = [c for c in event_columns(self.schema, self.schema.stream(stream)) if c not in table.column_names]
+        missing = [c for c in event_columns(self.schema, self.schema.stream(stream))
+                   if c not in table.column_names]
         if missing:
             raise SchemaError(f"event log {stream} bucket {bucket}: missing columns {missing}")
         rel = f"events/{stream}/bucket={bucket:05d}/part-0.parquet"
         (self.out / rel).parent.mkdir(parents=True, exist_ok=True)
-        # Sorted user and time columns delta-encode to ~1/3 fewer bytes of the log than dictionaries.
+        # Sorted user and time columns delta-encode to ~1/3 fewer bytes of the log
+        # than dictionaries.
         delta = {self.schema.user_column: "DELTA_BINARY_PACKED", "ts": "DELTA_BINARY_PACKED"}
         self._write(table, rel, use_dictionary=[c for c in table.column_names if c not in delta],
                     column_encoding=delta)
@@ -184,14 +201,17 @@ class ShardWriter:
 
     def _write(self, table: pa.Table, rel: str, **options) -> None:
         tmp = self.out / (rel + ".tmp")
-        pq.write_table(table, tmp, row_group_size=self.row_group_size, compression="zstd", **options)
+        pq.write_table(table, tmp, row_group_size=self.row_group_size, compression="zstd",
+                       **options)
         os.replace(tmp, self.out / rel)
 
     def close(self, splits: dict[str, list[int]], source: dict | None = None) -> DatasetManifest:
         self.schema.save(self.out / SCHEMA_FILE)
         files = sorted(self.files, key=lambda f: (f.day, f.path))
-        events = {s: sorted(es, key=lambda e: (e.bucket, e.path)) for s, es in sorted(self.events.items())}
-        manifest = DatasetManifest(files=files, splits=splits, source=source or {}, layout=self.layout, events=events)
+        events = {s: sorted(es, key=lambda e: (e.bucket, e.path)) for s,
+                  es in sorted(self.events.items())}
+        manifest = DatasetManifest(files=files, splits=splits, source=source or {},
+                                   layout=self.layout, events=events)
         tmp = self.out / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest.to_dict(), indent=2))
         os.replace(tmp, self.out / MANIFEST)
@@ -213,15 +233,19 @@ def read_shard(data_dir: str | Path, info: ShardInfo, columns: list[str],
     have = set(pf.schema_arrow.names)
     missing = [c for c in columns if c not in have]
     if missing:
-        hint = (" (a layout 2 shard: histories are joined from the event logs by opengem.data.events.ShardReader)"
-                if getattr(info, "bucket", None) is not None and schema and set(missing) <= stream_columns(schema)
+        hint = (" (a layout 2 shard: histories are joined from the event logs "
+                "by opengem.data.events.ShardReader)"
+                if getattr(info, "bucket", None) is not None and schema
+                and set(missing) <= stream_columns(schema)
                 else "")
         raise DataError(f"{path}: missing columns {missing}{hint}")
     wrong = _wrong_types(pf.schema_arrow, schema, columns) if schema is not None else []
     if wrong:
-        raise DataError(f"{path}: " + "; ".join(wrong) + " (the data does not match its schema.json)")
+        raise DataError(f"{path}: " + "; ".join(wrong)
+                        + " (the data does not match its schema.json)")
     if pf.metadata.num_rows != info.rows:
-        raise DataError(f"{path}: holds {pf.metadata.num_rows} rows but the manifest lists {info.rows} "
+        raise DataError(f"{path}: holds {pf.metadata.num_rows} rows but the manifest "
+                        f"lists {info.rows} "
                         "(rewritten or truncated after it was written)")
     try:
         return pf.read(columns=columns)
@@ -238,14 +262,18 @@ def _is_number(t: pa.DataType) -> bool:
 
 
 def _is_number_list(t: pa.DataType) -> bool:
-    return (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)) and (
-        pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))
+    return (
+        pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+    ) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))
 
 
 def expected_types(schema: FeatureSchema) -> dict[str, tuple[str, Callable[[pa.DataType], bool]]]:
-    """Column → (what it must be, a check of its Arrow type), per the layout in ``features.schema``."""
+    """Column → (what it must be, a check of its Arrow type), per the layout
+    in ``features.schema``."""
     integer, int_list = ("an integer", pa.types.is_integer), ("a list of integers", _is_int_list)
-    out = {c: integer for c in (schema.user_column, schema.time_column, schema.day_column, schema.domains.column)}
+    out = {c: integer
+           for c in (schema.user_column, schema.time_column, schema.day_column,
+                     schema.domains.column)}
     out |= {f.name: int_list if f.multi_hot else integer for f in schema.sparse}
     out |= {f.name: ("a number", _is_number) for f in schema.dense}
     out |= {f.name: (f"a list of {f.dim} numbers", _is_number_list) for f in schema.embeddings}

@@ -1,11 +1,12 @@
 """``opengem validate DATA``: check a dataset against its schema and layout before training on it.
 
-The loader tolerates what it can repair (out-of-range ids → the OOV row) and quarantines bad rows, so
-a producer's bug can train quietly; this check names every problem up front, by file, column and value.
+The loader tolerates what it can repair (out-of-range ids → the OOV row) and quarantines bad rows,
+so a producer's bug can train quietly; this check names every problem up front, by file, column
+and value.
 
-Errors (the dataset is wrong): an unreadable manifest or schema; a listed file missing, unreadable or
-of another row count; a missing column or one of the wrong type; nulls in a v2 event log; an event
-log not sorted by (user_id, ts); a user's events in two buckets, or in another bucket than its
+Errors (the dataset is wrong): an unreadable manifest or schema; a listed file missing, unreadable
+or of another row count; a missing column or one of the wrong type; nulls in a v2 event log; an
+event log not sorted by (user_id, ts); a user's events in two buckets, or in another bucket than its
 impressions'; times in another unit than ``request_ts`` (found by magnitude: a millisecond time is
 ~1000× a second one).
 
@@ -17,7 +18,8 @@ logging but the synthetic world also draws, and which v1 rows hold, so the loade
 v1 = v2 stays exact; a stream with no event files at all.
 
 Counted only: missing values (NaN/null) of a dense feature declared ``missing="indicator"``, which
-the loader keeps (``counts["missing.<feature>"]``); in any other dense feature they are quarantined rows.
+the loader keeps (``counts["missing.<feature>"]``); in any other dense feature they are
+quarantined rows.
 
 Duplicate (user, ts) events that differ are valid (a view and a like in one second): they keep
 their log order, and are only counted. Users with no events have empty histories
@@ -36,10 +38,18 @@ import pyarrow.compute as pc
 
 from opengem.data.batch import validate_rows
 from opengem.data.events import TS, read_bucket
-from opengem.data.parquet import LAYOUT_V2, DataError, DatasetManifest, ShardInfo, impression_columns, read_shard
+from opengem.data.parquet import (
+    LAYOUT_V2,
+    DataError,
+    DatasetManifest,
+    ShardInfo,
+    impression_columns,
+    read_shard,
+)
 from opengem.features.schema import FeatureSchema, SchemaError
 
-UNIT_FACTOR = 100.0  # a time this many times off the requests' range is in another unit (ms vs s: 1000)
+# a time this many times off the requests' range is in another unit (ms vs s: 1000)
+UNIT_FACTOR = 100.0
 
 
 @dataclass
@@ -56,7 +66,8 @@ class Report:
 
 
 def validate_dataset(data_dir: str | Path) -> Report:
-    """Every check of the module docstring on ``data_dir``; never raises on bad data (it reports)."""
+    """Every check of the module docstring on ``data_dir``; never raises on bad data
+    (it reports)."""
     data_dir, report = Path(data_dir), Report()
     try:
         manifest = DatasetManifest.load(data_dir)
@@ -65,7 +76,8 @@ def validate_dataset(data_dir: str | Path) -> Report:
         report.errors.append(str(e))
         return report
     report.counts["layout"] = manifest.layout
-    requests: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # bucket → (users, request_ts) per shard
+    # bucket → (users, request_ts) per shard
+    requests: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
     for info in manifest.files:
         got = _check_shard(data_dir, info, schema, manifest.layout, report)
         if got is not None and info.bucket is not None:
@@ -87,7 +99,8 @@ def _check_shard(data_dir: Path, info: ShardInfo, schema: FeatureSchema, layout:
     report.counts["rows"] += table.num_rows
     for f in schema.sparse:
         _ids_in_range(path, f.name, table.column(f.name), f.vocab_size, report)
-    for i in schema.dense_missing:  # kept by the loader (imputed, flagged): counted, neither error nor warning
+    # kept by the loader (imputed, flagged): counted, neither error nor warning
+    for i in schema.dense_missing:
         v = table.column(schema.dense[i].name).to_numpy(zero_copy_only=False).astype(np.float64)
         report.counts[f"missing.{schema.dense[i].name}"] += int(np.isnan(v).sum())
     req = table.column(schema.time_column).to_numpy(zero_copy_only=False)
@@ -96,10 +109,13 @@ def _check_shard(data_dir: Path, info: ShardInfo, schema: FeatureSchema, layout:
         return None
     if layout != LAYOUT_V2:
         for s in schema.sequences:
-            _ids_in_range(path, s.item_column, table.column(s.item_column), s.item_vocab_size, report)
-            _ids_in_range(path, s.event_column, table.column(s.event_column), s.num_event_types, report)
+            _ids_in_range(path, s.item_column, table.column(s.item_column), s.item_vocab_size,
+                          report)
+            _ids_in_range(path, s.event_column, table.column(s.event_column), s.num_event_types,
+                          report)
             for a in s.attributes:
-                _ids_in_range(path, s.attribute_column(a), table.column(s.attribute_column(a)), a.vocab_size, report)
+                _ids_in_range(path, s.attribute_column(a), table.column(s.attribute_column(a)),
+                              a.vocab_size, report)
             ts = pc.list_flatten(table.column(s.ts_column)).to_numpy(zero_copy_only=False)
             _same_unit(path, s.ts_column, ts, req, schema.time_column, report)
         _, reasons, _ = validate_rows(table, schema)
@@ -114,13 +130,15 @@ def _check_stream(data_dir: Path, manifest: DatasetManifest, schema: FeatureSche
                   requests: dict, report: Report) -> None:
     files = manifest.events.get(stream.name, [])
     if not files:
-        report.warnings.append(f"stream {stream.name!r}: the manifest lists no event files (every history is empty)")
+        report.warnings.append(f"stream {stream.name!r}: the manifest lists no event files (every "
+                               f"history is empty)")
     owners: list[tuple[np.ndarray, int]] = []  # (users with events, their bucket)
     for bucket in sorted({f.bucket for f in files} | set(requests)):
         bfiles = manifest.event_files(stream.name, bucket)
         where = str(data_dir / bfiles[0].path) if bfiles else f"{stream.name} bucket {bucket}"
         try:
-            ev = read_bucket(data_dir, bfiles, schema, stream)  # sort order, nulls in user/ts, types, columns
+            # sort order, nulls in user/ts, types, columns
+            ev = read_bucket(data_dir, bfiles, schema, stream)
         except DataError as e:
             report.errors.append(str(e))
             continue
@@ -137,12 +155,15 @@ def _check_stream(data_dir: Path, manifest: DatasetManifest, schema: FeatureSche
             users = np.concatenate([u for u, _ in requests[bucket]])
             req = np.concatenate([t for _, t in requests[bucket]])
             _same_unit(where, TS, ev.ts, req, schema.time_column, report)
-            report.counts[f"{stream.name}.users_without_events"] += int((~np.isin(np.unique(users), ev.user)).sum())
+            report.counts[f"{stream.name}.users_without_events"] += int(
+                (~np.isin(np.unique(users), ev.user)).sum()
+            )
     _buckets_own_their_users(stream.name, owners, requests, report)
 
 
 def _buckets_own_their_users(stream: str, owners: list, requests: dict, report: Report) -> None:
-    """A user's events live in one bucket, the one of its impression shards: the join reads no other."""
+    """A user's events live in one bucket, the one of its impression shards: the join reads
+    no other."""
     if not owners:
         return
     users = np.concatenate([u for u, _ in owners])
@@ -152,16 +173,19 @@ def _buckets_own_their_users(stream: str, owners: list, requests: dict, report: 
     twice = np.flatnonzero(users[1:] == users[:-1])
     if len(twice):
         i = int(twice[0])
-        report.errors.append(f"stream {stream!r}: {len(twice)} users have events in more than one bucket (user "
-                             f"{users[i]} in buckets {bucket[i]} and {bucket[i + 1]}); a user's events live in one")
+        report.errors.append(f"stream {stream!r}: {len(twice)} users have events in more than one "
+                             f"bucket (user {users[i]} in buckets {bucket[i]} and "
+                             f"{bucket[i + 1]}); a user's events live in one")
     for b, parts in sorted(requests.items()):
         u = np.unique(np.concatenate([x for x, _ in parts]))
         j = np.clip(np.searchsorted(users, u), 0, len(users) - 1)
         wrong = (users[j] == u) & (bucket[j] != b)
         if wrong.any():
             k = int(np.flatnonzero(wrong)[0])
-            report.errors.append(f"stream {stream!r}: {int(wrong.sum())} users of bucket {b}'s impression shards have "
-                                 f"their events in another bucket (user {u[k]} in bucket {bucket[j[k]]}); the join "
+            report.errors.append(f"stream {stream!r}: {int(wrong.sum())} users of bucket {b}'s "
+                                 f"impression shards have "
+                                 f"their events in another bucket (user {u[k]} in bucket "
+                                 f"{bucket[j[k]]}); the join "
                                  "reads only the shard's own bucket")
 
 
@@ -178,8 +202,9 @@ def _duplicates(where: str, stream: str, ev, report: Report) -> None:
     if n:
         i = int(same_time[exact][0])
         report.counts[f"{stream}.exact_duplicate_events"] += n
-        report.warnings.append(f"{where}: {n} events repeat the one before them exactly (e.g. user {ev.user[i]}, "
-                               f"ts {ev.ts[i]}); kept, as v1 rows keep them; double logging upstream?")
+        report.warnings.append(f"{where}: {n} events repeat the one before them exactly (e.g. "
+                               f"user {ev.user[i]}, ts {ev.ts[i]}); kept, as v1 rows keep them; "
+                               f"double logging upstream?")
 
 
 def _ids_in_range(where, column: str, values, vocab: int, report: Report) -> None:
@@ -190,11 +215,13 @@ def _ids_in_range(where, column: str, values, vocab: int, report: Report) -> Non
     bad = (v < 0) | (v >= vocab)
     if bad.any():
         report.counts["oov_ids"] += int(bad.sum())
-        report.warnings.append(f"{where}: column {column!r} has {int(bad.sum())} ids outside [0, {vocab}) "
-                               f"(e.g. {v[bad][0]}); the loader maps them to the OOV row")
+        report.warnings.append(f"{where}: column {column!r} has {int(bad.sum())} ids outside "
+                               f"[0, {vocab}) (e.g. {v[bad][0]}); the loader maps them to the "
+                               f"OOV row")
 
 
-def _same_unit(where, column: str, ts: np.ndarray, req: np.ndarray, req_column: str, report: Report) -> None:
+def _same_unit(where, column: str, ts: np.ndarray, req: np.ndarray, req_column: str,
+               report: Report) -> None:
     """Times far outside the requests' range by magnitude are in another unit (or garbage)."""
     if not len(ts) or not len(req):
         return
@@ -203,6 +230,7 @@ def _same_unit(where, column: str, ts: np.ndarray, req: np.ndarray, req_column: 
     off = (t > hi * UNIT_FACTOR) | ((t > 0) & (t * UNIT_FACTOR < lo))
     if off.any():
         x = ts[off][0]
-        report.errors.append(f"{where}: column {column!r} has {int(off.sum())} times of another magnitude than "
-                             f"{req_column!r} (e.g. {x} vs requests in [{int(lo)}, {int(hi)}]; "
+        report.errors.append(f"{where}: column {column!r} has {int(off.sum())} times of another "
+                             f"magnitude than {req_column!r} (e.g. {x} vs requests in "
+                             f"[{int(lo)}, {int(hi)}]; "
                              f"ratio ~{x / hi:.3g}): mixed units, e.g. milliseconds vs seconds?")

@@ -123,13 +123,15 @@ class MetricAccumulator:
             if t not in out and f"{d}/{t}" not in out
         ]
         if missing:
-            raise ValueError(f"base_rates has no rate for {missing} (give '<task>' or '<domain>/<task>')")
+            raise ValueError(f"base_rates has no rate for {missing} (give '<task>' "
+                             f"or '<domain>/<task>')")
         return out
 
     def reset(self) -> None:
         """Forget every stored row (and the reduced state)."""
         self._slices = {
-            (d, t): _Slice() for d in range(len(self.domain_names)) for t in range(len(self.task_names))
+            (d, t): _Slice() for d in range(len(self.domain_names))
+            for t in range(len(self.task_names))
         }
         self._has_groups: bool | None = None  # decided by the first update
         self._has_true: bool | None = None
@@ -251,13 +253,16 @@ class MetricAccumulator:
                 yield domain, t, task
 
     def calibration_bins(self, n_bins: int = 20, min_rows: int = 100) -> dict[str, dict[str, list]]:
-        """Reliability bins (equal-count) per ``"<domain>/<task>"`` and ``"all/<task>"``: ``{"p", "y", "n"}``;
-        a slice of few rows gets fewer bins (≥ ``min_rows`` rows each, one at the least)."""
+        """Reliability bins (equal-count) per ``"<domain>/<task>"`` and ``"all/<task>"``: ``{"p",
+        "y", "n"}``; a slice of few rows gets fewer bins (≥ ``min_rows`` rows each, one at
+        the least)."""
         out = {}
         for domain, t, task in self._keys():
             p, y, _, _ = self._slice_arrays(domain, t)
             if p.shape[0]:
-                out[f"{domain}/{task}"] = reliability_bins(p, y, max(1, min(n_bins, p.shape[0] // min_rows)))
+                out[f"{domain}/{task}"] = reliability_bins(
+                    p, y, max(1, min(n_bins, p.shape[0] // min_rows))
+                )
         return out
 
     def num_rows(self) -> dict[str, int]:
@@ -265,7 +270,8 @@ class MetricAccumulator:
         out = {}
         for domain, t, task in self._keys():
             if domain == ALL_DOMAIN:
-                out[f"{domain}/{task}"] = sum(len(self._slices[(di, t)]) for di in range(len(self.domain_names)))
+                out[f"{domain}/{task}"] = sum(len(self._slices[(di, t)])
+                                              for di in range(len(self.domain_names)))
             else:
                 out[f"{domain}/{task}"] = len(self._slices[(self.domain_names.index(domain), t)])
         return out
@@ -325,7 +331,8 @@ class MetricAccumulator:
         if dist is None:
             return
         if self._reduced:
-            raise RuntimeError("reduce() was already called; call reset() to start a new evaluation")
+            raise RuntimeError("reduce() was already called; call reset() to start a "
+                               "new evaluation")
         payload = {
             "has_groups": self._has_groups,
             "has_true": self._has_true,

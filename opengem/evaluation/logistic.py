@@ -1,4 +1,5 @@
-"""An L2-penalised logistic regression over one-hot groups and scalar columns, fitted to convergence.
+"""An L2-penalised logistic regression over one-hot groups and scalar columns, fitted
+to convergence.
 
 The world's oracle (``opengem.world.oracle``) and the logistic-regression peer
 (``benchmarks/instruments/linear.py``) share it: one convex solver, so the two differ only in their
@@ -21,8 +22,9 @@ MAX_ITER, TOLERANCE = 300, 1e-8
 
 @dataclass
 class Design:
-    """The rows of one split for one model: group indices (column-major, so each group is one contiguous
-    gather; docs/experiments.md, 'Figures moved from code docstrings'), scalar columns, labels."""
+    """The rows of one split for one model: group indices (column-major, so each group is one
+    contiguous gather; docs/experiments.md, 'Figures moved from code docstrings'), scalar
+    columns, labels."""
 
     split: str
     idx: np.ndarray  # [G, n] int64, global indices into the weights
@@ -36,8 +38,15 @@ class Design:
 class Fit:
     """A fitted oracle model; ``theta`` = [b, w (num_weights), β (K, on standardised columns)]."""
 
-    def __init__(self, theta: np.ndarray, num_weights: int, mean: np.ndarray, std: np.ndarray, l2: float):
-        self.theta, self.num_weights, self.mean, self.std, self.l2 = theta, num_weights, mean, std, l2
+    def __init__(self, theta: np.ndarray, num_weights: int, mean: np.ndarray, std: np.ndarray,
+                 l2: float):
+        self.theta, self.num_weights, self.mean, self.std, self.l2 = (
+            theta,
+            num_weights,
+            mean,
+            std,
+            l2,
+        )
 
     def logits(self, d: Design) -> np.ndarray:
         return _logits(self.theta, self.num_weights, d.idx, (d.x - self.mean) / self.std)
@@ -56,7 +65,8 @@ def _logloss(z, y) -> float:
 
 
 def _loss_residual(z, y) -> tuple[float, np.ndarray]:
-    """(mean log loss, sigmoid(z) − y) sharing one exp (the closure's costliest part after the gathers)."""
+    """(mean log loss, sigmoid(z) − y) sharing one exp (the closure's costliest part after
+    the gathers)."""
     e = np.exp(-np.abs(z))
     loss = float(np.mean(np.maximum(z, 0.0) + np.log1p(e) - y * z))
     return loss, np.where(z >= 0, 1.0, e) / (1.0 + e) - y
@@ -73,8 +83,13 @@ def fit_logistic(d: Design, num_weights: int, l2: float, mean, std, init: np.nda
     n, K = len(y), x.shape[1]
     rate = min(max(float(y.mean()), 1e-6), 1 - 1e-6) if n else 0.5
     q = rate * (1 - rate)
-    counts = sum(np.bincount(col, minlength=num_weights) for col in d.idx) if len(d.idx) else np.zeros(num_weights)
-    scale = 1 / np.sqrt(np.concatenate([[q * n], counts * q + l2, np.full(K, q * n + l2)]) / max(n, 1))
+    counts = (
+        sum(np.bincount(col, minlength=num_weights) for col in d.idx)
+        if len(d.idx)
+        else np.zeros(num_weights)
+    )
+    scale = 1 / np.sqrt(np.concatenate([[q * n], counts * q + l2, np.full(K, q * n + l2)])
+                        / max(n, 1))
     penal = np.ones_like(scale)
     penal[0] = 0.0  # the bias is not penalised
     if init is None:
@@ -105,8 +120,10 @@ def logloss_of(fit: Fit, d: Design) -> float:
     return _logloss(fit.logits(d), d.y)
 
 
-def choose_l2(train: Design, valid: Design, num_weights: int, grid=L2_GRID) -> tuple[Fit, dict[float, float]]:
-    """The fit on ``train`` whose λ in ``grid`` has the lowest log loss on ``valid``, and every λ's loss.
+def choose_l2(train: Design, valid: Design, num_weights: int,
+              grid=L2_GRID) -> tuple[Fit, dict[float, float]]:
+    """The fit on ``train`` whose λ in ``grid`` has the lowest log loss on ``valid``, and every
+    λ's loss.
 
     The path runs from the largest λ down, each fit warm-started from the last, and stops once the
     valid loss has risen (it is unimodal in λ). Only a train split fits and only a valid split

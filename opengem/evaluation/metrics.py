@@ -116,7 +116,8 @@ def logloss(p: Any, y: Any, w: Any = None, eps: float = 1e-7) -> float:
     """Mean binary cross-entropy (nats).
 
     ``logloss = -Σ w_i [y_i log p_i + (1 - y_i) log(1 - p_i)] / Σ w_i`` with ``p`` clipped to
-    ``[eps, 1 - eps]`` and ``w_i = 1`` when ``w`` is None. ``nan`` for zero rows or zero total weight.
+    ``[eps, 1 - eps]`` and ``w_i = 1`` when ``w`` is None. ``nan`` for zero rows or zero
+    total weight.
     """
     p, y, w = _check_py(p, y, w)
     if p.size == 0:
@@ -251,8 +252,8 @@ def gauc(p: Any, y: Any, groups: Any) -> float:
     """Group AUC: the per-group AUC averaged with each group's number of positives as weight.
 
     ``gAUC = Σ_g P_g · AUC_g / Σ_g P_g`` over the groups (users) that have both a positive and a
-    negative row; P_g = positives (clicks) of group g (InterFormer's definition). Single-class groups
-    are skipped; ``nan`` if no group qualifies. Ties count one half as in :func:`auc`.
+    negative row; P_g = positives (clicks) of group g (InterFormer's definition). Single-class
+    groups are skipped; ``nan`` if no group qualifies. Ties count one half as in :func:`auc`.
     """
     p, y, _ = _check_py(p, y)
     g = _check_groups(groups, p.shape[0])
@@ -305,9 +306,10 @@ def separated(z: Any, y: Any) -> int:
 
 def logistic_fit(z: Any, y: Any) -> tuple[float, float]:
     """Maximum-likelihood (a, c) of ``y ~ σ(a z + c)`` by Newton's method with step halving (a plain
-    step from the identity can overshoot); (nan, nan) without both classes, with constant ``z``, when
-    the classes are separated by ``z`` (``separated``: the slope is infinite) or when it does not converge. The one
-    two-number logistic fit of the project: ``calibration_slope`` and ``evaluation.platt`` use it."""
+    step from the identity can overshoot); (nan, nan) without both classes, with constant ``z``,
+    when the classes are separated by ``z`` (``separated``: the slope is infinite) or when it does
+    not converge. The one two-number logistic fit of the project: ``calibration_slope`` and
+    ``evaluation.platt`` use it."""
     z, y = np.asarray(z, dtype=np.float64), np.asarray(y, dtype=np.float64)
     if z.shape[0] == 0 or y.min() == y.max() or z.std() == 0 or separated(z, y) != 0:
         return math.nan, math.nan
@@ -345,11 +347,11 @@ def summarize(
 ) -> dict[str, float | int]:
     """All metrics of one slice, as JSON-serialisable python numbers (NaN for undefined).
 
-    Keys: ``ne``, ``auc``, ``gauc`` (NaN without ``groups``), ``calibration``, ``calibration_slope``,
-    ``logloss``, ``n``
-    (rows), ``positives``; with ``p_true`` also ``ne_bayes`` and ``captured``. ``base_rate`` is the
-    training positive rate used by NE; ``None`` means "unknown" and gives NaN for the NE-based keys.
-    A numeric ``base_rate`` outside (0, 1) raises ValueError.
+    Keys: ``ne``, ``auc``, ``gauc`` (NaN without ``groups``), ``calibration``,
+    ``calibration_slope``, ``logloss``, ``n`` (rows), ``positives``; with ``p_true`` also
+    ``ne_bayes`` and ``captured``. ``base_rate`` is the training positive rate used by NE; ``None``
+    means "unknown" and gives NaN for the NE-based keys. A numeric ``base_rate`` outside (0, 1)
+    raises ValueError.
     """
     p, y, _ = _check_py(p, y)
     n = int(p.shape[0])
@@ -380,8 +382,8 @@ def summarize(
 def reliability_bins(p, y, n_bins: int = 20, strategy: str = "quantile") -> dict[str, list]:
     """Mean prediction ``p``, observed rate ``y`` and rows ``n`` per bin of the predictions.
 
-    ``quantile``: equal-count bins of the sorted predictions (every bin populated even when the rates
-    are a few percent); ``uniform``: bins [0, 1/n), …, [(n-1)/n, 1]. Empty bins are left out.
+    ``quantile``: equal-count bins of the sorted predictions (every bin populated even when the
+    rates are a few percent); ``uniform``: bins [0, 1/n), …, [(n-1)/n, 1]. Empty bins are left out.
 
     >>> reliability_bins([0.1, 0.2, 0.3, 0.4], [0, 0, 1, 1], n_bins=2)
     {'p': [0.15, 0.35], 'y': [0.0, 1.0], 'n': [2, 2]}

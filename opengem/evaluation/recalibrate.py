@@ -1,28 +1,30 @@
-"""Recalibration: a logit offset per (domain, task) (``platt``: also a slope per task) from held-out days.
+"""Recalibration: a logit offset per (domain, task) (``platt``: also a slope per task) from
+held-out days.
 
 Legend: R rows of the fitting split, T tasks, G output groups (domains, or 1 with shared heads).
 
 A model trained by log loss is calibrated on average over its training rows, but where it stops
-depends on its last steps (training seeds of one recipe end with visibly different calibration). Production ads systems correct this with a calibration
-layer fitted on the freshest held-out labels (He et al. 2014 fit one on top of the model). Ours is
-the smallest such layer: δ_{g,t} added to each task's own logit before chaining,
+depends on its last steps (training seeds of one recipe end with visibly different calibration).
+Production ads systems correct this with a calibration layer fitted on the freshest held-out labels
+(He et al. 2014 fit one on top of the model). Ours is the smallest such layer: δ_{g,t} added to each
+task's own logit before chaining,
 
     δ_t = argmin_δ Σ_r ω_r m_rt BCE(chain(raw_r + δ_{g_r})_t, y_rt) + ½ Σ_g δ_gt² / σ²
 
 task by task in schema order (a chained task is fitted with its parent's offsets in place). The
 prior σ (``prior_std``, 0.1, about the spread of the offsets across training seeds) keeps a slice
 with few labels near 0, where a loose prior fits noise. The offsets are written to
-``RUN/recalibration.json``; ``opengem.run.load_run_model`` adds them to ``heads.out_b``, so evaluation,
-export, serving and teachers all read the recalibrated model, and the checkpoint itself is never changed.
-The fitting split must not be the evaluation split: ``valid`` (the days between train and test).
-What it did on the demo world is in docs/experiments.md.
+``RUN/recalibration.json``; ``opengem.run.load_run_model`` adds them to ``heads.out_b``, so
+evaluation, export, serving and teachers all read the recalibrated model, and the checkpoint itself
+is never changed. The fitting split must not be the evaluation split: ``valid`` (the days between
+train and test). What it did on the demo world is in docs/experiments.md.
 
-``form="platt"`` (``opengem recalibrate --form platt``) adds one slope per task: each task's own logit
-becomes a_t (raw − m_t) + m_t + δ_{g,t}, m_t its mean on the split. An offset cannot shrink logits
-that are too spread (a model that ranks well but saw few positives; ``evaluation.platt`` measures
-it across models). The slope is per task, not per (domain, task), because the FwFM shortcut's
-weights are shared by the domains and must be scaled with the heads' when the fit is folded
-(``opengem.run.apply_recalibration``). The prior on δ is unchanged; a_t > 0 has none.
+``form="platt"`` (``opengem recalibrate --form platt``) adds one slope per task: each task's own
+logit becomes a_t (raw − m_t) + m_t + δ_{g,t}, m_t its mean on the split. An offset cannot shrink
+logits that are too spread (a model that ranks well but saw few positives; ``evaluation.platt``
+measures it across models). The slope is per task, not per (domain, task), because the FwFM
+shortcut's weights are shared by the domains and must be scaled with the heads' when the fit is
+folded (``opengem.run.apply_recalibration``). The prior on δ is unchanged; a_t > 0 has none.
 """
 
 from __future__ import annotations
@@ -47,15 +49,19 @@ FORMS = ("offset", "platt")
 def head_inputs(model: torch.nn.Module, schema: FeatureSchema, data_dir: str | Path, split: str,
                 batch_size: int, progress: bool = True) -> dict[str, torch.Tensor]:
     """Each row's raw (pre-chain) logits [R, T], output group [R], labels, label mask [R, T], weight
-    and user id [R] on ``split``, read through a forward hook on the heads (any model with GEM heads)."""
+    and user id [R] on ``split``, read through a forward hook on the heads (any model with
+    GEM heads)."""
     heads = gem_heads(model)
     loader = ShardLoader(data_dir, split, batch_size, schema, shuffle=False, epochs=1,
                          max_seq_len=model.max_seq_len(), prefetch=2)
     seen: list[tuple] = []
     hook = heads.register_forward_hook(lambda m, args, out: seen.append(args))
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("raw", "group", "labels", "mask", "weights", "user_id")}
+    parts: dict[str, list[torch.Tensor]] = {k: []
+                                            for k in ("raw", "group", "labels", "mask", "weights",
+                                                      "user_id")}
     try:
-        for batch in progress_bar(loader, desc=f"recalibrate on {split}", unit="batch", disable=not progress):
+        for batch in progress_bar(loader, desc=f"recalibrate on {split}", unit="batch",
+                                  disable=not progress):
             seen.clear()
             model(batch)
             feats, domain, *rest = seen[0]
@@ -68,11 +74,13 @@ def head_inputs(model: torch.nn.Module, schema: FeatureSchema, data_dir: str | P
     finally:
         hook.remove()
     if not parts["raw"]:
-        raise RecalibrationError(f"{data_dir}: split {split!r} has no rows to fit the recalibration on")
+        raise RecalibrationError(f"{data_dir}: split {split!r} has no rows to fit the "
+                                 f"recalibration on")
     return {k: torch.cat(v) for k, v in parts.items()}
 
 
-def fit_offsets(heads, rows: dict[str, torch.Tensor], num_groups: int, prior_std: float = 0.1) -> torch.Tensor:
+def fit_offsets(heads, rows: dict[str, torch.Tensor], num_groups: int,
+                prior_std: float = 0.1) -> torch.Tensor:
     """δ [G, T] (see the module docstring), by L-BFGS per task; a group without labels keeps 0."""
     return fit_recalibration(heads, rows, num_groups, prior_std, "offset")[1]
 
@@ -80,9 +88,9 @@ def fit_offsets(heads, rows: dict[str, torch.Tensor], num_groups: int, prior_std
 def fit_recalibration(heads, rows: dict[str, torch.Tensor], num_groups: int, prior_std: float = 0.1,
                       form: str = "offset") -> tuple[torch.Tensor, torch.Tensor]:
     """(slopes a [T], additions [G, T]): each task's own logit becomes ``a_t · raw + add_{g,t}``.
-    ``offset``: a = 1, add = δ. ``platt``: add = (1 − a_t) m_t + δ_{g,t}, with m_t the task's mean raw
-    logit on the split, so the prior on δ still means "near no change" whatever a_t is; a_t ≥ 0 is
-    fitted without a prior (one number per task from every labelled row of the split)."""
+    ``offset``: a = 1, add = δ. ``platt``: add = (1 − a_t) m_t + δ_{g,t}, with m_t the task's mean
+    raw logit on the split, so the prior on δ still means "near no change" whatever a_t is; a_t ≥ 0
+    is fitted without a prior (one number per task from every labelled row of the split)."""
     if not prior_std > 0:
         raise RecalibrationError(f"prior_std must be > 0, got {prior_std}")
     if form not in FORMS:
@@ -92,19 +100,21 @@ def fit_recalibration(heads, rows: dict[str, torch.Tensor], num_groups: int, pri
     for t in range(T):
         w = rows["mask"][:, t].double() * rows["weights"]
         if w.sum() > 0:
-            slopes[t], add[:, t] = _fit_task(heads, rows, w, slopes, add, t, prior_std, form == "platt")
+            slopes[t], add[:, t] = _fit_task(heads, rows, w, slopes, add, t, prior_std,
+                                             form == "platt")
     return slopes, add
 
 
-def _fit_task(heads, rows: dict[str, torch.Tensor], w_R: torch.Tensor, slopes: torch.Tensor, add: torch.Tensor,
-              t: int, prior_std: float, slope: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _fit_task(heads, rows: dict[str, torch.Tensor], w_R: torch.Tensor, slopes: torch.Tensor,
+              add: torch.Tensor, t: int, prior_std: float,
+              slope: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Task t's slope and additions [G], the other tasks' as in ``slopes`` and ``add``."""
     raw, group, y = rows["raw"], rows["group"], rows["labels"][:, t]
     m = (raw[:, t] * w_R).sum() / w_R.sum()
     d = torch.zeros(add.shape[0], dtype=raw.dtype, requires_grad=True)
     log_a = torch.zeros((), dtype=raw.dtype, requires_grad=slope)  # a = exp(log_a) stays > 0
-    opt = torch.optim.LBFGS([d, log_a] if slope else [d], lr=1.0, max_iter=100, tolerance_grad=1e-10,
-                            line_search_fn="strong_wolfe")
+    opt = torch.optim.LBFGS([d, log_a] if slope else [d], lr=1.0, max_iter=100,
+                            tolerance_grad=1e-10, line_search_fn="strong_wolfe")
 
     def task_add():
         return (1 - log_a.exp()) * m + d
@@ -124,18 +134,20 @@ def _fit_task(heads, rows: dict[str, torch.Tensor], w_R: torch.Tensor, slopes: t
         return log_a.exp(), task_add()
 
 
-def recalibrate_run(run_dir: str | Path, data_dir: str | Path, split: str = "valid", prior_std: float = 0.1,
-                    batch_size: int | None = None, progress: bool = True, form: str = "offset",
-                    best: bool = False) -> dict:
+def recalibrate_run(run_dir: str | Path, data_dir: str | Path, split: str = "valid",
+                    prior_std: float = 0.1, batch_size: int | None = None, progress: bool = True,
+                    form: str = "offset", best: bool = False) -> dict:
     """Fit the recalibration of a run on ``split`` (``form``: ``offset`` or ``platt``, module
     docstring) and write ``RUN/recalibration.json``; returns its record (offsets, with ``platt`` the
     slopes, and each slice's calibration Σp/Σy on ``split`` before and after). ``best``: fit it on
-    the best held-out evaluation's model (``train.keep_best``) instead of the last; the record says which."""
+    the best held-out evaluation's model (``train.keep_best``) instead of the last; the record
+    says which."""
     require_tuning_split(split, "the recalibration (its offsets and prior_std)")
     model, _, schema = load_run_model(run_dir, recalibrated=False, best=best)
     data_schema = FeatureSchema.load(data_dir)
     if data_schema.fingerprint() != schema.fingerprint():
-        raise RecalibrationError(f"{data_dir}: its schema differs from the one run {run_dir} was trained on")
+        raise RecalibrationError(f"{data_dir}: its schema differs from the one run {run_dir} "
+                                 f"was trained on")
     heads = gem_heads(model)
     rows = head_inputs(model, schema, data_dir, split, batch_size or EVAL_BATCH, progress)
     G = heads.out_b.shape[0]
@@ -154,8 +166,10 @@ def recalibrate_run(run_dir: str | Path, data_dir: str | Path, split: str = "val
         return out
 
     with torch.no_grad():
-        before, after = calibration(torch.ones_like(slopes), torch.zeros_like(add)), calibration(slopes, add)
-    record = {"split": split, "checkpoint": "best" if best else "last", "rows": int(rows["raw"].shape[0]),
+        before, after = calibration(torch.ones_like(slopes),
+                                    torch.zeros_like(add)), calibration(slopes, add)
+    record = {"split": split, "checkpoint": "best" if best else "last",
+              "rows": int(rows["raw"].shape[0]),
               "prior_std": prior_std, "form": form,
               "offsets": {f"{g}/{t}": round(float(add[i, j]), 6) for i, g in enumerate(groups)
                           for j, t in enumerate(schema.task_names)}}
@@ -166,8 +180,8 @@ def recalibrate_run(run_dir: str | Path, data_dir: str | Path, split: str = "val
     return record
 
 
-def crossfit_forms(run_dir: str | Path, data_dir: str | Path, split: str = "valid", prior_std: float = 0.1,
-                   batch_size: int | None = None) -> dict:
+def crossfit_forms(run_dir: str | Path, data_dir: str | Path, split: str = "valid",
+                   prior_std: float = 0.1, batch_size: int | None = None) -> dict:
     """Which recalibration form carries to rows it was not fitted on, read on ``split`` alone: its
     rows halved by user (even / odd id), each form fitted on one half and scored on the other, both
     ways. Returns task → {"raw", "offset", "platt": mean log loss over the held-out halves}."""
@@ -189,7 +203,9 @@ def crossfit_forms(run_dir: str | Path, data_dir: str | Path, split: str = "vali
                 z = heads.chain(other["raw"] * a + add[other["group"]])
             for t, task in enumerate(schema.task_names):
                 w = other["mask"][:, t].double() * other["weights"]
-                bce = F.binary_cross_entropy_with_logits(z[:, t], other["labels"][:, t], reduction="none")
+                bce = F.binary_cross_entropy_with_logits(z[:, t], other["labels"][:, t],
+                                                         reduction="none")
                 losses[task][f] += float((bce * w).sum())
                 counts[task] += float(w.sum()) if f == "raw" else 0.0
-    return {t: {f: v / counts[t] for f, v in fs.items()} for t, fs in losses.items() if counts[t] > 0}
+    return {t: {f: v / counts[t] for f, v in fs.items()} for t,
+            fs in losses.items() if counts[t] > 0}

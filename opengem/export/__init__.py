@@ -1,4 +1,5 @@
-"""Serving: export a trained run to an artifact, score requests with a ``Predictor``, serve over HTTP.
+"""Serving: export a trained run to an artifact, score requests with a ``Predictor``, serve
+over HTTP.
 
     artifact.py   export_run: weights + schema + torch.export program (+ AOTInductor) + manifest
     program.py    ServingGEM: the model as a function of plain tensors, user/history shared per request

@@ -65,7 +65,13 @@ from opengem.export.tables import compress, tables_info
 from opengem.features.schema import SCHEMA_FILE, FeatureSchema
 from opengem.model.build import count_parameters
 from opengem.ops.quantize import table_bytes
-from opengem.run import EVALUATION_FILE, load_base_rates, load_final, load_recalibration, load_run_model
+from opengem.run import (
+    EVALUATION_FILE,
+    load_base_rates,
+    load_final,
+    load_recalibration,
+    load_run_model,
+)
 
 log = logging.getLogger("opengem.export")
 FORMAT, FORMAT_VERSION = "opengem-artifact", 1
@@ -98,8 +104,8 @@ def layout_of(model, cfg) -> Layout:
     return Layout(model.max_seq_len(), cfg.model.sequence.recent_len)
 
 
-def example_requests(schema: FeatureSchema, layout: Layout, sizes: list[tuple[int, int]], seed: int = 0,
-                     oov: bool = False) -> list[dict]:
+def example_requests(schema: FeatureSchema, layout: Layout, sizes: list[tuple[int, int]],
+                     seed: int = 0, oov: bool = False) -> list[dict]:
     """Requests of (candidates, history events per stream); history −1 = twice the model's limit."""
     out = []
     for i, (c, h) in enumerate(sizes):
@@ -110,13 +116,17 @@ def example_requests(schema: FeatureSchema, layout: Layout, sizes: list[tuple[in
 
 def program_inputs(schema: FeatureSchema, layout: Layout, requests: list[dict]) -> dict:
     _, req_model = request_models(schema)
-    return assemble(schema, [parse(schema, req_model.model_validate(r)) for r in requests], layout)[0]
+    return assemble(schema, [parse(schema, req_model.model_validate(r)) for r in requests],
+                    layout)[0]
 
 
 def _dynamic_shapes(x: dict) -> dict:
-    """Every dim dynamic except the recent window K and the dense and embedding widths (fixed by the model)."""
-    static = {("dense", 1), ("embeddings", 1)} | {(k, 1) for k in x if k.endswith((".recent_idx", ".recent_valid"))}
-    return {k: {i: (torch.export.Dim.STATIC if (k, i) in static else torch.export.Dim.AUTO) for i in range(v.dim())}
+    """Every dim dynamic except the recent window K and the dense and embedding widths (fixed by
+    the model)."""
+    static = {("dense", 1), ("embeddings", 1)} | {(k, 1) for k in x
+                                                  if k.endswith((".recent_idx", ".recent_valid"))}
+    return {k: {i: (torch.export.Dim.STATIC if (k, i) in static else torch.export.Dim.AUTO)
+                for i in range(v.dim())}
             for k, v in x.items()}
 
 
@@ -136,13 +146,20 @@ def export_program(module: torch.nn.Module, x: dict) -> torch.export.ExportedPro
         return torch.export.export(module, (x,), dynamic_shapes=(_dynamic_shapes(x),), strict=False)
 
 
-def attention_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """``F.scaled_dot_product_attention`` (eval: no dropout; no causal flag) as matmul, softmax, matmul."""
+def attention_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+    """``F.scaled_dot_product_attention`` (eval: no dropout; no causal flag) as matmul,
+    softmax, matmul."""
     if is_causal or dropout_p or enable_gqa:
-        raise NotImplementedError("the serving trace supports plain attention with an optional mask only")
+        raise NotImplementedError("the serving trace supports plain attention with an "
+                                  "optional mask only")
     s = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+        s = (
+            s.masked_fill(~attn_mask, float("-inf"))
+            if attn_mask.dtype == torch.bool
+            else s + attn_mask
+        )
     return torch.matmul(torch.softmax(s, dim=-1), v)
 
 
@@ -157,12 +174,14 @@ def parity(model, schema: FeatureSchema, layout: Layout, programs: dict, fp32_mo
     rows = [r for req in reqs for r in rows_of(schema, req)]
     batch = collate(pa.Table.from_pylist(rows), schema, layout.max_seq_len)
     ref = torch.sigmoid(model(batch).double())
-    out = {"requests": len(reqs), "candidates": len(rows), "reference": "training model on collated rows"}
+    out = {"requests": len(reqs), "candidates": len(rows),
+           "reference": "training model on collated rows"}
     for name, fn in programs.items():
         out[f"max_abs_diff_{name}"] = float((fn(x).double() - ref).abs().max())
     if fp32_model is not None:
         out["reference"] += " (tables compressed, TorchRec's quantised modules)"
-        out["table_compression_max_abs_diff"] = float((torch.sigmoid(fp32_model(batch).double()) - ref).abs().max())
+        out["table_compression_max_abs_diff"] = float((torch.sigmoid(fp32_model(batch).double())
+                                                       - ref).abs().max())
     return out
 
 
@@ -176,11 +195,11 @@ def find_evaluation(run: Path) -> dict | None:
     return None
 
 
-def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | None = None, split: str = "test",
-               compile: bool = True, overwrite: bool = False, table_dtype: str = "fp32",
-               best: bool = False) -> dict:
-    """Write the artifact of a run's latest checkpoint (with ``best``, of its best held-out evaluation's,
-    ``train.keep_best``); returns the manifest.
+def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | None = None,
+               split: str = "test", compile: bool = True, overwrite: bool = False,
+               table_dtype: str = "fp32", best: bool = False) -> dict:
+    """Write the artifact of a run's latest checkpoint (with ``best``, of its best held-out
+    evaluation's, ``train.keep_best``); returns the manifest.
 
     ``data_dir``: evaluate on ``split`` now and record the metrics (otherwise an ``evaluation.json``
     of the run is recorded if one exists). ``compile``: also build the AOTInductor package.
@@ -188,10 +207,12 @@ def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | 
     """
     run, out = Path(run_dir), Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ArtifactError(f"{out} exists and is not empty (artifacts are immutable; pick a new directory)")
+        raise ArtifactError(f"{out} exists and is not empty (artifacts are immutable; pick a "
+                            f"new directory)")
     model, cfg, schema = load_run_model(run, best=best)
     if cfg.model.arch != "gem":
-        raise ArtifactError(f"{run}: model.arch={cfg.model.arch} is a peer baseline; only GEM runs (and the "
+        raise ArtifactError(f"{run}: model.arch={cfg.model.arch} is a peer baseline; only GEM "
+                            f"runs (and the "
                             "vertical models distilled from them) export")
     layout = layout_of(model, cfg)
     fp32_model, fp32_bytes, parameters = None, table_bytes(model), count_parameters(model)
@@ -207,7 +228,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | 
 
     module = serving_module(model)
     t0 = time.perf_counter()
-    ep = export_program(module, program_inputs(schema, layout, example_requests(schema, layout, [(3, 23), (5, 11)])))
+    ep = export_program(module,
+                        program_inputs(schema, layout,
+                                       example_requests(schema, layout, [(3, 23), (5, 11)])))
     torch.export.save(ep, tmp / "program.pt2")
     times = {"export_s": time.perf_counter() - t0}
     programs = {"exported": torch.export.load(tmp / "program.pt2").module()}
@@ -220,27 +243,32 @@ def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | 
         except Exception as e:  # noqa: BLE001 - no compiler here: the portable program still serves
             aoti_error = f"{type(e).__name__}: {str(e)[:300]}"
             (tmp / "program.aoti.pt2").unlink(missing_ok=True)
-            log.warning("AOTInductor compile failed, the artifact has the exported program only: %s", aoti_error)
+            log.warning("AOTInductor compile failed, the artifact has the exported program "
+                        "only: %s", aoti_error)
     check = parity(model, schema, layout, programs, fp32_model)
     worst = max(v for k, v in check.items() if k.startswith("max_abs_diff"))
     if not worst <= PARITY_TOL:
-        raise ArtifactError(f"serving program differs from the training model by {worst:.3g} > {PARITY_TOL} "
-                            f"({check}); opengem/export/program.py no longer matches the model")
+        raise ArtifactError(f"serving program differs from the training model by {worst:.3g} "
+                            f"> {PARITY_TOL} ({check}); opengem/export/program.py no longer "
+                            f"matches the model")
 
     evaluation = None
     if data_dir is not None:
         ev = evaluate_model(model, schema, data_dir, split, load_base_rates(run), progress=False)
-        evaluation = {"source": f"evaluated at export on split {split!r}", "split": split, "metrics": ev["metrics"]}
+        evaluation = {"source": f"evaluated at export on split {split!r}", "split": split,
+                      "metrics": ev["metrics"]}
     else:
         evaluation = find_evaluation(run)
     final = load_final(run) or {}
     recalibration = load_recalibration(run)
-    files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
+    files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+             for p in sorted(tmp.iterdir())}
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "model_version": hashlib.sha256(
-            (files["program.pt2"]["sha256"] + files["weights.pt"]["sha256"]).encode()).hexdigest()[:16],
+            (files["program.pt2"]["sha256"]
+             + files["weights.pt"]["sha256"]).encode()).hexdigest()[:16],
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "model": {"kind": type(model).__name__, "recipe": cfg.recipe, "parameters": parameters,
                   "schema_fingerprint": schema.fingerprint(), "tasks": schema.task_names},
@@ -252,8 +280,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | 
                 "recalibration_slopes": (recalibration or {}).get("slopes")},
         "layout": layout.to_dict(),
         "tables": tables_info(model, table_dtype, fp32_bytes),
-        "export": {"method": "torch.export (non-strict, dynamic shapes)", "aoti": "aoti" in programs,
-                   "aoti_error": aoti_error, **times},
+        "export": {"method": "torch.export (non-strict, dynamic shapes)",
+                   "aoti": "aoti" in programs, "aoti_error": aoti_error, **times},
         "parity": check,
         "evaluation": evaluation,
         "versions": versions(),
@@ -267,15 +295,18 @@ def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | 
 
 
 def compile_aoti(ep: torch.export.ExportedProgram, path: Path):
-    """AOTInductor: the exported program compiled to a shared library for this CPU (a C++ compiler is needed)."""
+    """AOTInductor: the exported program compiled to a shared library for this CPU (a C++ compiler
+    is needed)."""
     import torch._inductor  # heavy (the compiler stack): imported only when compiling
 
     torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
     return torch._inductor.aoti_load_package(str(path))
 
 
-def load_manifest(artifact_dir: str | Path, verify: tuple[str, ...] = (SCHEMA_FILE, "program.pt2")) -> dict:
-    """The manifest of an artifact, after checking its format and the hashes of the files in ``verify``."""
+def load_manifest(artifact_dir: str | Path,
+                  verify: tuple[str, ...] = (SCHEMA_FILE, "program.pt2")) -> dict:
+    """The manifest of an artifact, after checking its format and the hashes of the files
+    in ``verify``."""
     root = Path(artifact_dir)
     p = root / "manifest.json"
     if not p.exists():
@@ -285,12 +316,14 @@ def load_manifest(artifact_dir: str | Path, verify: tuple[str, ...] = (SCHEMA_FI
     except json.JSONDecodeError as e:
         raise ArtifactError(f"{p}: not valid JSON ({e})") from e
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise ArtifactError(f"{root}: format {manifest.get('format')!r} v{manifest.get('format_version')} "
+        raise ArtifactError(f"{root}: format "
+                            f"{manifest.get('format')!r} v{manifest.get('format_version')} "
                             f"not supported (expected {FORMAT!r} v{FORMAT_VERSION})")
     for name in verify:
         entry = manifest.get("files", {}).get(name)
         if entry is None or not (root / name).exists():
             raise ArtifactError(f"{root}: {name} is missing")
         if sha256_file(root / name) != entry["sha256"]:
-            raise ArtifactError(f"{root}: {name} does not match its sha256 in the manifest (corrupt or modified)")
+            raise ArtifactError(f"{root}: {name} does not match its sha256 in the manifest "
+                                f"(corrupt or modified)")
     return manifest

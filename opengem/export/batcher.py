@@ -33,7 +33,8 @@ class MicroBatcher:
                  on_batch: Callable[[int, int, float], None] | None = None):
         self._predictor = predictor
         self.window_s, self.max_candidates, self.on_batch = window_s, max_candidates, on_batch
-        self.incoming = 0  # requests being parsed by the event loop (only the loop thread writes it)
+        # requests being parsed by the event loop (only the loop thread writes it)
+        self.incoming = 0
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="opengem-scorer", daemon=True)
 
@@ -99,7 +100,8 @@ class MicroBatcher:
             t0 = time.perf_counter()
             results = self._score(predictor, [b[0] for b in batch])
             if self.on_batch is not None:
-                self.on_batch(len(batch), sum(b[0].num_candidates for b in batch), time.perf_counter() - t0)
+                self.on_batch(len(batch), sum(b[0].num_candidates for b in batch),
+                              time.perf_counter() - t0)
             for (_, fut, loop), res in zip(batch, results):
                 loop.call_soon_threadsafe(_resolve, fut, res)
 

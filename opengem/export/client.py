@@ -1,6 +1,8 @@
-"""A plain HTTP client of ``opengem serve`` (stdlib only): a free port, one JSON call, waiting until ready.
+"""A plain HTTP client of ``opengem serve`` (stdlib only): a free port, one JSON call, waiting
+until ready.
 
-Used by the demo's serving step (``opengem.pipeline.serve_smoke``), the tests and benchmarks/serving.py.
+Used by the demo's serving step (``opengem.pipeline.serve_smoke``), the tests
+and benchmarks/serving.py.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def http(method: str, url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, dict]:
+def http(method: str, url: str, body: dict | None = None,
+         timeout: float = 10.0) -> tuple[int, dict]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"content-type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())

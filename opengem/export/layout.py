@@ -54,7 +54,8 @@ def _t(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a))
 
 
-def assemble(schema: FeatureSchema, reqs: list[ParsedRequest], layout: Layout) -> tuple[dict, list[dict]]:
+def assemble(schema: FeatureSchema, reqs: list[ParsedRequest],
+             layout: Layout) -> tuple[dict, list[dict]]:
     """(program inputs, per-request report {"oov": {feature: n}, "truncated": {stream: events}})."""
     stats = [CollateStats() for _ in reqs]
     counts = np.array([r.num_candidates for r in reqs], dtype=np.int64)
@@ -63,7 +64,8 @@ def assemble(schema: FeatureSchema, reqs: list[ParsedRequest], layout: Layout) -
     x: dict[str, torch.Tensor] = {}
     for f in schema.sparse:
         if f.group == "ad":
-            vals = [_ids(r.cand_sparse[f.name][0], f.vocab_size, f.name, st) for r, st in zip(reqs, stats)]
+            vals = [_ids(r.cand_sparse[f.name][0], f.vocab_size, f.name, st) for r,
+                    st in zip(reqs, stats)]
             lens = np.concatenate([r.cand_sparse[f.name][1] for r in reqs])
         else:
             vals = [_ids(r.sparse[f.name], f.vocab_size, f.name, st) for r, st in zip(reqs, stats)]
@@ -75,9 +77,11 @@ def assemble(schema: FeatureSchema, reqs: list[ParsedRequest], layout: Layout) -
         if f.group == "ad":
             dense[:, j] = np.concatenate([r.cand_dense[f.name] for r in reqs])
         else:
-            dense[:, j] = np.repeat(np.array([r.dense[f.name] for r in reqs], dtype=np.float32), counts)
+            dense[:, j] = np.repeat(np.array([r.dense[f.name] for r in reqs], dtype=np.float32),
+                                    counts)
     x["dense"] = _t(dense)
-    if schema.embeddings:  # [C, E]: every embedding feature's vector side by side, as ``Batch.embeddings``
+    # [C, E]: every embedding feature's vector side by side, as ``Batch.embeddings``
+    if schema.embeddings:
         x["embeddings"] = _t(np.concatenate(
             [np.concatenate([r.cand_embeddings[f.name] for r in reqs]) if f.group == "ad"
              else np.repeat(np.stack([r.embeddings[f.name] for r in reqs]), counts, axis=0)
@@ -92,7 +96,8 @@ def assemble(schema: FeatureSchema, reqs: list[ParsedRequest], layout: Layout) -
     return x, [_report(st) for st in stats]
 
 
-def _stream(s, reqs: list[ParsedRequest], limit: int, recent_len: int, stats: list[CollateStats]) -> dict:
+def _stream(s, reqs: list[ParsedRequest], limit: int, recent_len: int,
+            stats: list[CollateStats]) -> dict:
     cols = [s.item_column, s.event_column] + [s.attribute_column(a) for a in s.attributes]
     vocab = [s.item_vocab_size, s.num_event_types] + [a.vocab_size for a in s.attributes]
     lens = np.array([len(r.sequences[s.ts_column]) for r in reqs], dtype=np.int64)
@@ -113,12 +118,14 @@ def _stream(s, reqs: list[ParsedRequest], limit: int, recent_len: int, stats: li
     req_ts = np.repeat(np.array([r.request_ts for r in reqs], dtype=np.int64), lens)
     age = (req_ts - flat[s.ts_column]).astype(np.float32)
     out[f"seq.{s.name}.age"] = _t(np.append(age, np.float32(0)))
-    L = max(2, int(lens.max()))  # ≥ 2: the exported graph is traced for L ≠ 1 (an extra slot is masked padding)
+    # ≥ 2: the exported graph is traced for L ≠ 1 (an extra slot is masked padding)
+    L = max(2, int(lens.max()))
     pos = np.arange(L)
     valid = pos[None, :] < lens[:, None]
     out[f"seq.{s.name}.pool_idx"] = _t(np.where(valid, offs[:-1, None] + pos[None, :], total))
     out[f"seq.{s.name}.pool_valid"] = _t(valid)
-    K = recent_len  # always the full window: padding is masked, and a fixed K keeps the pyramid's branches fixed
+    # always the full window: padding is masked, and a fixed K keeps the pyramid's branches fixed
+    K = recent_len
     back = np.arange(K) - K  # −K … −1: position from the newest event
     rvalid = back[None, :] >= -lens[:, None]
     out[f"seq.{s.name}.recent_idx"] = _t(np.where(rvalid, offs[1:, None] + back[None, :], total))

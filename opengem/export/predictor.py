@@ -12,10 +12,10 @@ embedded once and the candidates are scored together in one forward (``opengem.e
 
 With a history store (``history=``, ``opengem.export.history``) a request with ``user_id`` may leave
 out a stream's history fields; they are read from the store at parse time (where the server
-validates the request, before it joins a micro-batch, so the scoring thread never waits on a lookup), and
-the response adds
-``"looked_up": {stream: events}`` and ``"unknown_user": {stream: 1}`` (the store had no events of the
-user there: scored with an empty history). Fields given in the request win, per stream.
+validates the request, before it joins a micro-batch, so the scoring thread never waits on a
+lookup), and the response adds ``"looked_up": {stream: events}`` and ``"unknown_user": {stream: 1}``
+(the store had no events of the user there: scored with an empty history). Fields given in the
+request win, per stream.
 
 Runtimes, best first (``runtime="auto"`` takes the first that loads): ``aoti`` (the AOTInductor
 package, compiled for the exporting machine's CPU and torch build), ``exported`` (the portable
@@ -66,7 +66,8 @@ class Predictor:
             Without one, every history field is required (422 otherwise).
     """
 
-    def __init__(self, artifact_dir: str | Path, runtime: str = "auto", limits: Limits | None = None,
+    def __init__(self, artifact_dir: str | Path, runtime: str = "auto",
+                 limits: Limits | None = None,
                  history=None):
         self.root = Path(artifact_dir)
         self.manifest = load_manifest(self.root, verify=(SCHEMA_FILE,))
@@ -74,12 +75,15 @@ class Predictor:
         self.layout = Layout(**self.manifest["layout"])
         self.tasks = self.schema.task_names
         self.version = self.manifest["model_version"]
-        self.table_dtype = self.manifest.get("tables", {}).get("dtype", "fp32")  # artifacts before tables: fp32
+        # artifacts before tables: fp32
+        self.table_dtype = self.manifest.get("tables", {}).get("dtype", "fp32")
         self.limits = limits = limits or Limits()
         self.history = history
         if history is not None:
             history.check(self.schema)
-        self.candidate_model, self.request_model = request_models(self.schema, limits, history is not None)
+        self.candidate_model, self.request_model = request_models(
+            self.schema, limits, history is not None
+        )
         self.program, self.runtime = self._load(runtime)
 
     # ------------------------------------------------------------------ loading
@@ -117,10 +121,12 @@ class Predictor:
         from opengem.model.build import build_gem, materialize
 
         if self.manifest["model"]["kind"] != "GEM":
-            raise ArtifactError(f"eager runtime rebuilds GEM only, this artifact holds {self.manifest['model']['kind']}")
+            raise ArtifactError(f"eager runtime rebuilds GEM only, this artifact "
+                                f"holds {self.manifest['model']['kind']}")
         load_manifest(self.root, verify=("weights.pt", "config.json"))
         cfg = Config.from_dict(json.loads((self.root / "config.json").read_text()))
-        model = compress(materialize(build_gem(self.schema, cfg.model)), self.table_dtype)  # weights.pt's format
+        # weights.pt's format
+        model = compress(materialize(build_gem(self.schema, cfg.model)), self.table_dtype)
         model.load_state_dict(torch.load(self.root / "weights.pt", weights_only=True))
         return serving_module(model.eval())
 
@@ -151,7 +157,8 @@ class Predictor:
                 continue
             cols = history_columns(s)
             if s.ts_column in found:
-                p.sequences.update(check_history(self.schema, s, {c: found[c] for c in cols}, p.request_ts))
+                p.sequences.update(check_history(self.schema, s, {c: found[c] for c in cols},
+                                                 p.request_ts))
                 looked[s.name] = len(p.sequences[s.ts_column])
             else:
                 p.sequences.update({c: np.zeros(0, dtype=np.int64) for c in cols})
@@ -164,7 +171,8 @@ class Predictor:
         if not reqs:
             return []
         padded = reqs
-        if sum(r.num_candidates for r in reqs) == 1:  # the graph is traced for C ≥ 2: score a copy, drop it
+        # the graph is traced for C ≥ 2: score a copy, drop it
+        if sum(r.num_candidates for r in reqs) == 1:
             padded = [_doubled(reqs[0])] + reqs[1:]
         x, reports = assemble(self.schema, padded, self.layout)
         probs = self.program(x)
@@ -174,7 +182,8 @@ class Predictor:
             p = probs[start:start + r.num_candidates]
             start += pr.num_candidates
             out.append({"model_version": self.version, "tasks": self.tasks,
-                        "predictions": {t: p[:, j].tolist() for j, t in enumerate(self.tasks)}, **rep, **r.lookup})
+                        "predictions": {t: p[:, j].tolist() for j, t in enumerate(self.tasks)},
+                        **rep, **r.lookup})
         return out
 
     def predict(self, request: dict | bytes | str) -> dict:
@@ -209,11 +218,14 @@ class AOTIProgram:
         self.keys = sorted(args[0], key=args[0].get)  # leaf index of each input
 
     def __call__(self, x: dict[str, torch.Tensor]):
-        return self.pytree.tree_unflatten(self.loader.boxed_run([x[k] for k in self.keys]), self.out_spec)
+        return self.pytree.tree_unflatten(self.loader.boxed_run([x[k] for k in self.keys]),
+                                          self.out_spec)
 
 
 def _doubled(r: ParsedRequest) -> ParsedRequest:
     return replace(r, num_candidates=2 * r.num_candidates,
-                   cand_sparse={k: (np.concatenate([v, v]), np.concatenate([n, n])) for k, (v, n) in r.cand_sparse.items()},
+                   cand_sparse={k: (np.concatenate([v, v]), np.concatenate([n, n])) for k,
+                                (v, n) in r.cand_sparse.items()},
                    cand_dense={k: np.concatenate([v, v]) for k, v in r.cand_dense.items()},
-                   cand_embeddings={k: np.concatenate([v, v]) for k, v in r.cand_embeddings.items()})
+                   cand_embeddings={k: np.concatenate([v, v]) for k,
+                                    v in r.cand_embeddings.items()})

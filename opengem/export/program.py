@@ -86,7 +86,8 @@ class ServingGEM(nn.Module):
         return v if self.groups[feature] == "ad" else v[x["cand_user"]]
 
     def sparse_tokens(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[C, n, D]: user/context features looked up once per request, then gathered per candidate."""
+        """[C, n, D]: user/context features looked up once per request, then gathered
+        per candidate."""
         cand_user = x["cand_user"]
         toks = []
         for f in self.schema.sparse:
@@ -95,22 +96,28 @@ class ServingGEM(nn.Module):
             toks.append(e if f.group == "ad" else e[cand_user])
         return torch.stack(toks, dim=1)
 
-    def history_tokens(self, x: dict[str, torch.Tensor], tower: nn.Module, stream) -> list[torch.Tensor]:
-        """[N, D] per target-match combination: event model + match vector + time embedding, once per event."""
-        cols = [stream.item_column, stream.event_column] + [stream.attribute_column(a) for a in stream.attributes]
+    def history_tokens(self, x: dict[str, torch.Tensor], tower: nn.Module,
+                       stream) -> list[torch.Tensor]:
+        """[N, D] per target-match combination: event model + match vector + time embedding, once
+        per event."""
+        cols = [stream.item_column, stream.event_column] + [stream.attribute_column(a)
+                                                            for a in stream.attributes]
         names = [f"t_{stream.name}_item", f"t_{stream.name}_event"] + [f"t_{stream.name}_{a.name}"
                                                                       for a in stream.attributes]
         values = None
         for col, name in zip(cols, names):
             e = self._rows(name, self._ids(x[f"seq.{col}"], col))
-            values = e if values is None else values + e  # the order SparseArch.forward_sequences sums in
+            # the order SparseArch.forward_sequences sums in
+            values = e if values is None else values + e
         age = x[f"seq.{stream.name}.age"]
         A = len(self.match_pairs.get(stream.name, ()))
         if not A:
             return [tower.embed(values, age)]
         match = self.gem.target_match[stream.name]
         combos = [[float((k >> a) & 1) for a in range(A)] for k in range(2**A)]
-        return [tower.embed(values + match(torch.tensor([c], dtype=values.dtype, device=values.device)), age)
+        return [tower.embed(values
+                            + match(torch.tensor([c], dtype=values.dtype, device=values.device)),
+                            age)
                 for c in combos]
 
     def _combo(self, x: dict[str, torch.Tensor], stream: str, events: torch.Tensor,
@@ -119,18 +126,20 @@ class ServingGEM(nn.Module):
         g = None
         for a, (col, _, oov) in enumerate(self.match_pairs.get(stream, ())):
             ev = x[f"seq.{col}"][events]
-            flag = ((ev == cand_ids[a]) & (ev != oov)).long() << a  # OOV never matches (GEM._match_flags)
+            # OOV never matches (GEM._match_flags)
+            flag = ((ev == cand_ids[a]) & (ev != oov)).long() << a
             g = flag if g is None else g + flag
         return g
 
     def history_counts(self, x: dict[str, torch.Tensor], stream: str) -> torch.Tensor:
-        """[C, (1 + A)·E·K (×2 with recency)]: ``HistoryCounts.stream_counts`` per candidate; the decayed weights are
-        summed once per user, only the target-matched sums are per candidate."""
+        """[C, (1 + A)·E·K (×2 with recency)]: ``HistoryCounts.stream_counts`` per candidate; the
+        decayed weights are summed once per user, only the target-matched sums are per candidate."""
         hc, cand_user = self.gem.history_counts, x["cand_user"]
         w_NE = hc.event_weights(stream, x[f"seq.{stream}.event"], x[f"seq.{stream}.age"])
         idx_UL, valid_UL = x[f"seq.{stream}.pool_idx"], x[f"seq.{stream}.pool_valid"]
         w_ULE = w_NE[idx_UL] * valid_UL.unsqueeze(-1).to(w_NE.dtype)
-        out, newest = [w_ULE.sum(1)[cand_user]], [w_ULE.amax(1)[cand_user]]  # padding weighs 0: amax is safe
+        # padding weighs 0: amax is safe
+        out, newest = [w_ULE.sum(1)[cand_user]], [w_ULE.amax(1)[cand_user]]
         w_CLE = w_ULE[cand_user]
         for (col, feat, oov) in self.match_pairs.get(stream, ()):
             ev_CL = x[f"seq.{col}"][idx_UL][cand_user]
@@ -139,9 +148,11 @@ class ServingGEM(nn.Module):
             newest.append((flag_CL[:, :, None] * w_CLE).amax(1))
         return torch.cat(out + newest if hc.recency else out, dim=1)
 
-    def first_tokens(self, x: dict[str, torch.Tensor], tower: nn.Module, name: str, toks: list[torch.Tensor],
+    def first_tokens(self, x: dict[str, torch.Tensor], tower: nn.Module, name: str,
+                     toks: list[torch.Tensor],
                      x_sum_CSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``SequenceTower.first_tokens`` with each user's keys, values and recent window computed once."""
+        """``SequenceTower.first_tokens`` with each user's keys, values and recent window
+        computed once."""
         C, cand_user = x_sum_CSD.shape[0], x["cand_user"]
         ids = [self._cand_ids(x, feat) for _, feat, _ in self.match_pairs.get(name, ())]
         parts = [x_sum_CSD]
@@ -151,9 +162,10 @@ class ServingGEM(nn.Module):
             q_CMD = tower.pool_q + tower.pool_cond(x_sum_CSD.flatten(1)).view(C, M, tower.dim)
             kv = [tower.pool_kv(t).chunk(2, dim=-1) for t in toks]
             pool_idx, pad = x[f"seq.{name}.pool_idx"], x["cand_pad"]
-            combo = self._combo(x, name, pool_idx[:, None, :], [i[pad][:, :, None] for i in ids])  # [U, Cm, L]
-            pooled = padded_pool(q_CMD, kv, combo, pool_idx, x[f"seq.{name}.pool_valid"], pad, x["cand_pos"],
-                                 tower.sink_logit, tower.sink_value)
+            # [U, Cm, L]
+            combo = self._combo(x, name, pool_idx[:, None, :], [i[pad][:, :, None] for i in ids])
+            pooled = padded_pool(q_CMD, kv, combo, pool_idx, x[f"seq.{name}.pool_valid"], pad,
+                                 x["cand_pos"], tower.sink_logit, tower.sink_value)
             parts.append(tower.pool_out(pooled))
             valid.append(torch.ones(C, M, dtype=torch.bool, device=x_sum_CSD.device))
         ridx_CK = x[f"seq.{name}.recent_idx"][cand_user]
@@ -167,7 +179,8 @@ class ServingGEM(nn.Module):
         valid.append(rvalid_CK)
         return torch.cat(parts, dim=1), torch.cat(valid, dim=1)
 
-    def inputs(self, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def inputs(self, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
+                                                          list[tuple[torch.Tensor, torch.Tensor]]]:
         """X_0 [C, n_x, D] as ``GEM.inputs`` builds it, and each stream's first tower tokens."""
         gem = self.gem
         dense, domain = x["dense"], x["domain"]
@@ -177,31 +190,39 @@ class ServingGEM(nn.Module):
             tokens.append(gem.dense_arch(gem.dense_norm(dense)).view(C, self.cfg.dense_tokens, -1))
         tokens.append(gem.domain_emb(domain).unsqueeze(1))
         if gem.history_counts is not None:
-            tokens.append(gem.history_counts([self.history_counts(x, s) for s in gem.streams]).unsqueeze(1))
+            tokens.append(gem.history_counts([self.history_counts(x, s)
+                                              for s in gem.streams]).unsqueeze(1))
         if gem.embedding_proj is not None:
             tokens += embedding_tokens(gem.embedding_proj, self.schema, x["embeddings"])
         x_BND = gem.x0(tokens)
         x_sum = gem.interformer.cross[0].summarize_x(x_BND)
         states = []
-        for tower, stream in zip(gem.interformer.towers, [self.schema.stream(s) for s in gem.streams]):
+        for tower, stream in zip(gem.interformer.towers,
+                                 [self.schema.stream(s) for s in gem.streams]):
             toks = self.history_tokens(x, tower, stream)
-            states.append(self.first_tokens(x, tower, stream.name, toks, gem.interformer.tower_context(x_sum)))
+            states.append(self.first_tokens(x, tower, stream.name, toks,
+                                            gem.interformer.tower_context(x_sum)))
         return x_BND, states
 
     def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
         inter = self.gem.interformer
         x_BND, states = self.inputs(x)
         shortcut = self.gem.low_order(x_BND)
-        x_sum, s_sum, _ = inter.run_layers(x_BND, states)  # InterFormer's own layers after the first tokens
-        feats = torch.cat([x_sum.flatten(1)] + ([s_sum.flatten(1)] if s_sum is not None else []), dim=1)
+        # InterFormer's own layers after the first tokens
+        x_sum, s_sum, _ = inter.run_layers(x_BND, states)
+        feats = torch.cat([x_sum.flatten(1)] + ([s_sum.flatten(1)] if s_sum is not None else []),
+                          dim=1)
         logits = self.gem.heads(feats, x["domain"], shortcut)
         return torch.sigmoid(logits)
 
 
-def padded_pool(q_CMD: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], combo_UCL: torch.Tensor | None,
+def padded_pool(q_CMD: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                combo_UCL: torch.Tensor | None,
                 pool_idx_UL: torch.Tensor, pool_valid_UL: torch.Tensor, cand_pad_UC: torch.Tensor,
-                cand_pos_C: torch.Tensor, sink_logit_MH: torch.Tensor, sink_value_MD: torch.Tensor) -> torch.Tensor:
-    """``ops.jagged.pool_attention`` (with sink) where the candidates of a user share that user's events.
+                cand_pos_C: torch.Tensor, sink_logit_MH: torch.Tensor,
+                sink_value_MD: torch.Tensor) -> torch.Tensor:
+    """``ops.jagged.pool_attention`` (with sink) where the candidates of a user share that
+    user's events.
 
     ``kv``: per target-match combination, keys and values [N, D] of every event; ``combo_UCL`` says
     which one candidate c uses for event l (None: a single combination). Candidates are grouped
@@ -219,7 +240,8 @@ def padded_pool(q_CMD: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]
         k = k_ND[pool_idx_UL].view(U, L, H, Dh).permute(0, 2, 3, 1)  # [U, H, Dh, L]
         values.append(v_ND[pool_idx_UL].view(U, L, H, Dh).transpose(1, 2))  # [U, H, L, Dh]
         scores.append((torch.matmul(q, k) * Dh**-0.5).view(U, H, Cm, M, L))
-    sel = [None] if combo_UCL is None else [(combo_UCL == j)[:, None, :, None, :] for j in range(len(kv))]
+    sel = [None] if combo_UCL is None else [(combo_UCL == j)[:, None, :, None, :]
+                                            for j in range(len(kv))]
     s = scores[0]
     for j in range(1, len(kv)):
         s = torch.where(sel[j], scores[j], s)
@@ -240,12 +262,12 @@ def padded_pool(q_CMD: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]
 def serving_module(model: nn.Module) -> nn.Module:
     """The plain-tensor module to export for a trained model.
 
-    GEM has its adapter here, over ``PackedTable``s of its tables (a GEM whose tables ``quantize_tables``
-    swapped for ``torchrec.quant`` ones serves their compressed rows, see ``opengem.export.tables``),
-    on a copy of GEM without its TorchRec tables (so the program holds each row once). A ``Student``
-    serves its backbone (the aux head is training-only), reading the backbone's own tables. Any other
-    model exports by defining ``serving_module()`` that returns a module taking the same input dict
-    (see the module docstring).
+    GEM has its adapter here, over ``PackedTable``s of its tables (a GEM whose tables
+    ``quantize_tables`` swapped for ``torchrec.quant`` ones serves their compressed rows, see
+    ``opengem.export.tables``), on a copy of GEM without its TorchRec tables (so the program holds
+    each row once). A ``Student`` serves its backbone (the aux head is training-only), reading the
+    backbone's own tables. Any other model exports by defining ``serving_module()`` that returns a
+    module taking the same input dict (see the module docstring).
     """
     if isinstance(model, GEM):
         return ServingGEM(without_tables(model), packed_tables(model.sparse_arch)).eval()

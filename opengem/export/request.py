@@ -16,16 +16,15 @@ and ``context`` fields to the request. Everything a log row has except labels is
 
 Checks, each failing with ``RequestError(status, field, message)``:
 types, required fields and unknown fields (422); non-finite or out-of-float32 dense values (422);
-a null dense value (422) unless its feature is ``missing="indicator"``: then null or left out is missing;
-an embedding vector of another length than its feature's ``dim`` (422);
-history lists of one stream of different lengths, event times not before the request or out of
-order (422, the checks ``validate_rows`` quarantines training rows for); empty candidate lists
-(422); more candidates, longer histories or more multi-hot ids than the limits (413).
-A stream's history fields are required unless the server has a history store
-(``opengem.export.history``): then a request with ``user_id`` may leave out all fields of a stream
-and the store fills them (one field of a stream without the others is still a 422).
-Ids outside a feature's vocabulary are *not* errors: as in training they score through the
-feature's OOV row and each response counts them (``oov``).
+a null dense value (422) unless its feature is ``missing="indicator"``: then null or left out is
+missing; an embedding vector of another length than its feature's ``dim`` (422); history lists of
+one stream of different lengths, event times not before the request or out of order (422, the checks
+``validate_rows`` quarantines training rows for); empty candidate lists (422); more candidates,
+longer histories or more multi-hot ids than the limits (413). A stream's history fields are required
+unless the server has a history store (``opengem.export.history``): then a request with ``user_id``
+may leave out all fields of a stream and the store fills them (one field of a stream without the
+others is still a 422). Ids outside a feature's vocabulary are *not* errors: as in training they
+score through the feature's OOV row and each response counts them (``oov``).
 """
 
 from __future__ import annotations
@@ -41,7 +40,8 @@ from opengem.features.schema import FeatureSchema
 INT64 = (-(2**63), 2**63 - 1)
 _Id = Annotated[int, Field(strict=True, ge=INT64[0], le=INT64[1])]
 _Ts = Annotated[int, Field(strict=True, ge=0, le=2**62)]
-_Float = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-3.0e38, le=3.0e38)]  # finite in float32
+# finite in float32
+_Float = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-3.0e38, le=3.0e38)]
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,12 @@ class ParsedRequest:
     num_candidates: int
     user_id: int | None = None
     missing: tuple[str, ...] = ()  # streams whose history the request left out (a store fills them)
-    lookup: dict[str, dict[str, int]] = field(default_factory=dict)  # response report of the store's lookup
-    embeddings: dict[str, np.ndarray] = field(default_factory=dict)  # user/context embedding → [dim] float32
-    cand_embeddings: dict[str, np.ndarray] = field(default_factory=dict)  # ad embedding → [C, dim] float32
+    # response report of the store's lookup
+    lookup: dict[str, dict[str, int]] = field(default_factory=dict)
+    # user/context embedding → [dim] float32
+    embeddings: dict[str, np.ndarray] = field(default_factory=dict)
+    # ad embedding → [C, dim] float32
+    cand_embeddings: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def _py(name: str) -> str:
@@ -92,17 +95,27 @@ def _fields(schema: FeatureSchema, groups: set[str], limits: Limits) -> dict:
     for f in schema.sparse:
         if f.group in groups:
             t = Annotated[list[_Id], Field(max_length=limits.max_multi_hot)] if f.multi_hot else _Id
-            out[_py(f.name)] = (t, Field(..., alias=f.name, description=f"{f.group} id, vocabulary {f.vocab_size}"))
+            out[_py(f.name)] = (t,
+                                Field(..., alias=f.name,
+                                      description=f"{f.group} id, vocabulary {f.vocab_size}"))
     for f in schema.dense:
-        if f.group in groups and f.missing == "indicator":  # null or left out: missing, as in the logs
-            out[_py(f.name)] = (_Float | None, Field(None, alias=f.name,
-                                                     description=f"{f.group} dense value; null/omitted: missing"))
+        # null or left out: missing, as in the logs
+        if f.group in groups and f.missing == "indicator":
+            out[_py(f.name)] = (
+                _Float | None,
+                Field(
+                    None, alias=f.name, description=f"{f.group} dense value; null/omitted: missing"
+                ),
+            )
         elif f.group in groups:
-            out[_py(f.name)] = (_Float, Field(..., alias=f.name, description=f"{f.group} dense value"))
+            out[_py(f.name)] = (_Float,
+                                Field(..., alias=f.name, description=f"{f.group} dense value"))
     for f in schema.embeddings:  # the length is checked in ``parse`` (a 422, not a limit's 413)
         if f.group in groups:
-            out[_py(f.name)] = (list[_Float], Field(..., alias=f.name,
-                                                    description=f"{f.group} vector of {f.dim} floats"))
+            out[_py(f.name)] = (
+                list[_Float],
+                Field(..., alias=f.name, description=f"{f.group} vector of {f.dim} floats"),
+            )
     return out
 
 
@@ -114,7 +127,9 @@ def _vector(v: list, f, where: str) -> np.ndarray:
 
 def history_columns(s) -> tuple[str, ...]:
     """A stream's history fields in a request (and v1 row): item, event, ts, then its attributes."""
-    return (s.item_column, s.event_column, s.ts_column) + tuple(s.attribute_column(a) for a in s.attributes)
+    return (s.item_column, s.event_column, s.ts_column) + tuple(
+        s.attribute_column(a) for a in s.attributes
+    )
 
 
 def request_models(schema: FeatureSchema, limits: Limits = Limits(),
@@ -126,28 +141,38 @@ def request_models(schema: FeatureSchema, limits: Limits = Limits(),
     cfg = ConfigDict(extra="forbid", populate_by_name=False)
     cand = create_model("Candidate", __config__=cfg, **_fields(schema, {"ad"}, limits))
     fields = _fields(schema, {"user", "context"}, limits)
-    fields[_py(schema.time_column)] = (_Ts, Field(..., alias=schema.time_column, description="seconds"))
-    fields[_py(schema.domains.column)] = (Annotated[int, Field(strict=True, ge=0, le=schema.num_domains - 1)],
+    fields[_py(schema.time_column)] = (_Ts,
+                                       Field(..., alias=schema.time_column, description="seconds"))
+    fields[_py(schema.domains.column)] = (Annotated[int,
+                                                    Field(strict=True, ge=0,
+                                                          le=schema.num_domains - 1)],
                                           Field(..., alias=schema.domains.column,
-                                                description=f"index into {list(schema.domains.names)}"))
+                                                description=f"index "
+                                                            f"into {list(schema.domains.names)}"))
     if schema.user_column not in {f.name for f in schema.sparse}:
         fields[_py(schema.user_column)] = (_Id | None, Field(None, alias=schema.user_column))
-    fields[_py(schema.day_column)] = (_Id | None, Field(None, alias=schema.day_column, description="ignored"))
+    fields[_py(schema.day_column)] = (_Id | None,
+                                      Field(None, alias=schema.day_column, description="ignored"))
     for s in schema.sequences:
         n = limits.history(s)
         for col in history_columns(s):
             item = _Ts if col == s.ts_column else _Id
             t = Annotated[list[item], Field(max_length=n)]
             desc = f"stream {s.name}, oldest → newest, ≤ {n} events"
-            fields[_py(col)] = ((t | None, Field(None, alias=col, description=desc + "; omitted: looked up by user_id"))
-                                if optional_histories else (t, Field(..., alias=col, description=desc)))
-    fields["candidates"] = (Annotated[list[cand], Field(min_length=1, max_length=limits.max_candidates)],
+            fields[_py(col)] = ((t | None,
+                                 Field(None, alias=col,
+                                       description=desc + "; omitted: looked up by user_id"))
+                                if optional_histories
+                                else (t, Field(..., alias=col, description=desc)))
+    fields["candidates"] = (Annotated[list[cand],
+                                      Field(min_length=1, max_length=limits.max_candidates)],
                             Field(..., description="ads to score for this request"))
     return cand, create_model("ScoreRequest", __config__=cfg, **fields)
 
 
 def error_from_validation(e: ValidationError | list[dict]) -> RequestError:
-    """The first problem of a pydantic error, as a RequestError naming the field (413 for limits)."""
+    """The first problem of a pydantic error, as a RequestError naming the field (413
+    for limits)."""
     errors = e.errors() if isinstance(e, ValidationError) else e
     err, kind = errors[0], errors[0].get("type")
     loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
@@ -155,13 +180,18 @@ def error_from_validation(e: ValidationError | list[dict]) -> RequestError:
     if kind == "json_invalid":
         return RequestError(400, "body", f"malformed JSON: {err.get('msg')}")
     if kind in ("missing", "extra_forbidden"):
-        return RequestError(422, loc, ("field required" if kind == "missing" else "unknown field") + more)
+        return RequestError(422, loc,
+                            ("field required" if kind == "missing" else "unknown field") + more)
     if kind == "float_type" and err.get("input", ...) is None:
-        return RequestError(422, loc, f"null: {loc.rsplit('.', 1)[-1]!r} needs a number (only a dense feature "
-                                      f"declared missing=\"indicator\" takes null as missing){more}")
+        return RequestError(422, loc,
+                            f"null: {loc.rsplit('.', 1)[-1]!r} needs a number (only a "
+                            f"dense feature "
+                                      f"declared missing=\"indicator\" takes null "
+                                      f"as missing){more}")
     if kind == "too_long":
         return RequestError(413, loc, err.get("msg", "too long") + more)
-    return RequestError(422, loc or "body", f"{err.get('msg')}, got {_short(err.get('input'))}{more}")
+    return RequestError(422, loc or "body",
+                        f"{err.get('msg')}, got {_short(err.get('input'))}{more}")
 
 
 def _short(v: Any) -> str:
@@ -181,8 +211,10 @@ def parse(schema: FeatureSchema, req: BaseModel) -> ParsedRequest:
             continue
         absent = [c for c, v in given.items() if v is None]
         if absent:
-            raise RequestError(422, absent[0], f"field required: stream {s.name!r} is given in part "
-                                               "(give all its fields, or none to look it up by user id)")
+            raise RequestError(422, absent[0],
+                               f"field required: stream {s.name!r} is given in part "
+                                               "(give all its fields, or none to look it up "
+                                               "by user id)")
         sequences.update(check_history(schema, s, given, ts))
     sparse, dense, cand_sparse, cand_dense = {}, {}, {}, {}
     cands = get["candidates"]
@@ -200,13 +232,15 @@ def parse(schema: FeatureSchema, req: BaseModel) -> ParsedRequest:
             key = _py(f.name)
             cand_sparse[f.name] = (np.fromiter((c.__dict__[key] for c in cands), np.int64, count=C),
                                    np.ones(C, dtype=np.int64))
-    nan = float("nan")  # a missing value of a ``missing="indicator"`` feature (the only ones that may be None)
+    # a missing value of a ``missing="indicator"`` feature (the only ones that may be None)
+    nan = float("nan")
     for f in schema.dense:
         key = _py(f.name)
         if f.group != "ad":
             dense[f.name] = nan if get[key] is None else float(get[key])
         else:
-            cand_dense[f.name] = np.fromiter((nan if c.__dict__[key] is None else c.__dict__[key] for c in cands),
+            cand_dense[f.name] = np.fromiter((nan if c.__dict__[key] is None else c.__dict__[key]
+                                              for c in cands),
                                              np.float32, count=C)
     embeddings, cand_embeddings = {}, {}
     for f in schema.embeddings:
@@ -214,23 +248,31 @@ def parse(schema: FeatureSchema, req: BaseModel) -> ParsedRequest:
         if f.group != "ad":
             embeddings[f.name] = _vector(get[key], f, f.name)
         else:
-            cand_embeddings[f.name] = (np.stack([_vector(c.__dict__[key], f, f"candidates.{i}.{f.name}")
+            cand_embeddings[f.name] = (np.stack([_vector(c.__dict__[key], f,
+                                                         f"candidates.{i}.{f.name}")
                                                  for i, c in enumerate(cands)]))
-    user = get.get(_py(schema.user_column)) if schema.user_column not in {f.name for f in schema.sparse} else \
-        int(sparse[schema.user_column][0])
-    return ParsedRequest(ts, get[_py(schema.domains.column)], sparse, dense, sequences, cand_sparse, cand_dense, C,
-                         user, tuple(missing), embeddings=embeddings, cand_embeddings=cand_embeddings)
+    user = (
+        get.get(_py(schema.user_column))
+        if schema.user_column not in {f.name for f in schema.sparse}
+        else int(sparse[schema.user_column][0])
+    )
+    return ParsedRequest(ts, get[_py(schema.domains.column)], sparse, dense, sequences, cand_sparse,
+                         cand_dense, C, user, tuple(missing), embeddings=embeddings,
+                         cand_embeddings=cand_embeddings)
 
 
 def check_history(schema: FeatureSchema, s, fields: dict, ts: int) -> dict[str, np.ndarray]:
-    """One stream's history fields as int64 arrays, checked as ``validate_rows`` checks training rows:
-    one entry per event in every field, events before the request, oldest → newest (422 otherwise)."""
+    """One stream's history fields as int64 arrays, checked as ``validate_rows`` checks
+    training rows:
+    one entry per event in every field, events before the request, oldest → newest
+    (422 otherwise)."""
     arrs = {c: np.asarray(fields[c], dtype=np.int64) for c in history_columns(s)}
     n = len(arrs[s.ts_column])
     for c, a in arrs.items():
         if len(a) != n:
             raise RequestError(422, c, f"has {len(a)} events but {s.ts_column} has {n}; "
-                                       f"every list of stream {s.name!r} must have one entry per event")
+                                       f"every list of stream {s.name!r} must have one entry "
+                                       f"per event")
     t = arrs[s.ts_column]
     if (t >= ts).any():
         raise RequestError(422, s.ts_column, f"events must happen before {schema.time_column}={ts}")
@@ -242,14 +284,17 @@ def check_history(schema: FeatureSchema, s, fields: dict, ts: int) -> dict[str, 
 def split_row(schema: FeatureSchema, row: dict) -> tuple[dict, dict]:
     """(request fields, candidate fields) of one log row (labels and probabilities dropped)."""
     ad = {f.name for f in (*schema.sparse, *schema.dense, *schema.embeddings) if f.group == "ad"}
-    drop = {t.label_column for t in schema.tasks} | {t.prob_column for t in schema.tasks if t.prob_column}
+    drop = {t.label_column for t in schema.tasks} | {t.prob_column for t in schema.tasks
+                                                     if t.prob_column}
     req = {k: v for k, v in row.items() if k not in ad and k not in drop}
     return req, {k: row[k] for k in ad}
 
 
 def rows_of(schema: FeatureSchema, request: dict) -> list[dict]:
-    """The log rows a request stands for: one per candidate (labels NaN = missing), for ``collate``."""
-    left_out = [f for f in schema.dense if f.missing == "indicator"]  # a value left out is a null in a row
+    """The log rows a request stands for: one per candidate (labels NaN = missing),
+    for ``collate``."""
+    # a value left out is a null in a row
+    left_out = [f for f in schema.dense if f.missing == "indicator"]
     base = {f.name: None for f in left_out if f.group != "ad"}
     base.update({k: v for k, v in request.items() if k != "candidates"})
     base.update({t.label_column: float("nan") for t in schema.tasks})
@@ -275,8 +320,10 @@ def synthetic_request(schema: FeatureSchema, num_candidates: int, history: int |
             v[0] = vocab + 7
         return v.tolist() if n is not None else int(v[0])
 
-    req: dict[str, Any] = {schema.time_column: ts, schema.domains.column: int(rng.integers(schema.num_domains)),
-                           schema.user_column: int(rng.integers(1000))}  # overwritten below if it is a feature
+    req: dict[str, Any] = {schema.time_column: ts,
+                           schema.domains.column: int(rng.integers(schema.num_domains)),
+                           # overwritten below if it is a feature
+                           schema.user_column: int(rng.integers(1000))}
     for f in schema.sparse:
         if f.group != "ad":
             req[f.name] = ids(f.vocab_size, 2 if f.multi_hot else None)

@@ -35,7 +35,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from pydantic import BaseModel, Field
 
 from opengem.export.artifact import ArtifactError
@@ -45,19 +52,29 @@ from opengem.export.request import Limits, RequestError, error_from_validation
 
 log = logging.getLogger("opengem.export")
 ROUTES = ("/v1/score", "/healthz", "/readyz", "/metrics", "/admin/reload", "/openapi.json", "/docs")
-_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25,
+            0.5, 1.0, 2.5)
 
 
 class ScoreResponse(BaseModel):
     model_version: str
     tasks: list[str]
-    predictions: dict[str, list[float]] = Field(description="task → probability per candidate, in request order")
-    oov: dict[str, int] = Field(description="feature → ids outside its vocabulary (scored through its OOV row)")
-    truncated: dict[str, int] = Field(description="stream → oldest events dropped past the model's history limit")
-    looked_up: dict[str, int] | None = Field(None, description="with a history store: stream → events read "
-                                                                "for the streams the request left out")
-    unknown_user: dict[str, int] | None = Field(None, description="with a history store: stream → 1 where the "
-                                                                   "store has no events of the user (empty history)")
+    predictions: dict[str, list[float]] = Field(description="task → probability per candidate, in "
+                                                            "request order")
+    oov: dict[str, int] = Field(description="feature → ids outside its vocabulary (scored through "
+                                            "its OOV row)")
+    truncated: dict[str, int] = Field(description="stream → oldest events dropped past the model's "
+                                                  "history limit")
+    looked_up: dict[str, int] | None = Field(
+        None,
+        description="with a history store: stream → events read "
+        "for the streams the request left out",
+    )
+    unknown_user: dict[str, int] | None = Field(
+        None,
+        description="with a history store: stream → 1 where the "
+        "store has no events of the user (empty history)",
+    )
 
 
 class ErrorDetail(BaseModel):
@@ -79,15 +96,19 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self.latency = Histogram("opengem_request_duration_seconds", "request latency", ["route"],
                                  buckets=_BUCKETS, registry=r)
-        self.requests = Counter("opengem_requests", "requests by route and status", ["route", "status"], registry=r)
-        self.errors = Counter("opengem_request_errors", "4xx/5xx responses", ["route", "status"], registry=r)
-        self.batch_requests = Histogram("opengem_batch_requests", "requests per forward", registry=r,
-                                        buckets=(1, 2, 4, 8, 16, 32, 64))
-        self.batch_candidates = Histogram("opengem_batch_candidates", "candidates per forward", registry=r,
+        self.requests = Counter("opengem_requests", "requests by route and status",
+                                ["route", "status"], registry=r)
+        self.errors = Counter("opengem_request_errors", "4xx/5xx responses", ["route", "status"],
+                              registry=r)
+        self.batch_requests = Histogram("opengem_batch_requests", "requests per forward",
+                                        registry=r, buckets=(1, 2, 4, 8, 16, 32, 64))
+        self.batch_candidates = Histogram("opengem_batch_candidates", "candidates per forward",
+                                          registry=r,
                                           buckets=(1, 8, 64, 256, 512, 1024, 2048, 4096))
-        self.forward = Histogram("opengem_forward_seconds", "one micro-batch: preprocess + forward", registry=r,
-                                 buckets=_BUCKETS)
-        self.model = Gauge("opengem_model_info", "the model being served", ["version", "runtime"], registry=r)
+        self.forward = Histogram("opengem_forward_seconds", "one micro-batch: preprocess + forward",
+                                 registry=r, buckets=_BUCKETS)
+        self.model = Gauge("opengem_model_info", "the model being served", ["version", "runtime"],
+                           registry=r)
         self.reloads = Counter("opengem_reloads", "hot reloads by result", ["result"], registry=r)
 
     def on_batch(self, n_requests: int, n_candidates: int, seconds: float) -> None:
@@ -145,14 +166,17 @@ class EdgeMiddleware:
 
 
 def _error_response(e: RequestError) -> JSONResponse:
-    return JSONResponse({"error": {"status": e.status, "field": e.field, "message": e.message}}, status_code=e.status)
+    return JSONResponse({"error": {"status": e.status, "field": e.field, "message": e.message}},
+                        status_code=e.status)
 
 
 def create_app(artifact: str | Path, runtime: str = "auto", limits: Limits | None = None,
-               window_ms: float = 2.0, max_batch_candidates: int = 2048, max_body_bytes: int = 16 << 20,
+               window_ms: float = 2.0, max_batch_candidates: int = 2048,
+               max_body_bytes: int = 16 << 20,
                admin: bool = True, history=None) -> FastAPI:
-    """The ASGI app serving ``artifact``; the model loads now, warms up and starts scoring at startup.
-    ``history``: a ``HistoryStore`` (or a store directory) that fills histories a request leaves out."""
+    """The ASGI app serving ``artifact``; the model loads now, warms up and starts scoring at
+    startup. ``history``: a ``HistoryStore`` (or a store directory) that fills histories a request
+    leaves out."""
     limits = limits or Limits()
     if isinstance(history, (str, Path)):
         from opengem.export.history import ArrowHistoryStore
@@ -171,13 +195,15 @@ def create_app(artifact: str | Path, runtime: str = "auto", limits: Limits | Non
         batcher.start()
         metrics.set_model(predictor)
         status["ready"] = True
-        log.info("serving %s (model %s, runtime %s)", artifact, predictor.version, predictor.runtime)
+        log.info("serving %s (model %s, runtime %s)", artifact, predictor.version,
+                 predictor.runtime)
         yield
         status["ready"] = False
         await asyncio.to_thread(batcher.stop)
 
     app = FastAPI(title="OpenGEM scoring", version="1", lifespan=lifespan,
-                  description="Scores candidate ads for one request with a model exported by `opengem export`.")
+                  description="Scores candidate ads for one request with a model exported by "
+                              "`opengem export`.")
     app.state.batcher, app.state.metrics, app.state.status = batcher, metrics, status
     app.add_middleware(EdgeMiddleware, metrics=metrics, max_body=max_body_bytes)
     errors = {c: {"model": ErrorResponse} for c in (400, 413, 422)}
@@ -186,10 +212,21 @@ def create_app(artifact: str | Path, runtime: str = "auto", limits: Limits | Non
     async def _invalid(request: Request, exc: RequestValidationError):
         return _error_response(error_from_validation(list(exc.errors())))
 
-    @app.post("/v1/score", responses={200: {"model": ScoreResponse}, **errors}, openapi_extra={"requestBody": {
-        "required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ScoreRequest"}}}}})
+    @app.post(
+        "/v1/score",
+        responses={200: {"model": ScoreResponse}, **errors},
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/ScoreRequest"}}
+                },
+            }
+        },
+    )
     async def score(request: Request):
-        """Probabilities per task for each candidate of one request (see ScoreRequest for the fields)."""
+        """Probabilities per task for each candidate of one request (see ScoreRequest for
+        the fields)."""
         batcher.incoming += 1
         try:
             parsed = batcher.predictor.parse(await request.body())
@@ -203,7 +240,8 @@ def create_app(artifact: str | Path, runtime: str = "auto", limits: Limits | Non
     @app.get("/healthz")
     async def healthz():
         ok = batcher.alive()
-        return JSONResponse({"status": "ok" if ok else "scoring thread down"}, status_code=200 if ok else 503)
+        return JSONResponse({"status": "ok" if ok else "scoring thread down"},
+                            status_code=200 if ok else 503)
 
     @app.get("/readyz")
     async def readyz():
@@ -221,19 +259,27 @@ def create_app(artifact: str | Path, runtime: str = "auto", limits: Limits | Non
     if admin:
         @app.post("/admin/reload", responses=errors | {409: {"model": ErrorResponse}})
         async def reload(body: ReloadRequest):
-            """Load, check and warm a new artifact, then swap it in; requests in flight finish on the old one."""
+            """Load, check and warm a new artifact, then swap it in; requests in flight finish on
+            the old one."""
             async with reload_lock:
                 current, t0 = batcher.predictor, time.perf_counter()
                 try:
-                    new = await asyncio.to_thread(_load_warm, body.artifact, runtime, limits, history)
+                    new = await asyncio.to_thread(_load_warm, body.artifact, runtime, limits,
+                                                  history)
                 except Exception as e:  # noqa: BLE001 - any failure leaves the old model serving
                     metrics.reloads.labels("failed").inc()
-                    msg = str(e) if isinstance(e, ArtifactError) else f"cannot load: {type(e).__name__}: {e}"
+                    msg = (
+                        str(e)
+                        if isinstance(e, ArtifactError)
+                        else f"cannot load: {type(e).__name__}: {e}"
+                    )
                     return _error_response(RequestError(400, "artifact", msg[:500]))
                 if new.schema.fingerprint() != current.schema.fingerprint():
                     metrics.reloads.labels("refused").inc()
-                    return _error_response(RequestError(409, "artifact", "its feature schema differs from the one "
-                                                        "served (the request format would change): deploy a new server"))
+                    return _error_response(RequestError(409, "artifact",
+                                                        "its feature schema differs from the one "
+                                                        "served (the request format would change): "
+                                                        "deploy a new server"))
                 batcher.swap(new)
                 metrics.set_model(new)
                 metrics.reloads.labels("ok").inc()
@@ -242,9 +288,12 @@ def create_app(artifact: str | Path, runtime: str = "auto", limits: Limits | Non
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            spec = get_openapi(title=app.title, version=app.version, description=app.description,
+                               routes=app.routes)
             comps = spec.setdefault("components", {}).setdefault("schemas", {})
-            js = predictor.request_model.model_json_schema(by_alias=True, ref_template="#/components/schemas/{model}")
+            js = predictor.request_model.model_json_schema(
+                by_alias=True, ref_template="#/components/schemas/{model}"
+            )
             comps.update(js.pop("$defs", {}))
             comps["ScoreRequest"] = js
             app.openapi_schema = spec
@@ -261,9 +310,10 @@ def _load_warm(artifact: str, runtime: str, limits: Limits, history=None) -> Pre
 
 
 def serve(artifact: str | Path, host: str = "127.0.0.1", port: int = 8000, runtime: str = "auto",
-          window_ms: float = 2.0, limits: Limits | None = None, admin: bool = True, log_level: str = "info",
-          history: str | Path | None = None) -> None:
-    """Run the server until SIGINT/SIGTERM, then stop taking connections, finish open requests, exit."""
+          window_ms: float = 2.0, limits: Limits | None = None, admin: bool = True,
+          log_level: str = "info", history: str | Path | None = None) -> None:
+    """Run the server until SIGINT/SIGTERM, then stop taking connections, finish open
+    requests, exit."""
     import uvicorn
 
     app = create_app(artifact, runtime, limits, window_ms, admin=admin, history=history)

@@ -1,14 +1,15 @@
-"""The serving program's embedding tables: fp32, or compressed (``opengem export --table-dtype fp16|int8``).
+"""The serving program's embedding tables: fp32, or compressed (``opengem export
+--table-dtype fp16|int8``).
 
 Legend: R rows of a table, D dim, V ids looked up, B bags (rows of a pooled feature).
 
 Every table of the program is a ``PackedTable``: its rows as a buffer, gathered by id and, for a
 pooled feature, summed per bag with ``index_add`` (TorchRec's SUM pooling). fp32 rows are the
-trained model's own. Compressed rows are quantised by TorchRec (``opengem.ops.quantize.quantize_tables``:
-fbgemm's int8 row-wise format, one fp16 scale and bias per row, or fp16), and the program reads
-those bytes as they are, dequantising only the rows a request looks up (``q · scale + bias`` in
-float32, fbgemm's own arithmetic). So the program, the AOTInductor package and ``weights.pt`` all
-carry the compressed rows.
+trained model's own. Compressed rows are quantised by TorchRec
+(``opengem.ops.quantize.quantize_tables``: fbgemm's int8 row-wise format, one fp16 scale and bias
+per row, or fp16), and the program reads those bytes as they are, dequantising only the rows a
+request looks up (``q · scale + bias`` in float32, fbgemm's own arithmetic). So the program, the
+AOTInductor package and ``weights.pt`` all carry the compressed rows.
 
 Why a gather rather than the modules' own kernels: ``nn.EmbeddingBag`` stays an ATen call in the
 AOTInductor library (about 30 µs each on one core for the VM's dozen tables, benchmarks/serving.py),
@@ -62,14 +63,17 @@ class PackedTable(nn.Module):
 
     def bag(self, values_V: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """[B, D] float32: the sum of each bag's rows (an empty bag is zeros)."""
-        bag_of_V = torch.searchsorted(offsets[1:], torch.arange(values_V.shape[0], device=values_V.device), right=True)
-        out_BD = torch.zeros(offsets.shape[0] - 1, self.rows.shape[1], dtype=torch.float32, device=values_V.device)
+        bag_of_V = torch.searchsorted(offsets[1:],
+                                      torch.arange(values_V.shape[0], device=values_V.device),
+                                      right=True)
+        out_BD = torch.zeros(offsets.shape[0] - 1, self.rows.shape[1], dtype=torch.float32,
+                             device=values_V.device)
         return out_BD.index_add_(0, bag_of_V, self(values_V))
 
 
 def packed_tables(sparse_arch: nn.Module) -> nn.ModuleDict:
-    """The tables of a SparseArch (float TorchRec modules, or ``torchrec.quant`` ones) as ``PackedTable``s;
-    float rows are shared with the model, not copied."""
+    """The tables of a SparseArch (float TorchRec modules, or ``torchrec.quant`` ones) as
+    ``PackedTable``s; float rows are shared with the model, not copied."""
     out = nn.ModuleDict()
     for qm in (sparse_arch.ebc, sparse_arch.ec):
         if qm is None:
@@ -85,7 +89,8 @@ def packed_tables(sparse_arch: nn.Module) -> nn.ModuleDict:
         configs = qm.embedding_bag_configs() if bags else qm.embedding_configs()
         if bags and any(c.pooling != PoolingType.SUM for c in configs):
             raise ValueError("packed tables implement SUM pooling only (SparseArch's)")
-        weights = [w for tbe in qm._emb_modules for w in tbe.split_embedding_weights(split_scale_shifts=True)]
+        weights = [w for tbe in qm._emb_modules
+                   for w in tbe.split_embedding_weights(split_scale_shifts=True)]
         if len(weights) != len(configs):
             raise ValueError(f"{len(configs)} table configs but {len(weights)} fbgemm tables")
         for cfg, (w, sb) in zip(configs, weights):
@@ -96,14 +101,16 @@ def packed_tables(sparse_arch: nn.Module) -> nn.ModuleDict:
 
 
 def compress(model: nn.Module, dtype: str) -> nn.Module:
-    """``model`` with its TorchRec tables quantised to ``dtype`` by TorchRec, in place (fp32: unchanged)."""
+    """``model`` with its TorchRec tables quantised to ``dtype`` by TorchRec, in place
+    (fp32: unchanged)."""
     if dtype not in TABLE_DTYPES:
         raise ValueError(f"table dtype must be one of {TABLE_DTYPES}, got {dtype!r}")
     return model if dtype == "fp32" else quantize_tables(model, dtype)
 
 
 def without_tables(gem: nn.Module) -> nn.Module:
-    """A copy of ``gem`` without its TorchRec table modules (so the program does not carry them twice).
+    """A copy of ``gem`` without its TorchRec table modules (so the program does not carry
+    them twice).
 
     The memo maps the two table modules to None: deepcopy then neither copies them nor keeps them.
     """

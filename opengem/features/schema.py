@@ -55,15 +55,17 @@ class SparseFeature:
     multi_hot: bool = False
 
 
-MISSING = ("quarantine", "indicator")  # what a NaN/null dense value means (``DenseFeature.missing``)
+# what a NaN/null dense value means (``DenseFeature.missing``)
+MISSING = ("quarantine", "indicator")
 
 
 @dataclass(frozen=True)
 class DenseFeature:
     """A float feature. By default (``missing="quarantine"``) NaN/inf are invalid (rejected or
     quarantined by the reader). ``missing="indicator"``: a NaN or null is a missing value, kept; the
-    model sees the train median in its place plus a 0/1 "was missing" input (``opengem.model.dense_norm``),
-    because in logs a missing counter or price is often informative. ±inf stays invalid.
+    model sees the train median in its place plus a 0/1 "was missing" input
+    (``opengem.model.dense_norm``), because in logs a missing counter or price is often informative.
+    ±inf stays invalid.
     """
 
     name: str
@@ -73,10 +75,11 @@ class DenseFeature:
 
 @dataclass(frozen=True)
 class EmbeddingFeature:
-    """A precomputed fixed-width float vector per row, e.g. an ad's content (creative) embedding from an
-    image or text encoder: GEM's multimodal input. Stored as a list of exactly ``dim`` floats; a row
-    with another length or a NaN/inf is quarantined. ``group`` as for the other features (serving
-    takes an "ad" one per candidate). Per-event vectors (an attribute of a stream) are not a kind yet.
+    """A precomputed fixed-width float vector per row, e.g. an ad's content (creative) embedding
+    from an image or text encoder: GEM's multimodal input. Stored as a list of exactly ``dim``
+    floats; a row with another length or a NaN/inf is quarantined. ``group`` as for the other
+    features (serving takes an "ad" one per candidate). Per-event vectors (an attribute of a stream)
+    are not a kind yet.
     """
 
     name: str
@@ -201,15 +204,20 @@ class FeatureSchema:
         for s in self.sequences:
             if s.name == name:
                 return s
-        raise SchemaError(f"no sequence stream named {name!r}; have {[s.name for s in self.sequences]}")
+        raise SchemaError(f"no sequence stream named {name!r}; have "
+                          f"{[s.name for s in self.sequences]}")
 
     def columns(self, with_probs: bool = True) -> list[str]:
         """Every column a shard must hold (probability columns only if asked and declared)."""
         cols = [self.user_column, self.time_column, self.day_column, self.domains.column]
-        cols += [f.name for f in self.sparse if f.name != self.user_column] + [f.name for f in self.dense]
+        cols += [f.name for f in self.sparse if f.name != self.user_column] + [
+            f.name for f in self.dense
+        ]
         cols += [f.name for f in self.embeddings]
         for s in self.sequences:
-            cols += [s.item_column, s.event_column, s.ts_column] + [s.attribute_column(a) for a in s.attributes]
+            cols += [s.item_column, s.event_column, s.ts_column] + [
+                s.attribute_column(a) for a in s.attributes
+            ]
         cols += [t.label_column for t in self.tasks]
         if with_probs:
             cols += [t.prob_column for t in self.tasks if t.prob_column]
@@ -217,12 +225,14 @@ class FeatureSchema:
 
     @property
     def dense_missing(self) -> list[int]:
-        """Indices (into ``dense``) of the features whose missing values are kept (``missing="indicator"``)."""
+        """Indices (into ``dense``) of the features whose missing values are
+        kept (``missing="indicator"``)."""
         return [i for i, f in enumerate(self.dense) if f.missing == "indicator"]
 
     @property
     def embedding_dim(self) -> int:
-        """Width of ``Batch.embeddings``: every embedding feature's ``dim``, concatenated in schema order."""
+        """Width of ``Batch.embeddings``: every embedding feature's ``dim``, concatenated in
+        schema order."""
         return sum(f.dim for f in self.embeddings)
 
     @property
@@ -242,25 +252,30 @@ class FeatureSchema:
 
         for c in (self.time_column, self.day_column, self.domains.column):
             claim(c, "reserved column")
-        if self.user_column not in {f.name for f in self.sparse}:  # the user id may double as a feature
+        # the user id may double as a feature
+        if self.user_column not in {f.name for f in self.sparse}:
             claim(self.user_column, "reserved column")
         for f in self.sparse:
             claim(f.name, "sparse feature")
             _positive_int(f.vocab_size, f"sparse feature {f.name!r} vocab_size")
             if f.group not in ("user", "ad", "context"):
-                raise SchemaError(f"sparse feature {f.name!r}: group must be user/ad/context, got {f.group!r}")
+                raise SchemaError(f"sparse feature {f.name!r}: group must be user/ad/context, "
+                                  f"got {f.group!r}")
         for f in self.dense:
             claim(f.name, "dense feature")
             if f.group not in ("user", "ad", "context"):
-                raise SchemaError(f"dense feature {f.name!r}: group must be user/ad/context, got {f.group!r}")
+                raise SchemaError(f"dense feature {f.name!r}: group must be user/ad/context, "
+                                  f"got {f.group!r}")
             if f.missing not in MISSING:
-                raise SchemaError(f"dense feature {f.name!r}: missing must be one of {'/'.join(MISSING)}, "
+                raise SchemaError(f"dense feature {f.name!r}: missing must be one "
+                                  f"of {'/'.join(MISSING)}, "
                                   f"got {f.missing!r}")
         for f in self.embeddings:
             claim(f.name, "embedding feature")
             _positive_int(f.dim, f"embedding feature {f.name!r} dim")
             if f.group not in ("user", "ad", "context"):
-                raise SchemaError(f"embedding feature {f.name!r}: group must be user/ad/context, got {f.group!r}")
+                raise SchemaError(f"embedding feature {f.name!r}: group must be user/ad/context, "
+                                  f"got {f.group!r}")
         for s in self.sequences:
             claim(s.name, "sequence stream")
             _positive_int(s.item_vocab_size, f"stream {s.name!r} item_vocab_size")
@@ -268,10 +283,12 @@ class FeatureSchema:
             _positive_int(s.max_len, f"stream {s.name!r} max_len")
             attr_names = [a.name for a in s.attributes]
             if len(set(attr_names)) != len(attr_names) or {"item", "event", "ts"} & set(attr_names):
-                raise SchemaError(f"stream {s.name!r}: attribute names {attr_names} must be unique and not item/event/ts")
+                raise SchemaError(f"stream {s.name!r}: attribute names {attr_names} must be unique "
+                                  f"and not item/event/ts")
             for a in s.attributes:
                 if not _NAME.match(a.name):
-                    raise SchemaError(f"stream {s.name!r} attribute name {a.name!r} must match {_NAME.pattern}")
+                    raise SchemaError(f"stream {s.name!r} attribute name {a.name!r} must "
+                                      f"match {_NAME.pattern}")
                 _positive_int(a.vocab_size, f"stream {s.name!r} attribute {a.name!r} vocab_size")
         if not self.tasks:
             raise SchemaError("schema needs at least one task")
@@ -293,14 +310,17 @@ class FeatureSchema:
         if not self.sparse and not self.dense and not self.embeddings:
             raise SchemaError("schema needs at least one sparse, dense or embedding feature")
         if self.version != SCHEMA_VERSION:
-            raise SchemaError(f"schema version {self.version} not supported (expected {SCHEMA_VERSION})")
+            raise SchemaError(f"schema version {self.version} not supported "
+                              f"(expected {SCHEMA_VERSION})")
 
     # -------------------------------------------------------------- (de)serialise
     def to_dict(self) -> dict:
         d = asdict(self)
-        if not self.embeddings:  # schemas without embeddings read (and hash) as they did before the kind
+        # schemas without embeddings read (and hash) as they did before the kind
+        if not self.embeddings:
             d.pop("embeddings")
-        for f in d["dense"]:  # the default is not written: schemas without the option keep their fingerprint
+        # the default is not written: schemas without the option keep their fingerprint
+        for f in d["dense"]:
             if f["missing"] == "quarantine":
                 f.pop("missing")
         return d
@@ -329,9 +349,12 @@ class FeatureSchema:
                 dense=tuple(_build(DenseFeature, x, "dense") for x in d["dense"]),
                 sequences=tuple(_stream(x) for x in d["sequences"]),
                 tasks=tuple(_build(Task, x, "tasks") for x in d["tasks"]),
-                domains=_build(Domains, {**d["domains"], "names": tuple(d["domains"]["names"])}, "domains"),
-                embeddings=tuple(_build(EmbeddingFeature, x, "embeddings") for x in d.get("embeddings", ())),
-                **{k: d[k] for k in ("user_column", "time_column", "day_column", "version", "meta") if k in d},
+                domains=_build(Domains, {**d["domains"], "names": tuple(d["domains"]["names"])},
+                               "domains"),
+                embeddings=tuple(_build(EmbeddingFeature, x, "embeddings")
+                                 for x in d.get("embeddings", ())),
+                **{k: d[k] for k in ("user_column", "time_column", "day_column", "version", "meta")
+                   if k in d},
             )
         except (TypeError, KeyError) as e:
             raise SchemaError(f"malformed schema: {e}") from e
@@ -372,7 +395,8 @@ def _stream(x: object) -> SequenceStream:
         attrs = x["attributes"]
         if not isinstance(attrs, (list, tuple)):
             raise SchemaError(f"sequences: attributes must be a list, got {attrs!r}")
-        x = {**x, "attributes": tuple(_build(EventAttribute, a, "sequences.attributes") for a in attrs)}
+        x = {**x,
+             "attributes": tuple(_build(EventAttribute, a, "sequences.attributes") for a in attrs)}
     return _build(SequenceStream, x, "sequences")
 
 

@@ -35,9 +35,12 @@ def materialize(model: GEM | PeerModel, device: str | torch.device = "cpu", seed
     return model
 
 
-def fit_dense_norm(model: torch.nn.Module, data_dir: str | Path, schema: FeatureSchema, split: str) -> dict | None:
-    """Fit the model's dense normaliser (``model.dense_norm``) on ``split`` (the training split; every
-    rank computes the same figures). Returns the statistics, or None when the mode fits nothing."""
+def fit_dense_norm(
+    model: torch.nn.Module, data_dir: str | Path, schema: FeatureSchema, split: str
+) -> dict | None:
+    """Fit the model's dense normaliser (``model.dense_norm``) on ``split`` (the training split;
+    every rank computes the same figures). Returns the statistics, or None when the mode
+    fits nothing."""
     norms = [m for m in model.modules() if isinstance(m, DenseNormalizer) and m.needs_fit]
     if not norms:
         return None
@@ -48,8 +51,10 @@ def fit_dense_norm(model: torch.nn.Module, data_dir: str | Path, schema: Feature
 
 
 def dense_norm_stats(model: torch.nn.Module) -> dict | None:
-    """The statistics the model's dense normaliser was fitted with in this process (None: nothing fitted)."""
-    return next((m.stats for m in model.modules() if isinstance(m, DenseNormalizer) and m.stats is not None), None)
+    """The statistics the model's dense normaliser was fitted with in this process (None:
+    nothing fitted)."""
+    return next((m.stats for m in model.modules() if isinstance(m, DenseNormalizer)
+                 and m.stats is not None), None)
 
 
 def count_parameters(model: torch.nn.Module) -> dict[str, int]:

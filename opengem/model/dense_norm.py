@@ -1,11 +1,12 @@
 """DenseNormalizer: how raw dense values [B, F] enter the model (``model.dense_norm``).
 
-Real logs hold counters, rates and prices on any scale. Three choices, measured in docs/experiments.md:
+Real logs hold counters, rates and prices on any scale. Three choices, measured
+in docs/experiments.md:
 
-- ``signed_log`` (default): sign(x)·log1p(|x|), no fitted state — what earlier versions did. A feature
-  the importer already log1p'd (``transform: log1p``) is logged twice.
-- ``standardize``: (x − μ_f) / σ_f with μ, σ of the training split, clipped to ±8. No log: heavy-tailed
-  counters should be log1p'd once at import.
+- ``signed_log`` (default): sign(x)·log1p(|x|), no fitted state — what earlier versions did. A
+  feature the importer already log1p'd (``transform: log1p``) is logged twice.
+- ``standardize``: (x − μ_f) / σ_f with μ, σ of the training split, clipped to ±8. No log:
+  heavy-tailed counters should be log1p'd once at import.
 - ``quantile``: the feature's empirical CDF on the training split (piecewise linear between
   ``DENSE_QUANTILES`` knots), mapped to [−√3, √3] (unit variance): any monotone scale or unit gives
   the same input, outliers are bounded.
@@ -40,7 +41,8 @@ def signed_log(x: torch.Tensor) -> torch.Tensor:
 
 class DenseNormalizer(nn.Module):
     """[B, F] raw dense values (NaN = missing in the ``missing`` columns) → [B, F + M] model inputs:
-    the transformed values, then one 0/1 missing indicator per ``missing`` column (module docstring).
+    the transformed values, then one 0/1 missing indicator per ``missing`` column
+    (module docstring).
 
     Args:
         num_features: F. mode: one of ``MODES``. num_quantiles: the quantile knots (``quantile`` mode).
@@ -56,7 +58,8 @@ class DenseNormalizer(nn.Module):
         self.out_features = num_features + len(self.missing)
         self.needs_fit = mode != "signed_log" or bool(self.missing)
         self.fitted = not self.needs_fit
-        self.stats: dict | None = None  # what ``fit`` was given (the trainer writes it to RUN/dense_stats.json)
+        # what ``fit`` was given (the trainer writes it to RUN/dense_stats.json)
+        self.stats: dict | None = None
         if mode == "standardize":
             self.register_buffer("mean", torch.zeros(num_features))
             self.register_buffer("inv_std", torch.ones(num_features))
@@ -64,7 +67,8 @@ class DenseNormalizer(nn.Module):
             self.register_buffer("knots", torch.zeros(num_features, num_quantiles))
         if self.missing:  # only then: models without missing features keep their state dict
             self.register_buffer("fill", torch.zeros(len(self.missing)))  # train median, raw scale
-            self.register_buffer("missing_idx", torch.tensor(self.missing, dtype=torch.int64), persistent=False)
+            self.register_buffer("missing_idx", torch.tensor(self.missing, dtype=torch.int64),
+                                 persistent=False)
 
     def reset_parameters(self) -> None:
         """``init_weights`` leaves a fitted state alone only by refitting: the buffers go back to
@@ -81,22 +85,27 @@ class DenseNormalizer(nn.Module):
 
     @torch.no_grad()
     def fit(self, stats: dict, names: list[str]) -> None:
-        """Set the buffers from ``train_dense_stats``'s figures; ``names`` = the schema's dense features, in order."""
+        """Set the buffers from ``train_dense_stats``'s figures; ``names`` = the schema's dense
+        features, in order."""
         if not self.needs_fit:
             return
         if list(stats.get("names", [])) != list(names):
-            raise ValueError(f"dense statistics are for features {stats.get('names')}, the model has {names}")
+            raise ValueError(f"dense statistics are for features {stats.get('names')}, the "
+                             f"model has {names}")
         if self.mode == "standardize":
             std = torch.tensor(stats["std"], dtype=torch.float64)
             self.mean.copy_(torch.tensor(stats["mean"], dtype=torch.float64))
-            self.inv_std.copy_(torch.where(std > 1e-12, 1.0 / std.clamp(min=1e-12), torch.ones_like(std)))
+            self.inv_std.copy_(torch.where(std > 1e-12, 1.0 / std.clamp(min=1e-12),
+                                           torch.ones_like(std)))
         elif self.mode == "quantile":
             knots = torch.tensor(stats["quantiles"], dtype=torch.float64)
             if knots.shape != self.knots.shape:
-                raise ValueError(f"dense quantiles have shape {tuple(knots.shape)}, expected {tuple(self.knots.shape)}")
+                raise ValueError(f"dense quantiles have shape {tuple(knots.shape)}, "
+                                 f"expected {tuple(self.knots.shape)}")
             self.knots.copy_(knots)
         if self.missing:
-            self.fill.copy_(torch.tensor([stats["median"][i] for i in self.missing], dtype=torch.float64))
+            self.fill.copy_(torch.tensor([stats["median"][i] for i in self.missing],
+                                         dtype=torch.float64))
         self.fitted, self.stats = True, stats
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -105,13 +114,15 @@ class DenseNormalizer(nn.Module):
 
     def forward(self, x_BF: torch.Tensor) -> torch.Tensor:
         if not self.fitted:
-            raise RuntimeError(f"model.dense_norm={self.mode} is not fitted: call fit(train_dense_stats(...)) "
+            raise RuntimeError(f"model.dense_norm={self.mode} is not fitted: "
+                               f"call fit(train_dense_stats(...)) "
                                "or load a checkpoint first")
         miss_BM = None
         if self.missing:
             cols_BM = x_BF.index_select(1, self.missing_idx)
             miss_BM = torch.isnan(cols_BM)
-            x_BF = x_BF.index_copy(1, self.missing_idx, torch.where(miss_BM, self.fill.to(x_BF.dtype), cols_BM))
+            x_BF = x_BF.index_copy(1, self.missing_idx,
+                                   torch.where(miss_BM, self.fill.to(x_BF.dtype), cols_BM))
         if self.mode == "signed_log":
             y_BF = signed_log(x_BF)
         elif self.mode == "standardize":
@@ -121,7 +132,8 @@ class DenseNormalizer(nn.Module):
         return y_BF if miss_BM is None else torch.cat([y_BF, miss_BM.to(y_BF.dtype)], dim=1)
 
     def _cdf(self, x_BF: torch.Tensor) -> torch.Tensor:
-        """Piecewise-linear empirical CDF per feature (ties: the middle of the tied knots), centred and scaled."""
+        """Piecewise-linear empirical CDF per feature (ties: the middle of the tied knots), centred
+        and scaled."""
         knots = self.knots.to(x_BF.dtype)  # [F, Q]
         Q = knots.shape[1]
         xt = x_BF.t().contiguous()  # [F, B]

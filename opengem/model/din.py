@@ -35,11 +35,14 @@ from opengem.model.foundation import match_attributes
 from opengem.model.sparse_arch import SparseArch
 from opengem.ops.jagged import row_ids
 
-ATTENTION_HIDDEN = (80, 40)  # the activation unit's widths in the DIN authors' code (zhougr1993/DeepInterestNetwork)
+# the activation unit's widths in the DIN authors' code (zhougr1993/DeepInterestNetwork)
+ATTENTION_HIDDEN = (80, 40)
 
 
-def din_pool(unit: nn.Module, e_ND: torch.Tensor, q_BD: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
-    """[B, D] = Σ_{j in row b} unit(e_j, q_b) · e_j over jagged events; rows without events give zeros.
+def din_pool(unit: nn.Module, e_ND: torch.Tensor, q_BD: torch.Tensor,
+             lengths_B: torch.Tensor) -> torch.Tensor:
+    """[B, D] = Σ_{j in row b} unit(e_j, q_b) · e_j over jagged events; rows without events
+    give zeros.
 
     The query is gathered per event by row id, so the cost is O(N) and no row sees another's events.
     """
@@ -49,7 +52,8 @@ def din_pool(unit: nn.Module, e_ND: torch.Tensor, q_BD: torch.Tensor, lengths_B:
 
 
 class LocalActivationUnit(nn.Module):
-    """a = MLP([e, q, e − q, e ⊙ q]) → [N] raw weights (PReLU hidden layers, scalar out, no softmax).
+    """a = MLP([e, q, e − q, e ⊙ q]) → [N] raw weights (PReLU hidden layers, scalar out,
+    no softmax).
 
     Args: dim (D), hidden (widths, ``ATTENTION_HIDDEN``). ``forward(e_ND, q_ND)`` → [N].
     """
@@ -69,7 +73,8 @@ class LocalActivationUnit(nn.Module):
 
 
 class DINPooling(nn.Module):
-    """One activation unit per stream over its jagged events, queried by the candidate (module docstring).
+    """One activation unit per stream over its jagged events, queried by the candidate
+    (module docstring).
 
     Args:
         schema: streams, their attributes and the sparse features (which are candidate-side).
@@ -88,30 +93,34 @@ class DINPooling(nn.Module):
         self.project = nn.ModuleDict({s: nn.Linear(len(self.ad_tokens) * dim, dim, bias=False)
                                       for s in streams if not self.match[s] and self.ad_tokens})
 
-    def query(self, stream: str, batch: Batch, x_BnD: torch.Tensor, sparse_arch: SparseArch) -> torch.Tensor:
+    def query(self, stream: str, batch: Batch, x_BnD: torch.Tensor,
+              sparse_arch: SparseArch) -> torch.Tensor:
         """[B, D]: the candidate in ``stream``'s event space."""
         if self.match[stream]:
             tables, cand = sparse_arch.tables(), batch.sparse.to_dict()
             q = 0
             for col, feat, _ in self.match[stream]:
-                ids = cand[feat].values() % sparse_arch.rows[col]  # the stream's own hashing, if capped
+                # the stream's own hashing, if capped
+                ids = cand[feat].values() % sparse_arch.rows[col]
                 q = q + F.embedding(ids, tables[f"t_{stream}_{col.split('.', 1)[1]}"])
             return q
         if stream in self.project:
             return self.project[stream](x_BnD[:, self.ad_tokens].flatten(1))
         return x_BnD.new_zeros(x_BnD.shape[0], x_BnD.shape[2])
 
-    def forward(self, batch: Batch, events: dict[str, tuple[torch.Tensor, torch.Tensor]], x_BnD: torch.Tensor,
-                sparse_arch: SparseArch) -> torch.Tensor:
+    def forward(self, batch: Batch, events: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                x_BnD: torch.Tensor, sparse_arch: SparseArch) -> torch.Tensor:
         pooled = []
         for s in self.streams:
             e_ND, lengths_B = events[s]
-            pooled.append(din_pool(self.units[s], e_ND, self.query(s, batch, x_BnD, sparse_arch), lengths_B))
+            pooled.append(din_pool(self.units[s], e_ND, self.query(s, batch, x_BnD, sparse_arch),
+                                   lengths_B))
         return torch.stack(pooled, dim=1)
 
 
 class ConcatInteraction(nn.Module):
-    """DIN's "interaction": the dense vector and every token side by side, [B, (n + 1)·D], for the MLP.
+    """DIN's "interaction": the dense vector and every token side by side, [B, (n + 1)·D], for
+    the MLP.
 
     Same call as torchrec's ``InteractionArch``: ``forward(dense_BD, sparse_BnD)``.
     """

@@ -39,23 +39,32 @@ class GEMConfig:
     arch: str = "gem"  # gem | dlrm | dlrm_dcn | din: GEM, or a peer baseline (model.peers)
     embedding_dim: int = 32
     dense_tokens: int = 1
-    max_seq_len: int = 0  # cap on every stream's history (most recent kept); 0 = the schema's max_len
+    # cap on every stream's history (most recent kept); 0 = the schema's max_len
+    max_seq_len: int = 0
     use_sequences: bool = True  # False: ablation without sequence towers
-    shortcut: str = "fwfm"  # fwfm | fvfm | linear | none: low-order logits from X_0 (heads.LowOrderShortcut)
+    # fwfm | fvfm | linear | none: low-order logits from X_0 (heads.LowOrderShortcut)
+    shortcut: str = "fwfm"
     # raw | unit: the shortcut's pairs from tokens scaled to unit RMS, its linear part raw (heads.LowOrderShortcut;
     # chosen on development worlds' valid splits, docs/experiments.md)
     shortcut_pairs: str = "unit"
-    target_match: bool = True  # flag events whose attribute equals the candidate's feature of that name
-    count_decay_hours: tuple[float, ...] = (1.0, 24.0, 168.0, 720.0)  # HistoryCounts token; () = off
-    # HistoryCounts also reads e^(−age of the newest event/τ), per type, all and matched; off: its gain on
-    # small development worlds did not carry to the demo's size (docs/experiments.md, 'Where the held-out gap is')
+    # flag events whose attribute equals the candidate's feature of that name
+    target_match: bool = True
+    # HistoryCounts token; () = off
+    count_decay_hours: tuple[float, ...] = (1.0, 24.0, 168.0, 720.0)
+    # HistoryCounts also reads e^(−age of the newest event/τ), per type, all and matched; off: its
+    # gain on small development worlds did not carry to the demo's size (docs/experiments.md, 'Where
+    # the held-out gap is')
     count_recency: bool = False
     # torch: the domain and time-bucket embeddings keep nn.Embedding's N(0, 1) | table: N(0, init_std²) like the
-    # id tables. After LayerNorm a unit-scale token dominates 0.05-scale ones; measured in docs/experiments.md.
+    # id tables. After LayerNorm a unit-scale token dominates 0.05-scale ones; measured
+    # in docs/experiments.md.
     embedding_init: str = "torch"
-    dense_norm: str = "signed_log"  # signed_log | standardize | quantile (opengem.model.dense_norm; fitted on train)
-    input_norm: str = "none"  # none | rms: every X_0 token to unit RMS, times a learned per-token gain (TokenRMSNorm)
-    input_norm_gain: float = 1.0  # the gains' initial value (the RMS each normalised token starts at)
+    # signed_log | standardize | quantile (opengem.model.dense_norm; fitted on train)
+    dense_norm: str = "signed_log"
+    # none | rms: every X_0 token to unit RMS, times a learned per-token gain (TokenRMSNorm)
+    input_norm: str = "none"
+    # the gains' initial value (the RMS each normalised token starts at)
+    input_norm_gain: float = 1.0
     sparse: SparseArchConfig = field(default_factory=SparseArchConfig)
     wukong: WukongConfig = field(default_factory=WukongConfig)
     sequence: SequenceConfig = field(default_factory=SequenceConfig)
@@ -66,15 +75,18 @@ class GEMConfig:
         if self.arch not in ("gem", "dlrm", "dlrm_dcn", "din"):
             raise ValueError(f"model.arch must be gem|dlrm|dlrm_dcn|din, got {self.arch!r}")
         if self.embedding_dim < 1 or self.dense_tokens < 1 or self.max_seq_len < 0:
-            raise ValueError("model.embedding_dim and model.dense_tokens must be >= 1, max_seq_len >= 0")
+            raise ValueError("model.embedding_dim and model.dense_tokens must be >= 1, "
+                             "max_seq_len >= 0")
         if any(not h > 0 for h in self.count_decay_hours):
-            raise ValueError(f"model.count_decay_hours must all be > 0 hours, got {self.count_decay_hours}")
+            raise ValueError(f"model.count_decay_hours must all be > 0 hours, "
+                             f"got {self.count_decay_hours}")
         if not self.input_norm_gain > 0:
             raise ValueError(f"model.input_norm_gain must be > 0, got {self.input_norm_gain}")
         if self.input_norm not in ("none", "rms", "rms_ids"):
             raise ValueError(f"model.input_norm must be none|rms|rms_ids, got {self.input_norm!r}")
         if self.embedding_init not in ("torch", "table"):
-            raise ValueError(f"model.embedding_init must be torch|table, got {self.embedding_init!r}")
+            raise ValueError(f"model.embedding_init must be torch|table, "
+                             f"got {self.embedding_init!r}")
         if self.shortcut_pairs not in ("raw", "unit"):
             raise ValueError(f"model.shortcut_pairs must be raw|unit, got {self.shortcut_pairs!r}")
         if self.shortcut not in ("fwfm", "fvfm", "linear", "none"):
@@ -90,9 +102,9 @@ def match_attributes(schema: FeatureSchema, stream: str) -> list[tuple[str, str,
     single-valued sparse feature with the same vocabulary.
 
     Target match (a choice; the public record is silent, dossier §11): each event token gets a
-    learned vector per attribute equal to the candidate's own id — "this organic event is in the ad's
-    category", "this ads engagement was with the same advertiser" — SIM's hard search as a token
-    feature. With the towers' attention sink, a time-decayed share of matching events is one
+    learned vector per attribute equal to the candidate's own id — "this organic event is in the
+    ad's category", "this ads engagement was with the same advertiser" — SIM's hard search as a
+    token feature. With the towers' attention sink, a time-decayed share of matching events is one
     attention read. ``model.target_match=false`` turns it off.
     """
     feats = {f.name: f for f in schema.sparse}
@@ -104,8 +116,10 @@ def match_attributes(schema: FeatureSchema, stream: str) -> list[tuple[str, str,
     return out
 
 
-def embedding_tokens(proj: nn.ModuleList, schema: FeatureSchema, emb_BE: torch.Tensor | None) -> list[torch.Tensor]:
-    """One [B, 1, D] X_0 token per embedding feature: its slice of ``Batch.embeddings`` through its Linear."""
+def embedding_tokens(proj: nn.ModuleList, schema: FeatureSchema,
+                     emb_BE: torch.Tensor | None) -> list[torch.Tensor]:
+    """One [B, 1, D] X_0 token per embedding feature: its slice of ``Batch.embeddings`` through
+    its Linear."""
     if emb_BE is None:
         raise ValueError(f"the schema has embedding features {[f.name for f in schema.embeddings]} "
                          "but the batch carries no embeddings")
@@ -116,9 +130,11 @@ def embedding_tokens(proj: nn.ModuleList, schema: FeatureSchema, emb_BE: torch.T
     return out
 
 
-def match_flags(pairs: list[tuple[str, str, int]], batch: Batch, lengths: torch.Tensor) -> torch.Tensor:
+def match_flags(pairs: list[tuple[str, str, int]], batch: Batch,
+                lengths: torch.Tensor) -> torch.Tensor:
     """[N, A] bool: where event n's attribute a equals its row's candidate id of that name
-    (``pairs``: a stream's ``match_attributes``; lengths [B] its events per row). OOV never matches."""
+    (``pairs``: a stream's ``match_attributes``; lengths [B] its events per row). OOV
+    never matches."""
     row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
     seq, sparse = batch.sequences.to_dict(), batch.sparse.to_dict()
     flags = []
@@ -138,51 +154,63 @@ class HistoryCounts(nn.Module):
     "how often, how recently did this user engage with this advertiser" is the classic ads feature
     (SIM's hard search reduced to counts). The sums are O(N) jagged segment sums. τ is
     ``model.count_decay_hours`` (fixed, log-spaced: the MLP mixes them); () turns the token off.
-    Counts see the history the loader keeps (``model.max_seq_len``). Softmax attention reads shares of
-    matching events, never how many there were or how recent; this token reads exactly that
+    Counts see the history the loader keeps (``model.max_seq_len``). Softmax attention reads shares
+    of matching events, never how many there were or how recent; this token reads exactly that
     (docs/experiments.md has what it did on the demo world).
 
-    ``recency`` (``model.count_recency``) adds, beside each sum, the largest weight, e^(−age/τ) of the
-    newest such event: a sum of decays cannot tell one event an hour ago from many a day ago, and
-    "how long since the user last engaged with this advertiser" is the other classic ads feature.
+    ``recency`` (``model.count_recency``) adds, beside each sum, the largest weight, e^(−age/τ) of
+    the newest such event: a sum of decays cannot tell one event an hour ago from many a day ago,
+    and "how long since the user last engaged with this advertiser" is the other classic
+    ads feature.
     """
 
     def __init__(self, schema: FeatureSchema, streams: list[str], match_pairs: dict[str, list],
                  decay_hours: tuple[float, ...], dim: int, recency: bool = False):
         super().__init__()
-        self.decay_hours = tuple(float(h) for h in decay_hours)  # constants, not a buffer: nothing to shard or load
-        self.num_events = {s: schema.stream(s).num_event_types + 1 for s in streams}  # + the OOV event id
+        # constants, not a buffer: nothing to shard or load
+        self.decay_hours = tuple(float(h) for h in decay_hours)
+        # + the OOV event id
+        self.num_events = {s: schema.stream(s).num_event_types + 1 for s in streams}
         self.recency = recency
         n = sum((1 + len(match_pairs[s])) * self.num_events[s] * len(decay_hours) for s in streams)
         self.num_counts = n * (2 if recency else 1)
         self.mlp = mlp([self.num_counts, 4 * dim, dim])
 
-    def event_weights(self, stream: str, events_N: torch.Tensor, age_N: torch.Tensor) -> torch.Tensor:
+    def event_weights(self, stream: str, events_N: torch.Tensor,
+                      age_N: torch.Tensor) -> torch.Tensor:
         """[N, E·K]: event n's one-hot event type ⊗ its decays e^(−age/τ_k)."""
         E = self.num_events[stream]
-        inv_tau_K = age_N.new_tensor([1.0 / (3600.0 * h) for h in self.decay_hours], dtype=torch.float32)
+        inv_tau_K = age_N.new_tensor([1.0 / (3600.0 * h) for h in self.decay_hours],
+                                     dtype=torch.float32)
         decay_NK = torch.exp(-age_N.float().clamp(min=0)[:, None] * inv_tau_K)
-        return (one_hot(events_N.clamp(0, E - 1), E).float()[:, :, None] * decay_NK[:, None, :]).flatten(1)
+        return (one_hot(events_N.clamp(0, E - 1), E).float()[:, :, None]
+                * decay_NK[:, None, :]).flatten(1)
 
     def stream_counts(self, stream: str, events_N: torch.Tensor, age_N: torch.Tensor,
                       flags_NA: torch.Tensor | None, lengths_B: torch.Tensor) -> torch.Tensor:
-        """[B, (1 + A)·E·K] decayed counts of one stream (before log1p); with ``recency`` then as many
-        largest weights (0 where there is no such event)."""
+        """[B, (1 + A)·E·K] decayed counts of one stream (before log1p); with ``recency`` then as
+        many largest weights (0 where there is no such event)."""
         B = lengths_B.numel()
         w_NEK = self.event_weights(stream, events_N, age_N)
-        sel = [w_NEK.new_ones(w_NEK.shape[0], 1)] + ([flags_NA.to(w_NEK.dtype)] if flags_NA is not None else [])
+        sel = [w_NEK.new_ones(w_NEK.shape[0], 1)] + ([flags_NA.to(w_NEK.dtype)]
+                                                     if flags_NA is not None else [])
         x = (torch.cat(sel, dim=1)[:, :, None] * w_NEK[:, None, :]).flatten(1)
         row = torch.repeat_interleave(torch.arange(B, device=lengths_B.device), lengths_B)
         sums = x.new_zeros(B, x.shape[1]).index_add_(0, row, x)
         if not self.recency:
             return sums
-        newest = x.new_zeros(B, x.shape[1]).scatter_reduce_(0, row[:, None].expand_as(x), x, "amax")  # ≥ 0: 0 = none
+        # ≥ 0: 0 = none
+        newest = x.new_zeros(B, x.shape[1]).scatter_reduce_(0, row[:, None].expand_as(x), x, "amax")
         return torch.cat([sums, newest], dim=1)
 
     def forward(self, counts: list[torch.Tensor]) -> torch.Tensor:
-        """[B, D] from each stream's ``stream_counts``: log1p of the sums, the largest weights as they are."""
+        """[B, D] from each stream's ``stream_counts``: log1p of the sums, the largest weights as
+        they are."""
         if self.recency:
-            counts = [torch.cat([torch.log1p(c[:, : c.shape[1] // 2]), c[:, c.shape[1] // 2:]], dim=1) for c in counts]
+            counts = [
+                torch.cat([torch.log1p(c[:, : c.shape[1] // 2]), c[:, c.shape[1] // 2 :]], dim=1)
+                for c in counts
+            ]
             return self.mlp(torch.cat(counts, dim=1))
         return self.mlp(torch.log1p(torch.cat(counts, dim=1)))
 
@@ -191,8 +219,8 @@ class TokenRMSNorm(nn.Module):
     """X_0 [B, n, D] → each token divided by its RMS over D, times a learned gain per (token, dim).
 
     Why (a choice; the public record is silent): X_0 mixes id embeddings (N(0, 0.05²) at init) with
-    the domain embedding (N(0, 1)) and MLP outputs (dense, history counts) of unit scale, so the FM's
-    Gram matrix and the shortcut's pairs are dominated by the unit-scale tokens and an id × id
+    the domain embedding (N(0, 1)) and MLP outputs (dense, history counts) of unit scale, so the
+    FM's Gram matrix and the shortcut's pairs are dominated by the unit-scale tokens and an id × id
     affinity is a small perturbation of them. Putting every field on one scale lets each pair of
     fields count alike from the first step; the gains let training re-weight fields. ``rms_ids``
     normalises the id tokens only; ``model.input_norm_gain`` is the RMS the tokens start at.
@@ -200,9 +228,11 @@ class TokenRMSNorm(nn.Module):
     terms but costs conversion NE, so it is an option, off by default.
     """
 
-    def __init__(self, n_tokens: int, dim: int, eps: float = 1e-6, n_norm: int | None = None, gain: float = 1.0):
+    def __init__(self, n_tokens: int, dim: int, eps: float = 1e-6, n_norm: int | None = None,
+                 gain: float = 1.0):
         super().__init__()
-        self.eps, self.n_norm = eps, n_tokens if n_norm is None else n_norm  # the first n_norm tokens only
+        # the first n_norm tokens only
+        self.eps, self.n_norm = eps, n_tokens if n_norm is None else n_norm
         self.init_gain = gain
         self.gain = nn.Parameter(torch.full((self.n_norm, dim), gain))
 
@@ -233,12 +263,14 @@ class TableModel(nn.Module):
 
     def max_seq_len(self) -> dict[str, int]:
         """Per-stream history cap for ``collate`` (the loader applies it, never the model)."""
-        return {s.name: (min(self.cfg.max_seq_len, s.max_len) if self.cfg.max_seq_len else s.max_len)
+        return {s.name: (min(self.cfg.max_seq_len, s.max_len) if self.cfg.max_seq_len
+                         else s.max_len)
                 for s in self.schema.sequences}
 
 
 class GEM(TableModel):
-    """The foundation model: schema-built tables, the X_0 tokens, InterFormer, the heads (module docstring).
+    """The foundation model: schema-built tables, the X_0 tokens, InterFormer, the heads
+    (module docstring).
 
     Args:
         schema: the features, streams, tasks and domains; every table and head is sized from it.
@@ -259,7 +291,8 @@ class GEM(TableModel):
     so the towers' cost grows with N, not with B × max length.
     """
 
-    def __init__(self, schema: FeatureSchema, cfg: GEMConfig, device: torch.device | str | None = None):
+    def __init__(self, schema: FeatureSchema, cfg: GEMConfig,
+                 device: torch.device | str | None = None):
         super().__init__()
         cfg.validate()
         self.schema, self.cfg = schema, cfg
@@ -268,30 +301,40 @@ class GEM(TableModel):
         with torch.device(device) if device is not None else nullcontext():
             self.sparse_arch = SparseArch(schema, cfg.sparse, D, device)
             F = len(schema.dense)
-            norm = DenseNormalizer(F, cfg.dense_norm, missing=schema.dense_missing)  # + M missing indicators
+            # + M missing indicators
+            norm = DenseNormalizer(F, cfg.dense_norm, missing=schema.dense_missing)
             self.dense_arch = mlp([norm.out_features, 4 * D, cfg.dense_tokens * D]) if F else None
             self.dense_norm = norm
             self.domain_emb = nn.Embedding(schema.num_domains, D)
             self.streams = [s.name for s in schema.sequences] if cfg.use_sequences else []
             self.match_pairs = {name: match_attributes(schema, name) if cfg.target_match else []
                                 for name in self.streams}
-            self.history_counts = (HistoryCounts(schema, self.streams, self.match_pairs, cfg.count_decay_hours, D,
+            self.history_counts = (HistoryCounts(schema, self.streams, self.match_pairs,
+                                                 cfg.count_decay_hours, D,
                                                  cfg.count_recency)
                                    if cfg.count_decay_hours and self.streams else None)
-            n_x = (len(schema.sparse) + (cfg.dense_tokens if F else 0) + 1 + (self.history_counts is not None)
+            n_x = (len(schema.sparse) + (cfg.dense_tokens if F else 0) + 1
+                   + (self.history_counts is not None)
                    + len(schema.embeddings))
-            self.input_norm = (TokenRMSNorm(n_x, D, n_norm=len(schema.sparse) if cfg.input_norm == "rms_ids" else None,
-                                            gain=cfg.input_norm_gain) if cfg.input_norm != "none" else None)
+            self.input_norm = (TokenRMSNorm(n_x, D, n_norm=len(schema.sparse)
+                                                    if cfg.input_norm == "rms_ids" else None,
+                                            gain=cfg.input_norm_gain) if cfg.input_norm != "none"
+                               else None)
             self.target_match = nn.ModuleDict({name: nn.Linear(len(cols), D, bias=False)
                                                for name, cols in self.match_pairs.items() if cols})
-            self.interformer = InterFormer(n_x, D, len(self.streams), cfg.wukong, cfg.sequence, cfg.interformer)
-            feat = cfg.interformer.num_sum * D + len(self.streams) * cfg.interformer.tokens_per_stream * D
+            self.interformer = InterFormer(n_x, D, len(self.streams), cfg.wukong, cfg.sequence,
+                                           cfg.interformer)
+            feat = (
+                cfg.interformer.num_sum * D
+                + len(self.streams) * cfg.interformer.tokens_per_stream * D
+            )
             self.feature_dim = feat
             self.heads = Heads(feat, schema, cfg.heads)
-            self.shortcut = (LowOrderShortcut(n_x, D, len(schema.tasks), cfg.shortcut, cfg.shortcut_pairs == "unit")
+            self.shortcut = (LowOrderShortcut(n_x, D, len(schema.tasks), cfg.shortcut,
+                                              cfg.shortcut_pairs == "unit")
                              if cfg.shortcut != "none" else None)
-            # Last, and only when the schema has embedding features: a schema without any builds (and
-            # seeds) exactly the modules it did before the kind existed.
+            # Last, and only when the schema has embedding features: a schema without any builds
+            # (and seeds) exactly the modules it did before the kind existed.
             self.embedding_proj = (nn.ModuleList([nn.Linear(f.dim, D) for f in schema.embeddings])
                                    if schema.embeddings else None)
 
@@ -301,7 +344,8 @@ class GEM(TableModel):
         """(Re)initialise every parameter; call after ``to_empty`` when built on meta."""
         tables = {id(m) for m in self.sparse_arch.modules()}
         for m in self.modules():
-            if m is self or id(m) in tables:  # tables: seeded per table below, independent of this stream
+            # tables: seeded per table below, independent of this stream
+            if m is self or id(m) in tables:
                 continue
             if isinstance(m, nn.MultiheadAttention):
                 m._reset_parameters()
@@ -317,12 +361,14 @@ class GEM(TableModel):
 
     # ------------------------------------------------------------------ forward
     def inputs(self, batch: Batch) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """X_0 [B, n_x, D] (sparse, dense, domain, history-count and embedding tokens) and per stream
-        (tokens [N, D], lengths [B])."""
+        """X_0 [B, n_x, D] (sparse, dense, domain, history-count and embedding tokens) and per
+        stream (tokens [N, D], lengths [B])."""
         B = batch.batch_size
         tokens = [self.sparse_arch.forward_sparse(batch.sparse, B)]
         if self.dense_arch is not None:
-            tokens.append(self.dense_arch(self.dense_norm(batch.dense)).view(B, self.cfg.dense_tokens, -1))
+            tokens.append(
+                self.dense_arch(self.dense_norm(batch.dense)).view(B, self.cfg.dense_tokens, -1)
+            )
         tokens.append(self.domain_emb(batch.domain).unsqueeze(1))
         seqs, counts = [], []
         if self.streams:
@@ -333,12 +379,15 @@ class GEM(TableModel):
                 values, lengths = emb[name]
                 flags = self._match_flags(batch, name, lengths) if self.match_pairs[name] else None
                 if name in self.target_match:
-                    values = values + self.target_match[name](flags.to(self.target_match[name].weight.dtype))
+                    values = values + self.target_match[name](
+                        flags.to(self.target_match[name].weight.dtype)
+                    )
                 age = ages[name].values()
                 seqs.append((tower.embed(values, age), lengths))
                 if self.history_counts is not None:
                     counts.append(self.history_counts.stream_counts(
-                        name, seq[self.schema.stream(name).event_column].values(), age, flags, lengths))
+                        name, seq[self.schema.stream(name).event_column].values(), age, flags,
+                        lengths))
         if counts:
             tokens.append(self.history_counts(counts).unsqueeze(1))
         if self.embedding_proj is not None:
@@ -346,20 +395,23 @@ class GEM(TableModel):
         return self.x0(tokens), seqs
 
     def x0(self, tokens: list[torch.Tensor]) -> torch.Tensor:
-        """X_0 [B, n_x, D] from its token groups, through ``input_norm`` (serving builds it here too)."""
+        """X_0 [B, n_x, D] from its token groups, through ``input_norm`` (serving builds it
+        here too)."""
         x_BND = torch.cat(tokens, dim=1)
         return self.input_norm(x_BND) if self.input_norm is not None else x_BND
 
     def _match_flags(self, batch: Batch, stream: str, lengths: torch.Tensor) -> torch.Tensor:
         return match_flags(self.match_pairs[stream], batch, lengths)
 
-    def _features(self, x_BND: torch.Tensor, seqs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def _features(self, x_BND: torch.Tensor,
+                  seqs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         x_sum, s_sum, _ = self.interformer(x_BND, seqs)
         parts = [x_sum.flatten(1)] + ([s_sum.flatten(1)] if s_sum is not None else [])
         return torch.cat(parts, dim=1)
 
     def features(self, batch: Batch) -> torch.Tensor:
-        """[B, feature_dim]: the representation the heads read (used for representation transfer)."""
+        """[B, feature_dim]: the representation the heads read (used for
+        representation transfer)."""
         return self._features(*self.inputs(batch))
 
     def low_order(self, x_BND: torch.Tensor) -> torch.Tensor | None:

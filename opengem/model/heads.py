@@ -39,7 +39,8 @@ class HeadsConfig:
 
     def validate(self) -> None:
         if self.domain_mode not in ("output", "shared"):
-            raise ValueError(f"model.heads.domain_mode must be output|shared, got {self.domain_mode!r}")
+            raise ValueError(f"model.heads.domain_mode must be output|shared, "
+                             f"got {self.domain_mode!r}")
 
 
 def base_rate_logits(base_rates: list[float], parent: list[int], tasks: list[str]) -> list[float]:
@@ -94,7 +95,8 @@ class Heads(nn.Module):
         G = schema.num_domains if cfg.domain_mode == "output" else 1
         self.trunk = mlp([in_dim, *cfg.trunk_dims], cfg.dropout, last_act=True)
         h0 = cfg.trunk_dims[-1] if cfg.trunk_dims else in_dim
-        self.towers = nn.ModuleList(mlp([h0, *cfg.task_dims], cfg.dropout, last_act=True) for _ in self.tasks)
+        self.towers = nn.ModuleList(mlp([h0, *cfg.task_dims], cfg.dropout, last_act=True)
+                                    for _ in self.tasks)
         h = cfg.task_dims[-1] if cfg.task_dims else h0
         self.out_w = nn.Parameter(torch.empty(G, len(self.tasks), h))
         self.out_b = nn.Parameter(torch.empty(G, len(self.tasks)))
@@ -122,11 +124,14 @@ class Heads(nn.Module):
 
     def raw_logits(self, feats_BF: torch.Tensor, domain_B: torch.Tensor,
                    shortcut_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, T] each task's own logit before chaining (a chained task's is logit p(task | parent))."""
+        """[B, T] each task's own logit before chaining (a chained task's is logit
+        p(task | parent))."""
         h = self.trunk(feats_BF)
         g = self.output_group(domain_B)
         w, b = self.out_w[g], self.out_b[g]  # [B, T, H], [B, T]
-        raw = torch.stack([(tower(h) * w[:, t]).sum(-1) + b[:, t] for t, tower in enumerate(self.towers)], dim=1)
+        raw = torch.stack(
+            [(tower(h) * w[:, t]).sum(-1) + b[:, t] for t, tower in enumerate(self.towers)], dim=1
+        )
         return raw if shortcut_BT is None else raw + shortcut_BT
 
     def chain(self, raw_BT: torch.Tensor) -> torch.Tensor:
@@ -158,23 +163,27 @@ class LowOrderShortcut(nn.Module):
 
     Not in the public GEM record (dossier §11): Wukong and InterFormer only reach the logits through
     their stacks. We add this DeepFM/FwFM-style path because one pass over the logs learns low-order
-    effects (ad quality, a user segment × ad category affinity) slowly through deep stacks; the output
-    weights start at zero, so at init the model equals the one without it. ``model.shortcut``:
+    effects (ad quality, a user segment × ad category affinity) slowly through deep stacks; the
+    output weights start at zero, so at init the model equals the one without
+    it. ``model.shortcut``:
     ``fwfm`` (linear + pairs) | ``fvfm`` (linear + pairs, each pair a weighted inner product,
     FmFM's field-vector form, Sun et al. 2021) | ``linear`` | ``none``.
 
-    ``unit_pairs`` (``model.shortcut_pairs=unit``, the default): the pairs are read from tokens scaled
-    to unit RMS. X_0 mixes id embeddings of RMS ~0.05 at init (0.1-0.8 trained) with a domain token of
-    ~1, so raw pair products differ by orders of magnitude between fields and a pair of id fields (an
-    affinity such as segment × category) starts with a near-zero gradient on its weight; unit tokens
-    make each pair a cosine, every field pair on one scale. The linear part keeps the raw tokens.
+    ``unit_pairs`` (``model.shortcut_pairs=unit``, the default): the pairs are read from tokens
+    scaled to unit RMS. X_0 mixes id embeddings of RMS ~0.05 at init (0.1-0.8 trained) with a domain
+    token of ~1, so raw pair products differ by orders of magnitude between fields and a pair of id
+    fields (an affinity such as segment × category) starts with a near-zero gradient on its weight;
+    unit tokens make each pair a cosine, every field pair on one scale. The linear part keeps the
+    raw tokens.
 
     Why ``fvfm`` exists: with one scalar per pair, every field's single embedding must serve all of
     its pairs' affinities at once (segment × category and segment × format share segment's vector);
-    a weight per dimension lets each pair read its own subspace, for P·D·T more weights (zero at init).
+    a weight per dimension lets each pair read its own subspace, for P·D·T more weights (zero
+    at init).
     """
 
-    def __init__(self, n_tokens: int, dim: int, num_tasks: int, mode: str, unit_pairs: bool = False):
+    def __init__(self, n_tokens: int, dim: int, num_tasks: int, mode: str,
+                 unit_pairs: bool = False):
         super().__init__()
         self.mode, self.dim, self.n, self.unit_pairs = mode, dim, n_tokens, unit_pairs
         self.linear = ZeroLinear(n_tokens * dim, num_tasks, bias=False)
@@ -183,11 +192,14 @@ class LowOrderShortcut(nn.Module):
         self.pairs = ZeroLinear(width, num_tasks, bias=False) if width else None
 
     def forward(self, x_BND: torch.Tensor) -> torch.Tensor:
-        x_BND = x_BND.to(self.linear.weight.dtype)  # FSDP mixed precision: tables stay fp32, this may be bf16
+        # FSDP mixed precision: tables stay fp32, this may be bf16
+        x_BND = x_BND.to(self.linear.weight.dtype)
         out = self.linear(x_BND.flatten(1))
         if self.pairs is not None:
-            i, j = torch.triu_indices(self.n, self.n, offset=1, device=x_BND.device)  # no buffer: nothing to shard
-            if self.unit_pairs:  # pairs of unit-RMS tokens: a cosine per pair, whatever the fields' scales
+            # no buffer: nothing to shard
+            i, j = torch.triu_indices(self.n, self.n, offset=1, device=x_BND.device)
+            # pairs of unit-RMS tokens: a cosine per pair, whatever the fields' scales
+            if self.unit_pairs:
                 x_BND = unit_rms(x_BND)
             if self.mode == "fvfm":
                 out = out + self.pairs((x_BND[:, i] * x_BND[:, j]).flatten(1) * self.dim**-0.5)

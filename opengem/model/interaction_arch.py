@@ -46,8 +46,10 @@ class WukongConfig:
     mlp_dims: tuple[int, ...] = (256,)
     attentive_fm: bool = False
     cross_layer: str = "attention"  # attention | dense | none
-    cross_layer_span: str = "all"  # all: earlier + current layer, plus an output connection | earlier
-    fm_input: str = "raw"  # raw | unit: the FM block's Gram from tokens scaled to unit RMS (LCB, residual: raw)
+    # all: earlier + current layer, plus an output connection | earlier
+    cross_layer_span: str = "all"
+    # raw | unit: the FM block's Gram from tokens scaled to unit RMS (LCB, residual: raw)
+    fm_input: str = "raw"
     dropout: float = 0.0
 
     @property
@@ -56,9 +58,11 @@ class WukongConfig:
 
     def validate(self) -> None:
         if self.cross_layer not in ("attention", "dense", "none"):
-            raise ValueError(f"model.wukong.cross_layer must be attention|dense|none, got {self.cross_layer!r}")
+            raise ValueError(f"model.wukong.cross_layer must be attention|dense|none, "
+                             f"got {self.cross_layer!r}")
         if self.cross_layer_span not in ("all", "earlier"):
-            raise ValueError(f"model.wukong.cross_layer_span must be all|earlier, got {self.cross_layer_span!r}")
+            raise ValueError(f"model.wukong.cross_layer_span must be all|earlier, "
+                             f"got {self.cross_layer_span!r}")
         if self.fm_input not in ("raw", "unit"):
             raise ValueError(f"model.wukong.fm_input must be raw|unit, got {self.fm_input!r}")
         for k in ("num_layers", "num_fm", "num_lc", "fm_rank"):
@@ -117,7 +121,8 @@ class FactorizationMachineBlock(nn.Module):
 
     def forward(self, x_BND: torch.Tensor) -> torch.Tensor:
         B = x_BND.shape[0]
-        if self.unit:  # every field's pairs count alike, whatever its token's scale (a zero token stays zero)
+        # every field's pairs count alike, whatever its token's scale (a zero token stays zero)
+        if self.unit:
             x_BND = unit_rms(x_BND)
         y = self.y.expand(B, -1, -1)
         if self.attentive:
@@ -141,19 +146,24 @@ class WukongLayer(nn.Module):
 
 
 class CrossLayerConnection(nn.Module):
-    """Mixes the candidates ``prev_tokens`` (token counts of X_0 … in order) into a layer's input X_i
-    (see the module docstring). ``forward(x, candidates)`` takes the candidates' tensors in that order;
-    with span ``all`` the last candidate is X_i itself."""
+    """Mixes the candidates ``prev_tokens`` (token counts of X_0 … in order) into a layer's input
+    X_i (see the module docstring). ``forward(x, candidates)`` takes the candidates' tensors in that
+    order; with span ``all`` the last candidate is X_i itself."""
 
     def __init__(self, prev_tokens: list[int], n_cur: int, dim: int, mode: str):
         super().__init__()
         self.mode = mode
-        self.proj = nn.ModuleList(TokenLinear(n, n_cur) for n in prev_tokens) if mode != "none" and prev_tokens else None
-        if mode == "attention" and len(prev_tokens) >= 2:  # a softmax over one candidate is constant
+        self.proj = (
+            nn.ModuleList(TokenLinear(n, n_cur) for n in prev_tokens)
+            if mode != "none" and prev_tokens
+            else None
+        )
+        # a softmax over one candidate is constant
+        if mode == "attention" and len(prev_tokens) >= 2:
             self.q = nn.Linear(dim, dim, bias=False)
             self.k = nn.Linear(dim, dim, bias=False)
-            # the token means are small (tokens are LayerNormed around 0): normalise them so the scores
-            # start O(1) and the softmax can move off uniform in a pass
+            # the token means are small (tokens are LayerNormed around 0): normalise them so the
+            # scores start O(1) and the softmax can move off uniform in a pass
             self.norm = nn.LayerNorm(dim, elementwise_affine=False)
 
     def forward(self, x_BND: torch.Tensor, history: list[torch.Tensor]) -> torch.Tensor:
@@ -166,7 +176,8 @@ class CrossLayerConnection(nn.Module):
         return x_BND + torch.einsum("bj,bjnd->bnd", alpha, cands)
 
     def weights(self, x_BND: torch.Tensor, cands_BJND: torch.Tensor) -> torch.Tensor:
-        """α [B, J]: softmax over the candidates (read by tests and the report to show it is not uniform)."""
+        """α [B, J]: softmax over the candidates (read by tests and the report to show it is
+        not uniform)."""
         q = self.q(self.norm(x_BND.mean(dim=1)))  # [B, D]
         k = self.k(self.norm(cands_BJND.mean(dim=2)))  # [B, J, D]
         return torch.softmax(torch.einsum("bd,bjd->bj", q, k) * q.shape[-1] ** -0.5, dim=1)
@@ -195,16 +206,21 @@ class InteractionArch(nn.Module):
         self.cfg = cfg
         self.span_all = cfg.cross_layer_span == "all"
         tokens = [n_in] + [cfg.num_out] * cfg.num_layers  # tokens of X_0 … X_L
-        if self.span_all:  # connection i over X_0 … X_i for i ≥ 1, plus the output connection (i = L)
-            conns = [CrossLayerConnection(tokens[: i + 1] if i else [], tokens[i], dim, cfg.cross_layer)
+        # connection i over X_0 … X_i for i ≥ 1, plus the output connection (i = L)
+        if self.span_all:
+            conns = [CrossLayerConnection(tokens[: i + 1] if i else [], tokens[i], dim,
+                                          cfg.cross_layer)
                      for i in range(cfg.num_layers + (cfg.num_layers > 0))]
         else:
-            conns = [CrossLayerConnection(tokens[:i], tokens[i], dim, cfg.cross_layer) for i in range(cfg.num_layers)]
+            conns = [CrossLayerConnection(tokens[:i], tokens[i], dim, cfg.cross_layer)
+                     for i in range(cfg.num_layers)]
         self.connections = nn.ModuleList(conns)
-        self.layers = nn.ModuleList(WukongLayer(tokens[i] + n_extra, dim, cfg) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(WukongLayer(tokens[i] + n_extra, dim, cfg)
+                                    for i in range(cfg.num_layers))
 
     def candidates(self, x_BND: torch.Tensor, history: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What connection i mixes: the earlier layers, and with span ``all`` the current one too."""
+        """What connection i mixes: the earlier layers, and with span ``all`` the current
+        one too."""
         return history + [x_BND] if self.span_all and history else history
 
     def forward_layer(self, i: int, x_BND: torch.Tensor, extra_BED: torch.Tensor | None,

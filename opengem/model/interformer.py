@@ -33,15 +33,17 @@ class InterFormerConfig:
     num_pma: int = 2
     num_recent: int = 2
     gate: str = "self"  # self: X⊙σ(WX) | sigmoid_of_product: σ(X⊙WX)
-    # Ablations (benchmarks/quality.py). wukong=False: the non-sequence tokens skip the Wukong layers
-    # (X_l = X_0). interleave=False: no exchange between the sides — Wukong gets no S_sum and the
-    # towers get zeros for X_sum (CLS, PFFN, pooling queries); the heads still read both summaries.
+    # Ablations (benchmarks/quality.py). wukong=False: the non-sequence tokens skip the Wukong
+    # layers (X_l = X_0). interleave=False: no exchange between the sides — Wukong gets no S_sum and
+    # the towers get zeros for X_sum (CLS, PFFN, pooling queries); the heads still read
+    # both summaries.
     wukong: bool = True
     interleave: bool = True
 
     def validate(self) -> None:
         if self.gate not in ("self", "sigmoid_of_product"):
-            raise ValueError(f"model.interformer.gate must be self|sigmoid_of_product, got {self.gate!r}")
+            raise ValueError(f"model.interformer.gate must be self|sigmoid_of_product, "
+                             f"got {self.gate!r}")
         if self.num_sum < 1 or self.num_pma < 0 or self.num_recent < 0:
             raise ValueError("model.interformer.num_sum must be >= 1, num_pma/num_recent >= 0")
 
@@ -82,19 +84,21 @@ class SequenceSummary(nn.Module):
         if self.cfg.num_pma:
             parts.append(self.pma(s_BSD, valid_BS))
         if self.cfg.num_recent:
-            r = s_BSD[:, -self.cfg.num_recent :] * valid_BS[:, -self.cfg.num_recent :, None].to(s_BSD.dtype)
+            r = s_BSD[:, -self.cfg.num_recent :] * valid_BS[:, -self.cfg.num_recent :,
+                                                            None].to(s_BSD.dtype)
             parts.append(r)
         return self.gate(torch.cat(parts, dim=1))
 
     def pma(self, s_BSD: torch.Tensor, valid_BS: torch.Tensor) -> torch.Tensor:
-        """``self.attn(Q, S, S, key_padding_mask=~valid)`` with the same weights, computed directly: the
-        learnable queries are projected once (not B times), and SDPA replaces ``nn.MultiheadAttention``'s
-        general path: faster forward + backward on CPU, same values (docs/experiments.md, 'Figures moved
-        from code docstrings')."""
+        """``self.attn(Q, S, S, key_padding_mask=~valid)`` with the same weights, computed directly:
+        the learnable queries are projected once (not B times), and SDPA replaces
+        ``nn.MultiheadAttention``'s general path: faster forward + backward on CPU, same values
+        (docs/experiments.md, 'Figures moved from code docstrings')."""
         B, S, D = s_BSD.shape
         H, P = self.heads, self.q.shape[0]
         w, b = self.attn.in_proj_weight, self.attn.in_proj_bias
-        q = F.linear(self.q, w[:D], b[:D]).view(1, P, H, D // H).transpose(1, 2).expand(B, H, P, D // H)
+        q = F.linear(self.q, w[:D], b[:D]).view(1, P, H,
+                                                D // H).transpose(1, 2).expand(B, H, P, D // H)
         k, v = F.linear(s_BSD, w[D:], b[D:]).view(B, S, 2, H, D // H).permute(2, 0, 3, 1, 4)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid_BS[:, None, None, :])
         return self.attn.out_proj(o.transpose(1, 2).reshape(B, P, D))
@@ -133,7 +137,8 @@ class InterFormer(nn.Module):
         super().__init__()
         self.cfg, self.num_layers, self.num_streams = cfg, wukong.num_layers, num_streams
         n_extra = num_streams * cfg.tokens_per_stream if cfg.interleave else 0
-        self.interaction = InteractionArch(n_x, n_extra, dim, wukong if cfg.wukong else replace(wukong, num_layers=0))
+        self.interaction = InteractionArch(n_x, n_extra, dim,
+                                           wukong if cfg.wukong else replace(wukong, num_layers=0))
         self.towers = nn.ModuleList(SequenceTower(cfg.num_sum, dim, wukong.num_layers, sequence)
                                     for _ in range(num_streams))
         tokens = [n_x] + [wukong.num_out if cfg.wukong else n_x] * wukong.num_layers
@@ -147,13 +152,15 @@ class InterFormer(nn.Module):
         return self.run_layers(x_BND, states, x_sum)
 
     def tower_context(self, x_sum: torch.Tensor) -> torch.Tensor:
-        """What the towers read as X_sum (CLS tokens, PFFN, pooling queries): zeros without interleaving."""
+        """What the towers read as X_sum (CLS tokens, PFFN, pooling queries): zeros
+        without interleaving."""
         return x_sum if self.cfg.interleave else torch.zeros_like(x_sum)
 
     def run_layers(self, x_BND: torch.Tensor, states: list[tuple[torch.Tensor, torch.Tensor]],
                    x_sum: torch.Tensor | None = None):
-        """The interleaved layers from the towers' first tokens ``states`` (per stream: tokens, valid)
-        on; ``x_sum`` = layer 0's X_sum when already computed. Returns what ``forward`` returns."""
+        """The interleaved layers from the towers' first tokens ``states`` (per stream: tokens,
+        valid) on; ``x_sum`` = layer 0's X_sum when already computed. Returns what
+        ``forward`` returns."""
         history: list[torch.Tensor] = []
         for i in range(self.num_layers):
             if i or x_sum is None:
@@ -162,7 +169,8 @@ class InterFormer(nn.Module):
             if self.cfg.wukong:
                 s_sum = self.cross[i].summarize_s(states) if self.cfg.interleave else None
                 x_next = self.interaction.forward_layer(i, x_BND, s_sum, history)
-            states = [tw.layer(i, s, v, self.tower_context(x_sum)) for tw, (s, v) in zip(self.towers, states)]
+            states = [tw.layer(i, s, v, self.tower_context(x_sum)) for tw,
+                      (s, v) in zip(self.towers, states)]
             history.append(x_BND)
             x_BND = x_next
         if self.cfg.wukong:

@@ -3,22 +3,22 @@ the output biases, and the same shift applied from outside a model whose paramet
 
 Legend: B rows, T tasks, G output groups of the heads (the domains, or one with shared heads).
 
-Two corrections use them, both read from a run's files by ``opengem.run``: the recalibration fitted on
-held-out days (``evaluation.recalibrate``) and the negative down-sampling correction.
+Two corrections use them, both read from a run's files by ``opengem.run``: the recalibration fitted
+on held-out days (``evaluation.recalibrate``) and the negative down-sampling correction.
 
 The down-sampling correction (``downsampling_offsets``). Negatives (rows with no positive label,
 ``data.downsampling``) kept at rate r multiply the odds the model learns by 1/r (each kept negative
-stands for 1/r of them: its weight), so the calibrated probability is He et al.'s q = p / (p + (1 − p)/w)
-with w the rate r itself (not 1/r: that would shift the other way), i.e. logit(q) = logit(p) + log r,
-an offset on the output bias. Which heads get it, with the ESMM chain
-p(conv) = p(click) · p(conv | click) (``Heads.chain``):
-a row with conv = 1 has click = 1, so the rows kept with click = 1 are all of them and p(conv | click)
-is learnt unbiased; p(click) alone is inflated. So the offset is log r on each task's *own* logit when
-the task is not chained (the base task, click) and 0 on a chained one (its logit is the conditional);
-chaining the corrected click gives the corrected conversion (tests/unit/evaluation/test_downsampling_correction.py
-checks it numerically). An unchained second task (``model.heads.chain_required=false``) also gets
-log r, which is exact only as its rate → 0; the run's record says ``exact: false`` then, and a
-recalibration fitted on top corrects the mean.
+stands for 1/r of them: its weight), so the calibrated probability is He et al.'s q = p / (p + (1 −
+p)/w) with w the rate r itself (not 1/r: that would shift the other way), i.e. logit(q) = logit(p) +
+log r, an offset on the output bias. Which heads get it, with the ESMM chain p(conv) = p(click) ·
+p(conv | click) (``Heads.chain``):
+a row with conv = 1 has click = 1, so the rows kept with click = 1 are all of them and p(conv |
+click) is learnt unbiased; p(click) alone is inflated. So the offset is log r on each task's *own*
+logit when the task is not chained (the base task, click) and 0 on a chained one (its logit is the
+conditional); chaining the corrected click gives the corrected conversion
+(tests/unit/evaluation/test_downsampling_correction.py checks it numerically). An unchained second
+task (``model.heads.chain_required=false``) also gets log r, which is exact only as its rate → 0;
+the run's record says ``exact: false`` then, and a recalibration fitted on top corrects the mean.
 """
 
 from __future__ import annotations
@@ -34,14 +34,16 @@ __all__ = ["LogitShift", "RecalibrationError", "downsampling_offsets", "fold_off
 
 
 class RecalibrationError(ValueError):
-    """The run or split cannot be recalibrated, or its offsets do not fit the model; the message says why."""
+    """The run or split cannot be recalibrated, or its offsets do not fit the model; the message
+    says why."""
 
 
 def gem_heads(model: torch.nn.Module) -> Heads:
     """The GEM heads a recalibration offset is added to (GEM and a student's backbone have them)."""
     heads = getattr(model, "heads", None)
     if not isinstance(heads, Heads):
-        raise RecalibrationError(f"{type(model).__name__} has no GEM heads to recalibrate (peer baselines have none)")
+        raise RecalibrationError(f"{type(model).__name__} has no GEM heads to recalibrate (peer "
+                                 f"baselines have none)")
     return heads
 
 
@@ -58,13 +60,15 @@ def offsets_tensor(heads: Heads, offsets: dict[str, float], schema: FeatureSchem
     for key, value in offsets.items():
         g, _, t = key.partition("/")
         if g not in groups or t not in schema.task_names:
-            raise RecalibrationError(f"offsets: unknown slice {key!r} (groups {groups}, tasks {schema.task_names})")
+            raise RecalibrationError(f"offsets: unknown slice {key!r} (groups {groups}, "
+                                     f"tasks {schema.task_names})")
         out[groups.index(g), schema.task_names.index(t)] = float(value)
     return out
 
 
 def slopes_tensor(slopes: dict[str, float], schema: FeatureSchema) -> torch.Tensor:
-    """{task: a} → [T] in schema order (1 for a task not named); an unknown task or a ≤ 0 is refused."""
+    """{task: a} → [T] in schema order (1 for a task not named); an unknown task or a ≤ 0
+    is refused."""
     out = torch.ones(len(schema.task_names), dtype=torch.float64)
     for task, a in slopes.items():
         if task not in schema.task_names or not float(a) > 0:
@@ -94,24 +98,30 @@ def fold_offsets(model: torch.nn.Module, record: dict | None, schema: FeatureSch
     return record
 
 
-def downsampling_offsets(heads: Heads, schema: FeatureSchema, rates: dict[str, float]) -> torch.Tensor:
-    """[G, T] logit offsets that undo negative down-sampling at ``rates`` ({domain: r}; module docstring):
+def downsampling_offsets(heads: Heads, schema: FeatureSchema,
+                         rates: dict[str, float]) -> torch.Tensor:
+    """[G, T] logit offsets that undo negative down-sampling at ``rates`` ({domain: r};
+    module docstring):
     log r_g on each unchained task, 0 on a chained one. With shared heads (one output group) the
     domains' rates must be equal: one bias cannot carry two corrections."""
     groups = offset_groups(heads, schema)
     r_G = torch.tensor([float(rates[d]) for d in schema.domains.names], dtype=torch.float64)
     if groups == ["all"] and schema.num_domains > 1:
         if not bool((r_G == r_G[0]).all()):
-            raise RecalibrationError(f"per-domain negative rates {rates} need per-domain output heads "
-                                     "(model.heads.domain_mode=output): shared heads have one bias per task")
+            raise RecalibrationError(f"per-domain negative rates {rates} need per-domain "
+                                     f"output heads "
+                                     "(model.heads.domain_mode=output): shared heads have one "
+                                     "bias per task")
         r_G = r_G[:1]
     root = torch.tensor([p < 0 for p in heads.parent])
     return torch.where(root[None, :], torch.log(r_G)[:, None], torch.zeros((), dtype=torch.float64))
 
 
-def shift_logits(logits_BT: torch.Tensor, delta_BT: torch.Tensor, parent: list[int]) -> torch.Tensor:
-    """The chained logits the heads would give with ``delta_BT`` added to each task's own logit, from
-    the chained logits alone: a chained task's own log σ is recovered as log σ(z_t) − log σ(z_parent)."""
+def shift_logits(logits_BT: torch.Tensor, delta_BT: torch.Tensor,
+                 parent: list[int]) -> torch.Tensor:
+    """The chained logits the heads would give with ``delta_BT`` added to each task's own logit,
+    from the chained logits alone: a chained task's own log σ is recovered as log σ(z_t) −
+    log σ(z_parent)."""
     out: list[torch.Tensor] = []
     for t, p in enumerate(parent):
         if p < 0:
@@ -131,7 +141,11 @@ class LogitShift(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, delta_GT: torch.Tensor):
         super().__init__()
         heads = gem_heads(model)
-        self.model, self.parent, self.shared = model, list(heads.parent), heads.cfg.domain_mode != "output"
+        self.model, self.parent, self.shared = (
+            model,
+            list(heads.parent),
+            heads.cfg.domain_mode != "output",
+        )
         self.register_buffer("delta_GT", delta_GT.double(), persistent=False)
 
     def max_seq_len(self):

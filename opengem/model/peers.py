@@ -1,4 +1,5 @@
-"""Peer baselines: TorchRec's DLRM and DLRM-DCN, and DIN, on our batches, trained by our trainer unchanged.
+"""Peer baselines: TorchRec's DLRM and DLRM-DCN, and DIN, on our batches, trained by our
+trainer unchanged.
 
 Legend: B rows, n sparse tokens (n_f sparse features + S streams + 1 domain), F dense features,
 D dim, T tasks, N events of one stream (jagged).
@@ -12,24 +13,26 @@ D dim, T tasks, N events of one stream (jagged).
         ─► OverArch (torchrec) ─► [B, T] raw logits ─► task chaining ─► logits [B, T]
 
 pool/row is the mean of a row's events (dlrm, dlrm_dcn) or DIN's candidate-weighted sum (din,
-``opengem.model.din``). ``model.arch`` = ``dlrm`` | ``dlrm_dcn`` | ``din`` selects one (``build_gem``
-dispatches; ``gem`` is GEM). The parts are torchrec.models.dlrm's own ``DenseArch``,
-``InteractionArch``, ``InteractionDCNArch`` and ``OverArch``; only the inputs and outputs are adapted:
+``opengem.model.din``). ``model.arch`` = ``dlrm`` | ``dlrm_dcn`` | ``din`` selects one
+(``build_gem`` dispatches; ``gem`` is GEM). The parts are torchrec.models.dlrm's own ``DenseArch``,
+``InteractionArch``, ``InteractionDCNArch`` and ``OverArch``; only the inputs and outputs
+are adapted:
 
 - Tables: our ``SparseArch``, so sharding plans, the row-wise Adagrad table optimizer, table
   init and id hashing are the same as GEM's.
 - Sequences: DLRM has no sequence model. Each behaviour stream enters as ONE token: the mean over
   the row's events of their embeddings (item + event type + attributes, the same event model GEM's
   towers start from; an empty history gives zeros) — how DLRM users feed a history (a mean-pooled
-  embedding bag). The history cap is GEM's (``max_seq_len``). ``model.use_sequences=false`` drops them.
+  embedding bag). The history cap is GEM's (``max_seq_len``). ``model.use_sequences=false``
+  drops them.
 - DIN: the same event tokens, pooled per stream by a local activation unit against the candidate
   (``opengem.model.din``: the query is GEM's target-match rule), then every token and the dense
   vector concatenated into the OverArch, as DIN feeds its MLP.
 - Domain: one more sparse token (GEM's ``heads.domain_mode=shared`` reading of the surface).
 - Dense: torchrec's ``DenseArch`` [F + E → 4D → D] on GEM's ``DenseNormalizer`` of the values, the
-  schema's embedding features (E floats, e.g. an ad's content vector) concatenated raw after them, so
-  the peers read what GEM reads; with neither it reads a constant 1 (a learned vector), since DLRM's
-  interaction needs one.
+  schema's embedding features (E floats, e.g. an ad's content vector) concatenated raw after them,
+  so the peers read what GEM reads; with neither it reads a constant 1 (a learned vector), since
+  DLRM's interaction needs one.
 - Tasks: one ``OverArch`` [in → heads.trunk_dims → heads.task_dims → T] (GEM's head widths) with
   one output per task; a task that ``requires`` another is chained as GEM's heads chain it
   (``heads.chain_required``): p(conversion) = p(click) · σ(own logit) ≤ p(click), trained on all
@@ -76,7 +79,8 @@ def mean_pool(values_ND: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
 
 
 class PeerModel(TableModel):
-    """DLRM, DLRM-DCN or DIN (``cfg.arch``) with GEM's interface: ``forward(batch)`` → logits [B, T].
+    """DLRM, DLRM-DCN or DIN (``cfg.arch``) with GEM's interface: ``forward(batch)`` → logits
+    [B, T].
 
     Args:
         schema: the data's features and tasks.  cfg: the same ``GEMConfig`` a GEM run uses
@@ -84,7 +88,8 @@ class PeerModel(TableModel):
         device: where to build (``meta`` for the trainer's build → materialise → init path).
     """
 
-    def __init__(self, schema: FeatureSchema, cfg: GEMConfig, device: torch.device | str | None = None):
+    def __init__(self, schema: FeatureSchema, cfg: GEMConfig,
+                 device: torch.device | str | None = None):
         super().__init__()
         cfg.validate()
         if cfg.arch not in PEER_ARCHS:
@@ -98,13 +103,17 @@ class PeerModel(TableModel):
             self.sparse_arch = SparseArch(schema, cfg.sparse, D, device)
             self.domain_emb = nn.Embedding(schema.num_domains, D)
             norm = DenseNormalizer(len(schema.dense), cfg.dense_norm, missing=schema.dense_missing)
-            self.dense_arch = DenseArch(max(norm.out_features + schema.embedding_dim, 1), [4 * D, D])
+            self.dense_arch = DenseArch(max(norm.out_features + schema.embedding_dim, 1),
+                                        [4 * D, D])
             self.dense_norm = norm  # GEM's, so peers see the same inputs
-            self.pool = DINPooling(schema, self.streams, D) if cfg.arch == "din" and self.streams else None
+            self.pool = (
+                DINPooling(schema, self.streams, D) if cfg.arch == "din" and self.streams else None
+            )
             self.inter_arch, self.feature_dim = self._interaction(cfg.arch, n, D)
             hidden = [*cfg.heads.trunk_dims, *cfg.heads.task_dims] or [4 * D]
             self.over_arch = OverArch(self.feature_dim, [*hidden, len(schema.tasks)])
-        self.parent = [schema.task_names.index(t.requires) if (t.requires and cfg.heads.chain_required) else -1
+        self.parent = [schema.task_names.index(t.requires)
+                       if (t.requires and cfg.heads.chain_required) else -1
                        for t in schema.tasks]
 
     @staticmethod
@@ -121,14 +130,16 @@ class PeerModel(TableModel):
     def interformer(self) -> nn.Module:
         # opengem.parallel (FSDP units, activation checkpointing, compile) and export start here
         raise NotImplementedError(
-            f"model.arch={self.cfg.arch} is a single-process peer baseline: opengem.parallel and export "
-            "handle GEM's blocks (InterFormer, heads) only; train it without torchrun, or use model.arch=gem")
+            f"model.arch={self.cfg.arch} is a single-process peer baseline: opengem.parallel "
+            f"and export "
+            "handle GEM's blocks (InterFormer, heads) only; train it without torchrun, or "
+            "use model.arch=gem")
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
     def init_weights(self, base_rates: list[float] | None = None, seed: int = 0) -> None:
-        """(Re)initialise every parameter (and the dot interaction's index buffer, which ``to_empty``
-        leaves undefined); call after ``to_empty`` when built on meta."""
+        """(Re)initialise every parameter (and the dot interaction's index buffer, which
+        ``to_empty`` leaves undefined); call after ``to_empty`` when built on meta."""
         tables = {id(m) for m in self.sparse_arch.modules()}
         for m in self.modules():
             if m is self or id(m) in tables:
@@ -149,7 +160,8 @@ class PeerModel(TableModel):
             self._init_bias(base_rates)
 
     def _init_bias(self, base_rates: list[float]) -> None:
-        """Output biases at each task's base rate (conditional rate for chained tasks), as ``Heads``."""
+        """Output biases at each task's base rate (conditional rate for chained tasks),
+        as ``Heads``."""
         bias = self.over_arch.model[-1].bias
         for t, b in enumerate(base_rate_logits(base_rates, self.parent, self.schema.task_names)):
             bias[t] = b

@@ -21,8 +21,9 @@ instead, which is also what a new user gets at serving. The counts are a buffer 
 in the state dict), counted in training mode only, before each batch's own rows are added, so a
 checkpoint, an evaluation and the exported predictor all map ids as the model was trained. It is the
 streaming form of "count on the train split" (GEM trains online, one pass): over several epochs the
-counts keep growing, so an id with n rows an epoch is admitted during epoch ⌈k/n⌉. One process counts
-its own rows: under data parallelism each rank would admit on its own sightings (not used there yet).
+counts keep growing, so an id with n rows an epoch is admitted during epoch ⌈k/n⌉. One process
+counts its own rows: under data parallelism each rank would admit on its own sightings (not used
+there yet).
 """
 
 from __future__ import annotations
@@ -41,14 +42,17 @@ from opengem.features.schema import FeatureSchema
 class SparseArchConfig:
     init_std: float = 0.05
     max_rows_per_table: int = 0  # 0 = no cap; otherwise ids are hashed (mod) into this many rows
-    min_count: int = 0  # k: ids seen < k times in training read the OOV row (module docstring); 0 = off
-    min_count_features: tuple[str, ...] = ("user_id",)  # the features admission applies to (absent ones skipped)
+    # k: ids seen < k times in training read the OOV row (module docstring); 0 = off
+    min_count: int = 0
+    # the features admission applies to (absent ones skipped)
+    min_count_features: tuple[str, ...] = ("user_id",)
 
 
 _INIT_BLOCK = 4096
 
 
-def table_init_slice(table: str, seed: int, std: float, r0: int, r1: int, c0: int, c1: int, dim: int) -> torch.Tensor:
+def table_init_slice(table: str, seed: int, std: float, r0: int, r1: int, c0: int, c1: int,
+                     dim: int) -> torch.Tensor:
     """Rows [r0, r1) × columns [c0, c1) of table ``table``'s initial weights, N(0, std²).
 
     Values are drawn in blocks of 4,096 rows from generators seeded by (seed, table, block), so any
@@ -58,8 +62,10 @@ def table_init_slice(table: str, seed: int, std: float, r0: int, r1: int, c0: in
     import zlib
 
     out = []
-    for block in range(r0 // _INIT_BLOCK, (r1 - 1) // _INIT_BLOCK + 1 if r1 > r0 else r0 // _INIT_BLOCK):
-        g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(table.encode())) * 65_537 + block)
+    for block in range(r0 // _INIT_BLOCK,
+                       (r1 - 1) // _INIT_BLOCK + 1 if r1 > r0 else r0 // _INIT_BLOCK):
+        g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(table.encode())) * 65_537
+                                          + block)
         vals = torch.randn(_INIT_BLOCK, dim, generator=g) * std
         lo, hi = max(r0, block * _INIT_BLOCK), min(r1, (block + 1) * _INIT_BLOCK)
         out.append(vals[lo - block * _INIT_BLOCK : hi - block * _INIT_BLOCK, c0:c1])
@@ -84,14 +90,16 @@ class SparseArch(nn.Module):
         → ads: values [3, D] = (item + event + attributes) of i0, i1, i2, lengths [2, 0, 1]
     """
 
-    def __init__(self, schema: FeatureSchema, cfg: SparseArchConfig, dim: int, device: torch.device | None = None):
+    def __init__(self, schema: FeatureSchema, cfg: SparseArchConfig, dim: int,
+                 device: torch.device | None = None):
         super().__init__()
         self.schema, self.cfg, self.dim = schema, cfg, dim
         D = dim
         self.rows = {f.name: self._rows(f.vocab_size) for f in schema.sparse}
         self.ebc = EmbeddingBagCollection(
             tables=[
-                EmbeddingBagConfig(name=f"t_{f.name}", embedding_dim=D, num_embeddings=self.rows[f.name],
+                EmbeddingBagConfig(name=f"t_{f.name}", embedding_dim=D,
+                                   num_embeddings=self.rows[f.name],
                                    feature_names=[f.name], pooling=PoolingType.SUM)
                 for f in schema.sparse
             ],
@@ -102,19 +110,23 @@ class SparseArch(nn.Module):
             self.rows[s.item_column] = self._rows(s.item_vocab_size)
             self.rows[s.event_column] = s.num_event_types + 1
             seq_tables += [
-                EmbeddingConfig(name=f"t_{s.name}_item", embedding_dim=D, num_embeddings=self.rows[s.item_column],
+                EmbeddingConfig(name=f"t_{s.name}_item", embedding_dim=D,
+                                num_embeddings=self.rows[s.item_column],
                                 feature_names=[s.item_column]),
-                EmbeddingConfig(name=f"t_{s.name}_event", embedding_dim=D, num_embeddings=self.rows[s.event_column],
+                EmbeddingConfig(name=f"t_{s.name}_event", embedding_dim=D,
+                                num_embeddings=self.rows[s.event_column],
                                 feature_names=[s.event_column]),
             ]
             for a in s.attributes:
                 col = s.attribute_column(a)
                 self.rows[col] = self._rows(a.vocab_size)
                 seq_tables.append(EmbeddingConfig(name=f"t_{s.name}_{a.name}", embedding_dim=D,
-                                                  num_embeddings=self.rows[col], feature_names=[col]))
+                                                  num_embeddings=self.rows[col],
+                                                  feature_names=[col]))
         self.ec = EmbeddingCollection(tables=seq_tables, device=device) if seq_tables else None
         self.admitted = self._admission_features(schema, cfg)
-        for f in self.admitted:  # on the CPU even on meta: the parallel init copies a reference's values
+        # on the CPU even on meta: the parallel init copies a reference's values
+        for f in self.admitted:
             self.register_buffer(f"seen_{f}", torch.zeros(self.rows[f], dtype=torch.int32))
 
     @staticmethod
@@ -126,7 +138,8 @@ class SparseArch(nn.Module):
         seq = {c for s in schema.sequences for c in (s.item_column, s.event_column)}
         bad = [f for f in cfg.min_count_features if f in seq or "." in f]
         if bad:
-            raise ValueError(f"model.sparse.min_count_features names non-sequence sparse features; {bad} are "
+            raise ValueError(f"model.sparse.min_count_features names non-sequence sparse "
+                             f"features; {bad} are "
                              "sequence columns")
         return [f.name for f in schema.sparse if f.name in cfg.min_count_features]
 
@@ -145,9 +158,11 @@ class SparseArch(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """Deterministic per-table init: the same values whatever the sharding (see ``table_init_slice``)."""
+        """Deterministic per-table init: the same values whatever the sharding
+        (see ``table_init_slice``)."""
         for name, w in self.tables().items():
-            w.copy_(table_init_slice(name, seed, self.cfg.init_std, 0, w.shape[0], 0, w.shape[1], w.shape[1]))
+            w.copy_(table_init_slice(name, seed, self.cfg.init_std, 0, w.shape[0], 0, w.shape[1],
+                                     w.shape[1]))
         for f in self.admitted:
             getattr(self, f"seen_{f}").zero_()
 
@@ -159,17 +174,19 @@ class SparseArch(nn.Module):
         if not self.cfg.max_rows_per_table:
             return kjt
         mods = torch.tensor([self.rows[k] for k in kjt.keys()], device=kjt.values().device)  # noqa: SIM118 (a KJT, not a dict)
-        per_value = torch.repeat_interleave(mods, torch.tensor(kjt.length_per_key(), device=mods.device))
-        return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values() % per_value, lengths=kjt.lengths())
+        per_value = torch.repeat_interleave(mods,
+                                            torch.tensor(kjt.length_per_key(), device=mods.device))
+        return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values() % per_value,
+                                 lengths=kjt.lengths())
 
     def seen(self, feature: str) -> torch.Tensor:
         """How often training has seen each row of ``feature`` (an admitted feature), [rows]."""
         return getattr(self, f"seen_{feature}")
 
     def _admit(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """Ids of admitted features that training saw < k times → the OOV (last) row; in training mode
-        the batch's ids are then counted (module docstring). With ``max_rows_per_table`` the counts
-        are per hashed row and the last row is also a hashed id's."""
+        """Ids of admitted features that training saw < k times → the OOV (last) row; in training
+        mode the batch's ids are then counted (module docstring). With ``max_rows_per_table`` the
+        counts are per hashed row and the last row is also a hashed id's."""
         if not self.admitted:
             return kjt
         values, keys = kjt.values().clone(), kjt.keys()
@@ -180,18 +197,24 @@ class SparseArch(nn.Module):
             seen = self.seen(f)
             rare = seen[ids.to(seen.device)].to(ids.device) < self.cfg.min_count
             if self.training:
-                seen.index_add_(0, ids.to(seen.device), torch.ones_like(ids, dtype=seen.dtype, device=seen.device))
-            values[offsets[i]:offsets[i + 1]] = torch.where(rare, torch.full_like(ids, self.rows[f] - 1), ids)
+                seen.index_add_(0, ids.to(seen.device),
+                                torch.ones_like(ids, dtype=seen.dtype, device=seen.device))
+            values[offsets[i]:offsets[i + 1]] = torch.where(rare,
+                                                            torch.full_like(ids, self.rows[f] - 1),
+                                                            ids)
         return KeyedJaggedTensor(keys=keys, values=values, lengths=kjt.lengths())
 
     def forward_sparse(self, sparse: KeyedJaggedTensor, batch_size: int) -> torch.Tensor:
         """[B, n, D] pooled embeddings of the non-sequence id features."""
         if self.ebc is None:
             return torch.zeros(batch_size, 0, self.dim)
-        per_feature = self.ebc(self._admit(self._hash(sparse))).to_dict()  # by name: a sharded EBC may reorder features
+        # by name: a sharded EBC may reorder features
+        per_feature = self.ebc(self._admit(self._hash(sparse))).to_dict()
         return torch.stack([per_feature[f.name] for f in self.schema.sparse], dim=1)
 
-    def forward_sequences(self, sequences: KeyedJaggedTensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def forward_sequences(
+        self, sequences: KeyedJaggedTensor
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """stream → (values [N, D] = item + event-type + attribute embeddings, lengths [B])."""
         if self.ec is None:
             return {}

@@ -10,8 +10,8 @@ a gradient-scale op::
                                                            └─► GradScale(β) ─► aux heads ─► distillation logits [B, T]
 
 Because the served part is a plain ``GEM``, a student run directory is an ordinary run directory:
-``load_run_model`` rebuilds it, ``opengem evaluate`` scores it, ``opengem export`` exports it through
-``ServingGEM`` (the aux head is training-only and is not saved).
+``load_run_model`` rebuilds it, ``opengem evaluate`` scores it, ``opengem export`` exports it
+through ``ServingGEM`` (the aux head is training-only and is not saved).
 
 Representation transfer adds the teacher's embedding as E dense *user* features named
 ``teacher_rep_000 …`` to the student's schema (``student_schema``): GEM's dense arch reads them
@@ -21,7 +21,8 @@ over time (``rep.source=days``) are k·r such features: the user's last k daily 
 representations, each projected to r (``opengem.transfer.user_reps.UserRepHistory``).
 
 Presets (``opengem.recipes.students``): one dial from ``vm_xs`` (no sequence towers: the cheapest
-servable model) to ``fm_domain`` (a per-domain foundation model, the middle level of hierarchical transfer).
+servable model) to ``fm_domain`` (a per-domain foundation model, the middle level of
+hierarchical transfer).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def with_rep(batch: Batch, rep_BE: torch.Tensor | None) -> Batch:
     """The batch with the teacher embedding appended to its dense features (schema order)."""
     if rep_BE is None:
         return batch
-    return dataclasses.replace(batch, dense=torch.cat([batch.dense, rep_BE.to(batch.dense.dtype)], dim=1))
+    return dataclasses.replace(batch,
+                               dense=torch.cat([batch.dense, rep_BE.to(batch.dense.dtype)], dim=1))
 
 
 def forward_with_features(gem: GEM, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +81,8 @@ class _GradScale(torch.autograd.Function):
 
 
 def grad_scale(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """Identity forward; backward multiplies the gradient by ``scale`` (ExFM's gradient scaling β)."""
+    """Identity forward; backward multiplies the gradient by ``scale`` (ExFM's gradient
+    scaling β)."""
     return x if scale == 1.0 else _GradScale.apply(x, scale)
 
 

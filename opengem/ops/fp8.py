@@ -35,7 +35,8 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 @dataclass
 class SavedBytes:
-    """Bytes of the tensors autograd saved inside the context: as given (``original``), as kept (``stored``)."""
+    """Bytes of the tensors autograd saved inside the context: as given (``original``), as
+    kept (``stored``)."""
 
     original: int = 0
     stored: int = 0
@@ -47,7 +48,8 @@ class SavedBytes:
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x / scale as float8_e4m3fn, fp32 scale), scale = amax of the finite values / 448 (1 if all zero).
+    """(x / scale as float8_e4m3fn, fp32 scale), scale = amax of the finite values / 448 (1 if
+    all zero).
 
     e4m3fn has no infinity (a cast saturates ±inf to ±448), so ±inf (additive masks) are written as
     the two NaN codes 0x7F / 0xFF and restored by ``dequantize_fp8``; no host sync is needed.
@@ -57,14 +59,16 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = torch.where(finite, x.abs(), 0.0).amax()
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     bits = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
-    bits = torch.where(finite, bits, torch.where(x < 0, _NEG_INF_CODE, _POS_INF_CODE).to(torch.uint8))
+    bits = torch.where(finite, bits,
+                       torch.where(x < 0, _NEG_INF_CODE, _POS_INF_CODE).to(torch.uint8))
     return bits.view(FP8), scale
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     bits = q.view(torch.uint8)
     x = q.float() * scale
-    x = torch.where(bits == _POS_INF_CODE, float("inf"), torch.where(bits == _NEG_INF_CODE, float("-inf"), x))
+    x = torch.where(bits == _POS_INF_CODE, float("inf"),
+                    torch.where(bits == _NEG_INF_CODE, float("-inf"), x))
     return x.to(dtype)
 
 
@@ -77,7 +81,8 @@ def _storage_ptr(t: torch.Tensor) -> int:
 
 
 @contextlib.contextmanager
-def fp8_saved_activations(model: nn.Module | None = None, min_bytes: int = 1 << 16) -> Iterator[SavedBytes]:
+def fp8_saved_activations(model: nn.Module | None = None,
+                          min_bytes: int = 1 << 16) -> Iterator[SavedBytes]:
     """Store saved activations ≥ ``min_bytes`` in fp8 while the block runs; yields the byte counts.
 
     ``model``'s parameters are never quantised (pass the module being run). Backward may run after
@@ -88,9 +93,11 @@ def fp8_saved_activations(model: nn.Module | None = None, min_bytes: int = 1 << 
     cache: dict[tuple, tuple] = {}
 
     def pack(t: torch.Tensor):
-        if type(t) not in (torch.Tensor, nn.Parameter):  # tensor subclasses (DTensor, ...) pass through
+        # tensor subclasses (DTensor, ...) pass through
+        if type(t) not in (torch.Tensor, nn.Parameter):
             return t
-        key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t._version, t.dtype)
+        key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t._version,
+               t.dtype)
         hit = cache.get(key)
         if hit is not None and hit[0]() is t:  # the same live tensor, not a new one in freed memory
             return hit[1]

@@ -30,7 +30,8 @@ def _triton_ops():
     try:
         from opengem.ops import triton_jagged
     except ImportError as e:  # only triton itself is optional here
-        raise RuntimeError(f"impl='triton' needs the optional 'triton' package (pip install triton): {e}") from e
+        raise RuntimeError(f"impl='triton' needs the optional 'triton' package (pip install "
+                           f"triton): {e}") from e
     return triton_jagged
 
 
@@ -49,12 +50,14 @@ def offsets_of(lengths: torch.Tensor) -> torch.Tensor:
     return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
 
 
-def _length_buckets(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, torch.Tensor]]]:
-    """Non-empty rows grouped into buckets whose lengths differ by < √2, each padded to its own longest row.
+def _length_buckets(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                    list[tuple[int, int, torch.Tensor]]]:
+    """Non-empty rows grouped into buckets whose lengths differ by < √2, each padded to its own
+    longest row.
 
     Returns (rows [R], idx [Σ_b R_b·L_b], buckets): ``rows`` lists the rows bucket after bucket,
-    ``idx`` points each padded slot into the jagged values (0 for padding: mask it), and each bucket is
-    (R_b, L_b, valid [R_b, L_b]). Callers gather once with ``idx`` and ``split`` per bucket: one
+    ``idx`` points each padded slot into the jagged values (0 for padding: mask it), and each bucket
+    is (R_b, L_b, valid [R_b, L_b]). Callers gather once with ``idx`` and ``split`` per bucket: one
     gather (and one scatter in backward) instead of one per bucket, which dominated the step on CPU.
     """
     offsets = offsets_of(lengths)
@@ -82,8 +85,9 @@ def _length_buckets(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def pool_attention(
-    q_BMD: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor, lengths: torch.Tensor, num_heads: int,
-    sink_logit_MH: torch.Tensor | None = None, sink_value_MD: torch.Tensor | None = None, impl: str = "reference",
+    q_BMD: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor, lengths: torch.Tensor,
+    num_heads: int, sink_logit_MH: torch.Tensor | None = None,
+    sink_value_MD: torch.Tensor | None = None, impl: str = "reference",
 ) -> torch.Tensor:
     """Learnable-query (PMA-style) attention pooling over each row's events.
 
@@ -93,12 +97,14 @@ def pool_attention(
     Rows with no events return zeros (or the sink value). Returns [B, M, D].
 
     The reference runs batched matmuls [R, H, M, Dh] × [R, H, Dh, L] per length bucket (see
-    ``_length_buckets``): for the same O(N·M·D) cost, matmuls beat scoring every event against its row's
-    queries elementwise ([N, M, H, Dh] products) on CPU (docs/experiments.md, 'Figures moved from code docstrings').
+    ``_length_buckets``): for the same O(N·M·D) cost, matmuls beat scoring every event against its
+    row's queries elementwise ([N, M, H, Dh] products) on CPU (docs/experiments.md, 'Figures moved
+    from code docstrings').
     """
     _check_impl(impl)
     if impl == "triton":
-        return _triton_ops().pool_attention(q_BMD, k_ND, v_ND, lengths, num_heads, sink_logit_MH, sink_value_MD)
+        return _triton_ops().pool_attention(q_BMD, k_ND, v_ND, lengths, num_heads, sink_logit_MH,
+                                            sink_value_MD)
     B, M, D = q_BMD.shape
     H, Dh = num_heads, D // num_heads
     sink = sink_logit_MH is not None
@@ -124,8 +130,9 @@ def pool_attention(
     return out.index_copy(0, rows, torch.cat(outs).transpose(1, 2).reshape(-1, M, D))
 
 
-def jagged_attention(q_ND: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor, lengths: torch.Tensor,
-                     num_heads: int, causal: bool = True, impl: str = "reference") -> torch.Tensor:
+def jagged_attention(q_ND: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor,
+                     lengths: torch.Tensor, num_heads: int, causal: bool = True,
+                     impl: str = "reference") -> torch.Tensor:
     """Multi-head self-attention inside each row of a jagged batch (rows never see each other).
 
     out[n] = Σ_{m in n's row, m <= n if causal} softmax_m(q[n]·k[m] / √Dh) v[m], per head. With
@@ -157,7 +164,8 @@ def jagged_attention(q_ND: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor,
     return q_ND.new_zeros(N, D).index_copy(0, idx[keep_all], torch.cat(outs)[keep_all])
 
 
-def recent_window(values_ND: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def recent_window(values_ND: torch.Tensor, lengths: torch.Tensor,
+                  k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The last ``k`` events of each row, right-aligned (newest in the last slot).
 
     Returns (x [B, k, D], valid [B, k] bool). Always ``k`` slots, never the batch's longest row: a

@@ -7,8 +7,8 @@ What TorchRec 1.8.0 / fbgemm-gpu-cpu 1.8.0 offer on CPU (each probed by running 
   sharding uses trains fp16 weights (``weights_precision=FP16``, EXACT_ROWWISE_ADAGRAD). Half the
   bytes, no code here: it is a table config field (see ``SparseArchConfig``).
 - int8 *training*: no. Unsharded modules silently build ``DataType.INT8`` tables as fp16, and the
-  fused CPU TBE's backward raises ``NotImplementedError: "split_embedding_backward_exact_cpu_kernel_3"
-  not implemented for 'Byte'``.
+  fused CPU TBE's backward raises ``NotImplementedError:
+  "split_embedding_backward_exact_cpu_kernel_3" not implemented for 'Byte'``.
 - int8 / fp16 *serving*: ``torchrec.quant.EmbeddingBagCollection`` / ``EmbeddingCollection`` (fbgemm
   IntNBit TBE) run on CPU. An int8 row stores D bytes + an fp16 scale and bias (D + 4 bytes vs 4·D).
 
@@ -26,8 +26,10 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.quant import embedding_modules as quant
 
 _DTYPES = {"int8": torch.qint8, "fp16": torch.float16}
-_FLOAT_TO_QUANT = {EmbeddingBagCollection: quant.EmbeddingBagCollection, EmbeddingCollection: quant.EmbeddingCollection}
-_TABLE_MODULES = (EmbeddingBagCollection, EmbeddingCollection, quant.EmbeddingBagCollection, quant.EmbeddingCollection)
+_FLOAT_TO_QUANT = {EmbeddingBagCollection: quant.EmbeddingBagCollection,
+                   EmbeddingCollection: quant.EmbeddingCollection}
+_TABLE_MODULES = (EmbeddingBagCollection, EmbeddingCollection, quant.EmbeddingBagCollection,
+                  quant.EmbeddingCollection)
 
 
 def _quantized(module: nn.Module, dtype: torch.dtype, row_alignment: int) -> nn.Module:
@@ -42,12 +44,13 @@ def _quantized(module: nn.Module, dtype: torch.dtype, row_alignment: int) -> nn.
 
 @torch.no_grad()
 def quantize_tables(model: nn.Module, dtype: str = "int8", row_alignment: int = 4) -> nn.Module:
-    """Replace every (unsharded, CPU) TorchRec EBC / EC inside ``model`` by its quantized twin; in place.
+    """Replace every (unsharded, CPU) TorchRec EBC / EC inside ``model`` by its quantized twin;
+    in place.
 
-    ``dtype``: int8 (row-wise: each row's min and step as fp16 scale + bias) or fp16. The swapped model
-    is for eval and serving only: quantized tables have no gradients. ``row_alignment`` pads each
-    stored row to a multiple of this many bytes (TorchRec's default, 16, suits GPU kernels; 4 keeps
-    int8 rows at D + 4 bytes).
+    ``dtype``: int8 (row-wise: each row's min and step as fp16 scale + bias) or fp16. The swapped
+    model is for eval and serving only: quantized tables have no gradients. ``row_alignment`` pads
+    each stored row to a multiple of this many bytes (TorchRec's default, 16, suits GPU kernels; 4
+    keeps int8 rows at D + 4 bytes).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"table dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")

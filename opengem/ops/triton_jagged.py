@@ -37,7 +37,8 @@ def _precision(dtype: torch.dtype) -> str:
 
 @triton.jit
 def _tile(PTR, rows, stride, col0, offs_d, mask):
-    """[len(rows), BLOCK_D] values of one head (columns col0 ..) of a row-major [*, D] tensor; 0 off ``mask``."""
+    """[len(rows), BLOCK_D] values of one head (columns col0 ..) of a row-major [*, D] tensor; 0
+    off ``mask``."""
     return tl.load(PTR + rows[:, None] * stride + col0 + offs_d[None, :], mask=mask, other=0.0)
 
 
@@ -51,7 +52,8 @@ def _work_item(offsets, blk_row, blk_start):
 
 
 @triton.jit
-def _kv_block(K, V, seq0, start_n, L, sk, sv, h, offs_d, d_ok, DH: tl.constexpr, BLOCK_N: tl.constexpr):
+def _kv_block(K, V, seq0, start_n, L, sk, sv, h, offs_d, d_ok, DH: tl.constexpr,
+              BLOCK_N: tl.constexpr):
     """Positions, validity, mask and the K, V tiles (one head) of the key block at ``start_n``."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < L
@@ -61,7 +63,8 @@ def _kv_block(K, V, seq0, start_n, L, sk, sv, h, offs_d, d_ok, DH: tl.constexpr,
 
 
 @triton.jit
-def _query_side(Q, DO, LSE, DELTA, rows_m, m_ok, q_mask, sq, sdo, h, offs_d, H: tl.constexpr, DH: tl.constexpr):
+def _query_side(Q, DO, LSE, DELTA, rows_m, m_ok, q_mask, sq, sdo, h, offs_d, H: tl.constexpr,
+                DH: tl.constexpr):
     """What backward reads per query block: Q, dO (one head), the saved log-sum-exp and Δ."""
     q = _tile(Q, rows_m, sq, h * DH, offs_d, q_mask)
     do = _tile(DO, rows_m, sdo, h * DH, offs_d, q_mask)
@@ -71,7 +74,8 @@ def _query_side(Q, DO, LSE, DELTA, rows_m, m_ok, q_mask, sq, sdo, h, offs_d, H: 
 
 @triton.jit
 def _keep(m_ok, n_ok, offs_m, offs_n, CAUSAL: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] pairs that count: real query and key, and key not after query when causal."""
+    """[BLOCK_M, BLOCK_N] pairs that count: real query and key, and key not after query
+    when causal."""
     keep = m_ok[:, None] & n_ok[None, :]
     if CAUSAL:
         keep = keep & (offs_m[:, None] >= offs_n[None, :])
@@ -87,14 +91,20 @@ def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, PREC: tl.conste
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return (
+        m_new,
+        l_i * alpha + tl.sum(p, 1),
+        acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC),
+    )
 
 
 @triton.jit
 def _probs_and_dscores(q, k, v, do, lse, delta, keep, qk_scale, PREC: tl.constexpr):
     """Backward of one (query block, key block): probabilities P from the saved log-sum-exp, and
     dS = P ⊙ (dO·Vᵀ − Δ) with Δ = rowsum(dO ⊙ O)."""
-    p = tl.where(keep, tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse[:, None]), 0.0)
+    p = tl.where(keep,
+                 tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+                              - lse[:, None]), 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
     return p, p * (dp - delta[:, None])
 
@@ -116,7 +126,8 @@ def _attn_fwd(Q, K, V, O, LSE, offsets, blk_row, blk_start, sq, sk, sv, so, qk_s
     if CAUSAL:  # a query block sees key blocks up to its own last row
         hi = tl.minimum(L, start_m + BLOCK_M)
     for start_n in range(0, hi, BLOCK_N):
-        offs_n, n_ok, _, k, v = _kv_block(K, V, seq0, start_n, L, sk, sv, h, offs_d, d_ok, DH, BLOCK_N)
+        offs_n, n_ok, _, k, v = _kv_block(K, V, seq0, start_n, L, sk, sv, h, offs_d, d_ok, DH,
+                                          BLOCK_N)
         keep = _keep(m_ok, n_ok, offs_m, offs_n, CAUSAL)
         m_i, l_i, acc = _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, PREC)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -127,9 +138,10 @@ def _attn_fwd(Q, K, V, O, LSE, offsets, blk_row, blk_start, sq, sk, sv, so, qk_s
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, blk_row, blk_start, sq, sk, sv, sdo, qk_scale, sm_scale,
-                   H: tl.constexpr, DH: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, blk_row, blk_start, sq, sk, sv, sdo,
+                   qk_scale, sm_scale, H: tl.constexpr, DH: tl.constexpr, CAUSAL: tl.constexpr,
+                   PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
     """One (row, key block, head): dK, dV over every query block that sees the keys."""
     h = tl.program_id(1)
     seq0, L, start_n = _work_item(offsets, blk_row, blk_start)
@@ -149,20 +161,24 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, offsets, blk_row, blk_start,
         m_ok = offs_m < L
         rows_m = seq0 + offs_m
         q_mask = m_ok[:, None] & d_ok[None, :]
-        q, do, lse, delta = _query_side(Q, DO, LSE, DELTA, rows_m, m_ok, q_mask, sq, sdo, h, offs_d, H, DH)
+        q, do, lse, delta = _query_side(Q, DO, LSE, DELTA, rows_m, m_ok, q_mask, sq, sdo, h, offs_d,
+                                        H, DH)
         keep = _keep(m_ok, n_ok, offs_m, offs_n, CAUSAL)
         p, ds = _probs_and_dscores(q, k, v, do, lse, delta, keep, qk_scale, PREC)
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)
-    tl.store(DK + rows_n[:, None] * DH * H + h * DH + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+    tl.store(DK + rows_n[:, None] * DH * H + h * DH + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty),
              mask=kv_mask)
-    tl.store(DV + rows_n[:, None] * DH * H + h * DH + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + rows_n[:, None] * DH * H + h * DH + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=kv_mask)
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, offsets, blk_row, blk_start, sq, sk, sv, sdo, qk_scale, sm_scale,
-                 H: tl.constexpr, DH: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, offsets, blk_row, blk_start, sq, sk, sv, sdo,
+                 qk_scale, sm_scale, H: tl.constexpr, DH: tl.constexpr, CAUSAL: tl.constexpr,
+                 PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
     """One (row, query block, head): dQ over every key block the queries see."""
     h = tl.program_id(1)
     seq0, L, start_m = _work_item(offsets, blk_row, blk_start)
@@ -170,24 +186,28 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, offsets, blk_row, blk_start, sq, s
     m_ok, d_ok = offs_m < L, offs_d < DH
     rows_m = seq0 + offs_m
     q_mask = m_ok[:, None] & d_ok[None, :]
-    q, do, lse, delta = _query_side(Q, DO, LSE, DELTA, rows_m, m_ok, q_mask, sq, sdo, h, offs_d, H, DH)
+    q, do, lse, delta = _query_side(Q, DO, LSE, DELTA, rows_m, m_ok, q_mask, sq, sdo, h, offs_d, H,
+                                    DH)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = L
     if CAUSAL:  # a query block sees key blocks up to its own last row
         hi = tl.minimum(L, start_m + BLOCK_M)
     for start_n in range(0, hi, BLOCK_N):
-        offs_n, n_ok, _, k, v = _kv_block(K, V, seq0, start_n, L, sk, sv, h, offs_d, d_ok, DH, BLOCK_N)
+        offs_n, n_ok, _, k, v = _kv_block(K, V, seq0, start_n, L, sk, sv, h, offs_d, d_ok, DH,
+                                          BLOCK_N)
         keep = _keep(m_ok, n_ok, offs_m, offs_n, CAUSAL)
         _, ds = _probs_and_dscores(q, k, v, do, lse, delta, keep, qk_scale, PREC)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-    tl.store(DQ + rows_m[:, None] * DH * H + h * DH + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+    tl.store(DQ + rows_m[:, None] * DH * H + h * DH + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=q_mask)
 
 
 @triton.jit
 def _pool_fwd(Q, K, V, SL, SV, O, LSE, offsets, sqb, sqm, sk, sv, qk_scale,
-              M: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, SINK: tl.constexpr, PREC: tl.constexpr,
-              BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+              M: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, SINK: tl.constexpr,
+              PREC: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr):
     """One (row, head): the row's M queries attend over its L events (+ the sink slot)."""
     b, h = tl.program_id(0), tl.program_id(1)
     seq0 = tl.load(offsets + b).to(tl.int64)
@@ -195,11 +215,13 @@ def _pool_fwd(Q, K, V, SL, SV, O, LSE, offsets, sqb, sqm, sk, sv, qk_scale,
     offs_q, offs_d = tl.arange(0, BLOCK_Q), tl.arange(0, BLOCK_D)
     q_ok, d_ok = offs_q < M, offs_d < DH
     q_mask = q_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * sqb + offs_q[:, None] * sqm + h * DH + offs_d[None, :], mask=q_mask, other=0.0)
+    q = tl.load(Q + b * sqb + offs_q[:, None] * sqm + h * DH + offs_d[None, :], mask=q_mask,
+                other=0.0)
     if SINK:  # the sink is one more softmax slot whose logit is not scaled by 1/√Dh
         m_i = tl.load(SL + offs_q * H + h, mask=q_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         l_i = tl.full([BLOCK_Q], 1.0, tl.float32)
-        acc = tl.load(SV + offs_q[:, None] * (H * DH) + h * DH + offs_d[None, :], mask=q_mask, other=0.0)
+        acc = tl.load(SV + offs_q[:, None] * (H * DH) + h * DH + offs_d[None, :], mask=q_mask,
+                      other=0.0)
         acc = acc.to(tl.float32)
     else:
         m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
@@ -210,8 +232,8 @@ def _pool_fwd(Q, K, V, SL, SV, O, LSE, offsets, sqb, sqm, sk, sv, qk_scale,
         m_i, l_i, acc = _online_softmax_step(q, k, v, n_ok[None, :], m_i, l_i, acc, qk_scale, PREC)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    tl.store(O + (b * M + offs_q)[:, None] * (H * DH) + h * DH + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=q_mask)
+    tl.store(O + (b * M + offs_q)[:, None] * (H * DH) + h * DH + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=q_mask)
     tl.store(LSE + (b * M + offs_q) * H + h, m_i + tl.math.log2(l_safe), mask=q_ok)
 
 
@@ -226,20 +248,26 @@ def _pool_bwd(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, offsets, sqb, sqm, sk, sv, qk
     offs_q, offs_d = tl.arange(0, BLOCK_Q), tl.arange(0, BLOCK_D)
     q_ok, d_ok = offs_q < M, offs_d < DH
     q_mask = q_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * sqb + offs_q[:, None] * sqm + h * DH + offs_d[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DO + (b * M + offs_q)[:, None] * (H * DH) + h * DH + offs_d[None, :], mask=q_mask, other=0.0)
+    q = tl.load(Q + b * sqb + offs_q[:, None] * sqm + h * DH + offs_d[None, :], mask=q_mask,
+                other=0.0)
+    do = tl.load(DO + (b * M + offs_q)[:, None] * (H * DH) + h * DH + offs_d[None, :], mask=q_mask,
+                 other=0.0)
     lse = tl.load(LSE + (b * M + offs_q) * H + h, mask=q_ok, other=0.0)
     delta = tl.load(DELTA + (b * M + offs_q) * H + h, mask=q_ok, other=0.0)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     for start_n in range(0, L, BLOCK_N):
-        offs_n, n_ok, kv_mask, k, v = _kv_block(K, V, seq0, start_n, L, sk, sv, h, offs_d, d_ok, DH, BLOCK_N)
+        offs_n, n_ok, kv_mask, k, v = _kv_block(K, V, seq0, start_n, L, sk, sv, h, offs_d, d_ok, DH,
+                                                BLOCK_N)
         rows_n = seq0 + offs_n
-        p, ds = _probs_and_dscores(q, k, v, do, lse, delta, q_ok[:, None] & n_ok[None, :], qk_scale, PREC)
+        p, ds = _probs_and_dscores(q, k, v, do, lse, delta, q_ok[:, None] & n_ok[None, :], qk_scale,
+                                   PREC)
         dv = tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
         dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC) * sm_scale
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-        tl.store(DK + rows_n[:, None] * (H * DH) + h * DH + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
-        tl.store(DV + rows_n[:, None] * (H * DH) + h * DH + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+        tl.store(DK + rows_n[:, None] * (H * DH) + h * DH + offs_d[None, :],
+                 dk.to(DK.dtype.element_ty), mask=kv_mask)
+        tl.store(DV + rows_n[:, None] * (H * DH) + h * DH + offs_d[None, :],
+                 dv.to(DV.dtype.element_ty), mask=kv_mask)
     dq_ptrs = DQ + (b * M + offs_q)[:, None] * (H * DH) + h * DH + offs_d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
 
@@ -256,8 +284,9 @@ def _block_table(offsets: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
 
 def _check_device(t: torch.Tensor) -> None:
     if not t.is_cuda and not triton.knobs.runtime.interpret:
-        raise RuntimeError("the Triton jagged kernels need CUDA tensors; CPU tensors run only in Triton's interpreter "
-                           "(TRITON_INTERPRET=1 set before opengem.ops.triton_jagged is imported, and while it runs)")
+        raise RuntimeError("the Triton jagged kernels need CUDA tensors; CPU tensors run only in "
+                           "Triton's interpreter (TRITON_INTERPRET=1 set before "
+                           "opengem.ops.triton_jagged is imported, and while it runs)")
 
 
 def _last_dim_contiguous(*ts: torch.Tensor) -> list[torch.Tensor]:
@@ -279,8 +308,8 @@ class _JaggedAttention(torch.autograd.Function):
         rows, starts = _block_table(offsets, block)
         if rows.numel():
             _attn_fwd[(rows.numel(), H)](
-                q, k, v, o, lse, offsets, rows, starts, q.stride(0), k.stride(0), v.stride(0), o.stride(0),
-                Dh**-0.5 * LOG2E, H=H, DH=Dh, CAUSAL=causal, PREC=_precision(q.dtype),
+                q, k, v, o, lse, offsets, rows, starts, q.stride(0), k.stride(0), v.stride(0),
+                o.stride(0), Dh**-0.5 * LOG2E, H=H, DH=Dh, CAUSAL=causal, PREC=_precision(q.dtype),
                 BLOCK_M=block, BLOCK_N=block, BLOCK_D=_block_d(Dh))
         ctx.save_for_backward(q, k, v, o, lse, offsets, rows, starts)
         ctx.cfg = (H, Dh, causal, block)
@@ -291,13 +320,14 @@ class _JaggedAttention(torch.autograd.Function):
         q, k, v, o, lse, offsets, rows, starts = ctx.saved_tensors
         H, Dh, causal, block = ctx.cfg
         do = do.contiguous()
-        delta = (do.view(-1, H, Dh).float() * o.view(-1, H, Dh).float()).sum(-1)  # [N, H] = dO·O per head
+        # [N, H] = dO·O per head
+        delta = (do.view(-1, H, Dh).float() * o.view(-1, H, Dh).float()).sum(-1)
         dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
         if rows.numel():
-            args = (offsets, rows, starts, q.stride(0), k.stride(0), v.stride(0), do.stride(0), Dh**-0.5 * LOG2E,
-                    Dh**-0.5)
-            meta = {"H": H, "DH": Dh, "CAUSAL": causal, "PREC": _precision(q.dtype), "BLOCK_M": block,
-                    "BLOCK_N": block, "BLOCK_D": _block_d(Dh)}
+            args = (offsets, rows, starts, q.stride(0), k.stride(0), v.stride(0), do.stride(0),
+                    Dh**-0.5 * LOG2E, Dh**-0.5)
+            meta = {"H": H, "DH": Dh, "CAUSAL": causal, "PREC": _precision(q.dtype),
+                    "BLOCK_M": block, "BLOCK_N": block, "BLOCK_D": _block_d(Dh)}
             _attn_bwd_dkdv[(rows.numel(), H)](q, k, v, do, lse, delta, dk, dv, *args, **meta)
             _attn_bwd_dq[(rows.numel(), H)](q, k, v, do, lse, delta, dq, *args, **meta)
         else:
@@ -317,9 +347,12 @@ class _PoolAttention(torch.autograd.Function):
         o = torch.empty(B, M, D, device=q.device, dtype=q.dtype)
         lse = torch.empty(B, M, H, device=q.device, dtype=torch.float32)
         if B and M:
-            _pool_fwd[(B, H)](q, k, v, sl, sv, o, lse, offsets, q.stride(0), q.stride(1), k.stride(0), v.stride(0),
-                              Dh**-0.5 * LOG2E, M=M, H=H, DH=Dh, SINK=sink, PREC=_precision(q.dtype),
-                              BLOCK_Q=max(16, triton.next_power_of_2(M)), BLOCK_N=block, BLOCK_D=_block_d(Dh))
+            _pool_fwd[(B, H)](q, k, v, sl, sv, o, lse, offsets, q.stride(0), q.stride(1),
+                              k.stride(0), v.stride(0),
+                              Dh**-0.5 * LOG2E, M=M, H=H, DH=Dh, SINK=sink,
+                              PREC=_precision(q.dtype),
+                              BLOCK_Q=max(16, triton.next_power_of_2(M)), BLOCK_N=block,
+                              BLOCK_D=_block_d(Dh))
         ctx.save_for_backward(q, k, v, o, lse, offsets, sl, sv)
         ctx.cfg = (H, Dh, sink, block)
         return o
@@ -333,11 +366,15 @@ class _PoolAttention(torch.autograd.Function):
         do_h, o_h = do.view(B, M, H, Dh).float(), o.view(B, M, H, Dh).float()
         delta = (do_h * o_h).sum(-1)  # [B, M, H]
         dq = torch.empty(B, M, D, device=q.device, dtype=q.dtype)
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # events of empty rows are none: zeros stay right
+        # events of empty rows are none: zeros stay right
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         if B and M:
-            _pool_bwd[(B, H)](q, k, v, do, lse, delta, dq, dk, dv, offsets, q.stride(0), q.stride(1), k.stride(0),
-                              v.stride(0), Dh**-0.5 * LOG2E, Dh**-0.5, M=M, H=H, DH=Dh, PREC=_precision(q.dtype),
-                              BLOCK_Q=max(16, triton.next_power_of_2(M)), BLOCK_N=block, BLOCK_D=_block_d(Dh))
+            _pool_bwd[(B, H)](q, k, v, do, lse, delta, dq, dk, dv, offsets, q.stride(0),
+                              q.stride(1), k.stride(0),
+                              v.stride(0), Dh**-0.5 * LOG2E, Dh**-0.5, M=M, H=H, DH=Dh,
+                              PREC=_precision(q.dtype),
+                              BLOCK_Q=max(16, triton.next_power_of_2(M)), BLOCK_N=block,
+                              BLOCK_D=_block_d(Dh))
         d_sl = d_sv = None
         if sink:  # the sink slot's gradients are O(B·M·D): plain PyTorch from the saved log-sum-exp
             p0 = torch.exp2(sl.float() * LOG2E - lse)  # [B, M, H]
@@ -347,18 +384,20 @@ class _PoolAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, d_sl, d_sv, None
 
 
-def jagged_attention(q_ND: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor, lengths: torch.Tensor,
-                     num_heads: int, causal: bool = True, block: int = 64) -> torch.Tensor:
+def jagged_attention(q_ND: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor,
+                     lengths: torch.Tensor, num_heads: int, causal: bool = True,
+                     block: int = 64) -> torch.Tensor:
     """Triton version of ``opengem.ops.jagged.jagged_attention`` (same arguments, [N, D] out)."""
     _check_device(q_ND)
     offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
     return _JaggedAttention.apply(q_ND, k_ND, v_ND, offsets, num_heads, causal, block)
 
 
-def pool_attention(q_BMD: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor, lengths: torch.Tensor,
-                   num_heads: int, sink_logit_MH: torch.Tensor | None = None,
+def pool_attention(q_BMD: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor,
+                   lengths: torch.Tensor, num_heads: int, sink_logit_MH: torch.Tensor | None = None,
                    sink_value_MD: torch.Tensor | None = None, block: int = 64) -> torch.Tensor:
     """Triton version of ``opengem.ops.jagged.pool_attention`` (same arguments, [B, M, D] out)."""
     _check_device(q_BMD)
     offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
-    return _PoolAttention.apply(q_BMD, k_ND, v_ND, offsets, num_heads, sink_logit_MH, sink_value_MD, block)
+    return _PoolAttention.apply(q_BMD, k_ND, v_ND, offsets, num_heads, sink_logit_MH, sink_value_MD,
+                                block)

@@ -14,7 +14,12 @@ Only ``train/``, ``transfer/`` and the CLI import this package; ``model/`` never
 
 from opengem.parallel.dims import ParallelConfig, ParallelConfigError, ParallelDims
 from opengem.parallel.launch import DistInfo, destroy_distributed, init_distributed
-from opengem.parallel.parallelize import build_parallel_gem, init_parallel_model, materialize_parallel, parallelize
+from opengem.parallel.parallelize import (
+    build_parallel_gem,
+    init_parallel_model,
+    materialize_parallel,
+    parallelize,
+)
 from opengem.parallel.sparse import (
     FusedSparseOptimizer,
     SparseOptimizerSpec,

@@ -1,4 +1,5 @@
-"""Activation checkpointing per block: Wukong layers and sequence-tower layers recompute in backward.
+"""Activation checkpointing per block: Wukong layers and sequence-tower layers recompute
+in backward.
 
 Those are the blocks whose activations grow with batch × tokens; the rest (summaries, heads) is
 small. Applied before ``torch.compile`` and before ``fully_shard`` (torchtitan's order), so the
@@ -31,7 +32,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from opengem.parallel.dims import ParallelConfig
 
 _aten = torch.ops.aten
-# Compute-bound ops whose outputs ``selective`` keeps (a name missing from this torch build is skipped).
+# Compute-bound ops whose outputs ``selective`` keeps (a name missing from this torch build
+# is skipped).
 SAVE_OPS = frozenset(
     getattr(_aten, name).default for name in (
         "mm", "addmm", "bmm", "baddbmm",
@@ -57,7 +59,8 @@ def apply_activation_checkpoint(model: nn.Module, cfg: ParallelConfig) -> nn.Mod
         return model
     kwargs = {}
     if cfg.activation_checkpoint == "selective":
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
+                                                 _save_matmuls)
     for lst, i in checkpoint_blocks(model):
         lst[i] = checkpoint_wrapper(lst[i], preserve_rng_state=False, **kwargs)
     return model

@@ -31,5 +31,6 @@ def apply_compile(model: nn.Module, cfg: ParallelConfig) -> nn.Module:
     if not cfg.compile:
         return model
     for block in compile_blocks(model):
-        block.compile(dynamic=True)  # jagged batches change shapes every step: one dynamic graph, no recompiles
+        # jagged batches change shapes every step: one dynamic graph, no recompiles
+        block.compile(dynamic=True)
     return model

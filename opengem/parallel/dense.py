@@ -40,7 +40,8 @@ def fsdp_units(model: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
         units += [(m, ()) for m in cross.seq]
         units.append((cross, ("summarize_x",)))
     units.append((model.heads, ()))
-    units += [(m, ()) for m in (model.dense_arch, getattr(model, "history_counts", None)) if m is not None]
+    units += [(m, ()) for m in (model.dense_arch, getattr(model, "history_counts", None))
+              if m is not None]
     return [(m, meths) for m, meths in units if any(True for _ in m.parameters())]
 
 

@@ -29,12 +29,14 @@ SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise")
 
 
 class ParallelConfigError(ValueError):
-    """A parallel setting is invalid or does not fit the world size; the message names the numbers."""
+    """A parallel setting is invalid or does not fit the world size; the message names
+    the numbers."""
 
 
 @dataclass
 class ParallelConfig:
-    """How to distribute GEM. Every field is a plain value so it round-trips through JSON and overrides.
+    """How to distribute GEM. Every field is a plain value so it round-trips through JSON
+    and overrides.
 
     dp_replicate:   HSDP replicate degree of the dense parameters (1 = plain FSDP).
     dp_shard:       FSDP shard degree of the dense parameters; -1 = world_size / dp_replicate.
@@ -69,28 +71,38 @@ class ParallelConfig:
 
     def validate(self) -> ParallelConfig:
         if self.dp_replicate < 1:
-            raise ParallelConfigError(f"parallel.dp_replicate must be >= 1, got {self.dp_replicate}")
+            raise ParallelConfigError(f"parallel.dp_replicate must be >= 1, "
+                                      f"got {self.dp_replicate}")
         if self.dp_shard == 0 or self.dp_shard < -1:
-            raise ParallelConfigError(f"parallel.dp_shard must be >= 1 or -1 (fill), got {self.dp_shard}")
+            raise ParallelConfigError(f"parallel.dp_shard must be >= 1 or -1 (fill), "
+                                      f"got {self.dp_shard}")
         if self.sparse_group == 0 or self.sparse_group < -1:
-            raise ParallelConfigError(f"parallel.sparse_group must be >= 1 or -1 (whole world), got {self.sparse_group}")
+            raise ParallelConfigError(f"parallel.sparse_group must be >= 1 or -1 (whole world), "
+                                      f"got {self.sparse_group}")
         choices = (*SHARDING_TYPES, "auto")
         if self.default_sharding not in choices:
-            raise ParallelConfigError(f"parallel.default_sharding must be one of {choices}, got {self.default_sharding!r}")
+            raise ParallelConfigError(f"parallel.default_sharding must be one of {choices}, "
+                                      f"got {self.default_sharding!r}")
         for table, kind in self.sharding.items():
             if kind not in choices:
-                raise ParallelConfigError(f"parallel.sharding[{table!r}] must be one of {choices}, got {kind!r}")
+                raise ParallelConfigError(f"parallel.sharding[{table!r}] must be one of {choices}, "
+                                          f"got {kind!r}")
         if self.column_wise_dim < 0:
-            raise ParallelConfigError(f"parallel.column_wise_dim must be >= 0, got {self.column_wise_dim}")
+            raise ParallelConfigError(f"parallel.column_wise_dim must be >= 0, "
+                                      f"got {self.column_wise_dim}")
         if self.replica_sync_every < 1:
-            raise ParallelConfigError(f"parallel.replica_sync_every must be >= 1, got {self.replica_sync_every}")
+            raise ParallelConfigError(f"parallel.replica_sync_every must be >= 1, "
+                                      f"got {self.replica_sync_every}")
         if self.activation_checkpoint not in ("none", "full", "selective"):
             raise ParallelConfigError(
-                f"parallel.activation_checkpoint must be none|full|selective, got {self.activation_checkpoint!r}")
+                f"parallel.activation_checkpoint must be none|full|selective, "
+                f"got {self.activation_checkpoint!r}")
         if self.mixed_precision not in ("fp32", "bf16"):
-            raise ParallelConfigError(f"parallel.mixed_precision must be fp32|bf16, got {self.mixed_precision!r}")
+            raise ParallelConfigError(f"parallel.mixed_precision must be fp32|bf16, "
+                                      f"got {self.mixed_precision!r}")
         if self.backend not in ("auto", "gloo", "nccl"):
-            raise ParallelConfigError(f"parallel.backend must be auto|gloo|nccl, got {self.backend!r}")
+            raise ParallelConfigError(f"parallel.backend must be auto|gloo|nccl, "
+                                      f"got {self.backend!r}")
         return self
 
 
@@ -119,8 +131,8 @@ class ParallelDims:
                 f"{self.dp_replicate * self.dp_shard}, but the world size is {W}")
         if self.sparse_group < 1 or W % self.sparse_group:
             raise ParallelConfigError(
-                f"sparse_group ({self.sparse_group}) must divide the world size ({W}) so that every "
-                f"table copy spans the same number of ranks")
+                f"sparse_group ({self.sparse_group}) must divide the world size ({W}) so "
+                f"that every table copy spans the same number of ranks")
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -155,11 +167,12 @@ class ParallelDims:
     def build_meshes(self, device_type: str) -> ParallelDims:
         """Create both DeviceMeshes (a collective call: every rank, same order)."""
         if not dist.is_initialized():
-            raise RuntimeError("ParallelDims.build_meshes needs torch.distributed; call opengem.parallel.launch.init_distributed first")
+            raise RuntimeError("ParallelDims.build_meshes needs torch.distributed; call "
+                               "opengem.parallel.launch.init_distributed first")
         if dist.get_world_size() != self.world_size:
             raise ParallelConfigError(
-                f"ParallelDims was resolved for world size {self.world_size}, but the process group has "
-                f"{dist.get_world_size()} ranks")
+                f"ParallelDims was resolved for world size {self.world_size}, but the "
+                f"process group has {dist.get_world_size()} ranks")
         self.dense_mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard),
                                            mesh_dim_names=("dp_replicate", "dp_shard"))
         self.sparse_mesh = DeviceMesh(device_type, torch.tensor(self.sparse_groups()),
@@ -173,6 +186,8 @@ class ParallelDims:
         return self.dense_mesh if self.hsdp else self.dense_mesh["dp_shard"]
 
     def describe(self) -> str:
-        return (f"world {self.world_size}: dense dp_replicate {self.dp_replicate} × dp_shard {self.dp_shard}; "
-                f"sparse {self.sparse_replicas} table cop{'ies' if self.sparse_replicas > 1 else 'y'} × "
+        return (f"world {self.world_size}: dense dp_replicate {self.dp_replicate} × "
+                f"dp_shard {self.dp_shard}; "
+                f"sparse {self.sparse_replicas} table "
+                f"cop{'ies' if self.sparse_replicas > 1 else 'y'} × "
                 f"sharding group {self.sparse_group}")

@@ -37,7 +37,8 @@ class DistInfo:
 def pick_backend(requested: str = "auto") -> tuple[str, str]:
     """(backend, device type): nccl/cuda when CUDA is usable, gloo/cpu otherwise."""
     if requested == "nccl" and not torch.cuda.is_available():
-        raise RuntimeError("parallel.backend=nccl needs CUDA, and torch.cuda.is_available() is False")
+        raise RuntimeError("parallel.backend=nccl needs CUDA, and torch.cuda.is_available() "
+                           "is False")
     if requested == "nccl" or (requested == "auto" and torch.cuda.is_available()):
         return "nccl", "cuda"
     return "gloo", "cpu"
@@ -57,9 +58,9 @@ def init_distributed(
     Explicit ``rank``/``world_size``/``init_method``/``local_world_size`` win over the torchrun
     environment. ``LOCAL_WORLD_SIZE``/``LOCAL_RANK`` are always exported (``mp.spawn`` sets
     neither): TorchRec's table-row-wise sharding reads them to find host boundaries
-    (table-row-wise fails with an ``IndexError`` under spawn); without them every rank counts as one host.
-    ``threads`` sets torch's intra-op threads; under spawn nothing else limits them and 4 ranks
-    on 2 cores oversubscribe badly.
+    (table-row-wise fails with an ``IndexError`` under spawn); without them every rank counts as one
+    host. ``threads`` sets torch's intra-op threads; under spawn nothing else limits them and 4
+    ranks on 2 cores oversubscribe badly.
     """
     env = os.environ
     rank = int(env.get("RANK", 0)) if rank is None else rank
@@ -77,12 +78,13 @@ def init_distributed(
     if device_type == "cuda":
         torch.cuda.set_device(device)
     if dist.is_initialized():
-        return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, local_world_size, device,
-                        dist.get_backend())
+        return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, local_world_size,
+                        device, dist.get_backend())
     if world_size == 1 and init_method is None and "MASTER_ADDR" not in env:
         return DistInfo(0, 1, 0, 1, device, None)
     kwargs = {"device_id": device} if device_type == "cuda" else {}
-    dist.init_process_group(name, init_method=init_method or "env://", rank=rank, world_size=world_size, **kwargs)
+    dist.init_process_group(name, init_method=init_method or "env://", rank=rank,
+                            world_size=world_size, **kwargs)
     log.info("rank %d/%d joined (%s, %s)", rank, world_size, name, device)
     return DistInfo(rank, world_size, local_rank, local_world_size, device, name)
 
@@ -97,7 +99,8 @@ def destroy_distributed() -> None:
 
 
 def comm_device() -> torch.device:
-    """Where collective buffers live: the current GPU under NCCL, else CPU (gloo, or no process group)."""
+    """Where collective buffers live: the current GPU under NCCL, else CPU (gloo, or no
+    process group)."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

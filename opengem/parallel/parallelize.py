@@ -12,7 +12,8 @@
    ``EmbeddingBagCollection``/``EmbeddingCollection`` modules, and FSDP must later leave their
    parameters alone (they are ``ignored_params``). Sharding allocates the local table shards on
    the device right away (FBGEMM kernels cannot live on meta), with arbitrary values: on CPU
-   TorchRec's CPU sharding re-initialises the module's weights anyway, and the model is still on meta here.
+   TorchRec's CPU sharding re-initialises the module's weights anyway, and the model is still on
+   meta here.
 2. **activation checkpointing** wraps blocks before compile, so each compiled graph contains its
    checkpointed region (torchtitan's order).
 3. **compile** each block before FSDP wraps it; compiling the FSDP root silently runs eager
@@ -49,14 +50,19 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig,
-                sparse_optim: SparseOptimizerSpec | None = None, device: torch.device | str = "cpu") -> SparseSharding:
-    """Distribute ``model`` (built on meta) in place: sparse → AC → compile → FSDP. Returns the sparse
-    sharding (plan, table optimizer, replica sync); the dense parameters stay on meta."""
+                sparse_optim: SparseOptimizerSpec | None = None,
+                device: torch.device | str = "cpu") -> SparseSharding:
+    """Distribute ``model`` (built on meta) in place: sparse → AC → compile → FSDP. Returns the
+    sparse sharding (plan, table optimizer, replica sync); the dense parameters stay on meta."""
     device = torch.device(device)
     cfg.validate()
     if dims.dense_mesh is None:
         dims.build_meshes(device.type)
-    if cfg.mixed_precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if (
+        cfg.mixed_precision == "bf16"
+        and device.type == "cuda"
+        and not torch.cuda.is_bf16_supported()
+    ):
         raise RuntimeError("parallel.mixed_precision=bf16 but this GPU does not support bf16")
     sparse = apply_sparse_sharding(model, dims, cfg, sparse_optim, device)
     apply_activation_checkpoint(model, cfg)
@@ -68,7 +74,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig,
 
 @contextlib.contextmanager
 def _detached(model: nn.Module, paths: list[str]):
-    """Temporarily replace the modules at ``paths`` by empty ones (``to_empty`` must not reach them)."""
+    """Temporarily replace the modules at ``paths`` by empty ones (``to_empty`` must not
+    reach them)."""
     saved = []
     for p in paths:
         parent_name, _, name = p.rpartition(".")
@@ -82,7 +89,8 @@ def _detached(model: nn.Module, paths: list[str]):
             parent._modules[name] = m
 
 
-def materialize_parallel(model: nn.Module, sparse: SparseSharding, device: torch.device | str = "cpu") -> nn.Module:
+def materialize_parallel(model: nn.Module, sparse: SparseSharding,
+                         device: torch.device | str = "cpu") -> nn.Module:
     """Allocate the dense (FSDP) parameters on ``device``; the sharded tables are already real."""
     with _detached(model, list(sparse.modules)):
         model.to_empty(device=torch.device(device))
@@ -103,7 +111,8 @@ def _dense_reference(model: nn.Module, seed: int, base_rates: list[float] | None
     for name, child in ref.named_children():
         if name != "sparse_arch":
             child.to_empty(device="cpu")
-    ref.sparse_arch.init_weights = lambda seed=0: None  # tables are initialised shard by shard instead
+    # tables are initialised shard by shard instead
+    ref.sparse_arch.init_weights = lambda seed=0: None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         ref.init_weights(base_rates, seed)
@@ -124,7 +133,8 @@ def init_parallel_model(model: nn.Module, sparse: SparseSharding, seed: int = 0,
             continue
         src = full[_clean(name)]
         if isinstance(t, DTensor):
-            local = distribute_tensor(src.to(t.device, t.dtype), t.device_mesh, t.placements, src_data_rank=None)
+            local = distribute_tensor(src.to(t.device, t.dtype), t.device_mesh, t.placements,
+                                      src_data_rank=None)
             local = local.to_local()
             t.to_local().copy_(local)
         else:
@@ -133,16 +143,19 @@ def init_parallel_model(model: nn.Module, sparse: SparseSharding, seed: int = 0,
     return model
 
 
-def build_parallel_gem(schema, model_cfg, dims: ParallelDims, cfg: ParallelConfig, sparse_optim: SparseOptimizerSpec,
+def build_parallel_gem(schema, model_cfg, dims: ParallelDims, cfg: ParallelConfig,
+                       sparse_optim: SparseOptimizerSpec,
                        device: torch.device | str = "cpu", seed: int = 0,
                        base_rates: list[float] | None = None) -> tuple[nn.Module, SparseSharding]:
-    """The whole life cycle: build on meta → parallelize → materialise → init. Logs the plan on rank 0."""
+    """The whole life cycle: build on meta → parallelize → materialise → init. Logs the plan
+    on rank 0."""
     import torch.distributed as dist
 
     from opengem.model.build import build_gem
 
     if model_cfg.arch != "gem":  # parallelize() wraps GEM's own blocks (InterFormer, heads) by name
-        raise ParallelConfigError(f"model.arch={model_cfg.arch} (a peer baseline) trains in one process only; "
+        raise ParallelConfigError(f"model.arch={model_cfg.arch} (a peer baseline) trains in one "
+                                  f"process only; "
                                   "run `opengem train` without torchrun")
     model = build_gem(schema, model_cfg)
     sparse = parallelize(model, dims, cfg, sparse_optim, device)

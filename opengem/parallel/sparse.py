@@ -16,11 +16,11 @@
   Both paths sit behind this one function.
 
 The update is fused into backward (FBGEMM TBE; on CPU TorchRec offers only the ``fused`` kernel
-for sharded tables), so there is no sparse ``.grad`` and no separate optimizer step. ``FusedSparseOptimizer``
-(in ``train_step``) is what the trainer and checkpoints see: it pushes the scheduled learning rate into the kernels
-and presents the state exactly as the single-process ``torchrec.optim.RowWiseAdagrad`` does
-(``step`` and ``sum`` [rows, 1] per table under the table's FQN), so DCP checkpoints move freely
-between world sizes, including 1.
+for sharded tables), so there is no sparse ``.grad`` and no separate optimizer step.
+``FusedSparseOptimizer`` (in ``train_step``) is what the trainer and checkpoints see: it pushes the
+scheduled learning rate into the kernels and presents the state exactly as the single-process
+``torchrec.optim.RowWiseAdagrad`` does (``step`` and ``sum`` [rows, 1] per table under the table's
+FQN), so DCP checkpoints move freely between world sizes, including 1.
 
 Row-wise Adagrad, fused (``EXACT_ROWWISE_ADAGRAD``) vs ``torchrec.optim.RowWiseAdagrad``: both do
 ``sum += mean_d(g²); w -= lr · g / (sqrt(sum) + eps)``, eps outside the square root, no weight
@@ -34,8 +34,8 @@ loading into column-wise shards gives every shard that value.
 Two torchrec behaviours are compensated: gradients of the sharded tables are divided by the
 sharding-group size — with every rank's loss the mean over its own equal slice, that
 makes the update the one for the mean over the group's rows, as FSDP does for dense parameters;
-and sharding on CPU throws away module weights (the TBE re-initialises them) — ``init_tables`` writes every local
-shard from ``table_init_slice`` afterwards.
+and sharding on CPU throws away module weights (the TBE re-initialises them) — ``init_tables``
+writes every local shard from ``table_init_slice`` afterwards.
 """
 
 from __future__ import annotations
@@ -56,7 +56,12 @@ from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.types import PlannerError
-from torchrec.distributed.types import EnumerableShardingSpec, ShardingEnv, ShardingEnv2D, ShardingPlan
+from torchrec.distributed.types import (
+    EnumerableShardingSpec,
+    ShardingEnv,
+    ShardingEnv2D,
+    ShardingPlan,
+)
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
@@ -126,8 +131,9 @@ def find_tables(model: nn.Module) -> list[TableInfo]:
     out = []
     for path, m in model.named_modules():
         if isinstance(m, EmbeddingBagCollection):
-            out += [TableInfo(c.name, f"{path}.embedding_bags.{c.name}.weight", path, c.num_embeddings,
-                              c.embedding_dim, True) for c in m.embedding_bag_configs()]
+            out += [TableInfo(c.name, f"{path}.embedding_bags.{c.name}.weight", path,
+                              c.num_embeddings, c.embedding_dim, True)
+                    for c in m.embedding_bag_configs()]
         elif isinstance(m, EmbeddingCollection):
             out += [TableInfo(c.name, f"{path}.embeddings.{c.name}.weight", path, c.num_embeddings,
                               c.embedding_dim, False) for c in m.embedding_configs()]
@@ -139,7 +145,8 @@ def _requested(tables: list[TableInfo], cfg: ParallelConfig) -> dict[str, str]:
     names = {t.name for t in tables}
     unknown = sorted(set(cfg.sharding) - names)
     if unknown:
-        raise SparseShardingError(f"parallel.sharding names unknown tables {unknown}; tables: {sorted(names)}")
+        raise SparseShardingError(f"parallel.sharding names unknown tables {unknown}; "
+                                  f"tables: {sorted(names)}")
     out = {}
     for t in tables:
         kind = cfg.sharding.get(t.name, cfg.default_sharding)
@@ -147,12 +154,15 @@ def _requested(tables: list[TableInfo], cfg: ParallelConfig) -> dict[str, str]:
             if t.name in cfg.sharding:
                 raise SparseShardingError(
                     f"table {t.name}: table_row_wise is not available for sequence tables "
-                    f"(TorchRec EmbeddingCollectionSharder offers table_wise, row_wise, column_wise); "
+                    f"(TorchRec EmbeddingCollectionSharder offers table_wise, "
+                    f"row_wise, column_wise); "
                     f"choose one of those for {t.name}")
-            kind = "row_wise"  # the default applies to pooled tables; sequence tables get its row-wise form
+            # the default applies to pooled tables; sequence tables get its row-wise form
+            kind = "row_wise"
         if kind in ("column_wise",) and cfg.column_wise_dim and t.dim % cfg.column_wise_dim:
             raise SparseShardingError(
-                f"table {t.name}: column_wise_dim {cfg.column_wise_dim} does not divide its dim {t.dim}")
+                f"table {t.name}: column_wise_dim {cfg.column_wise_dim} does not divide its "
+                f"dim {t.dim}")
         out[t.name] = kind
     return out
 
@@ -168,10 +178,11 @@ def _constraints(requested: dict[str, str], cfg: ParallelConfig) -> dict[str, Pa
     return out
 
 
-def _plan(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, sharders: list, device: torch.device,
-          requested: dict[str, str]) -> ShardingPlan:
+def _plan(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, sharders: list,
+          device: torch.device, requested: dict[str, str]) -> ShardingPlan:
     local = min(dims.sparse_group, int(_local_world_size()))
-    topology = Topology(world_size=dims.sparse_group, local_world_size=local, compute_device=device.type)
+    topology = Topology(world_size=dims.sparse_group, local_world_size=local,
+                        compute_device=device.type)
     planner = EmbeddingShardingPlanner(topology=topology, constraints=_constraints(requested, cfg))
     try:
         # Planned on the world group even in 2-D: a sharding subgroup fails with
@@ -182,8 +193,8 @@ def _plan(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, sharders: l
         bad = [n for n in requested if f" {n}." in msg or f" {n} " in msg or msg.endswith(n)]
         which = ", ".join(f"{n} ({requested[n]})" for n in bad) or "one or more tables"
         raise SparseShardingError(
-            f"TorchRec could not place {which} on {dims.sparse_group} {device.type} rank(s) with the fused "
-            f"kernel: {msg.splitlines()[0]}") from e
+            f"TorchRec could not place {which} on {dims.sparse_group} {device.type} rank(s) "
+            f"with the fused kernel: {msg.splitlines()[0]}") from e
 
 
 def _local_world_size() -> int:
@@ -207,7 +218,8 @@ def _remap_plan(plan: ShardingPlan, group: list[int], device: torch.device) -> N
 # ---------------------------------------------------------------------------------- result
 @dataclass
 class SparseSharding:
-    """What ``apply_sparse_sharding`` did: the plan, the groups, the optimizer view, replica sync."""
+    """What ``apply_sparse_sharding`` did: the plan, the groups, the optimizer view,
+    replica sync."""
 
     tables: list[TableInfo]
     requested: dict[str, str]  # what the config asked per table (the plan says what it got)
@@ -231,8 +243,10 @@ class SparseSharding:
                     f"r{s.placement.rank()}:[{s.shard_offsets[0]}+{s.shard_sizes[0]},{s.shard_offsets[1]}+{s.shard_sizes[1]}]"
                     for s in ps.sharding_spec.shards)
             asked = self.requested[t.name]
-            kind = ps.sharding_type + ("" if asked in ("auto", ps.sharding_type) else f" (asked {asked})")
-            out.append((t.name, f"{t.rows}×{t.dim}", kind, ",".join(map(str, ps.ranks or [])), shards))
+            kind = ps.sharding_type + ("" if asked in ("auto", ps.sharding_type)
+                                       else f" (asked {asked})")
+            out.append((t.name, f"{t.rows}×{t.dim}", kind, ",".join(map(str, ps.ranks or [])),
+                        shards))
         return out
 
     def describe(self) -> str:
@@ -244,8 +258,8 @@ class SparseSharding:
         if self.dims.sparse_2d:
             groups = self.dims.sparse_groups()
             mine = groups[dist.get_rank() // self.dims.sparse_group]
-            lines.append(f"(ranks of this rank's sharding group {mine}; every group in {groups} holds the same "
-                         f"layout, copies averaged every {self.sync_every} steps)")
+            lines.append(f"(ranks of this rank's sharding group {mine}; every group in {groups} "
+                         f"holds the same layout, copies averaged every {self.sync_every} steps)")
         for i, r in enumerate(rows):
             lines.append("  ".join(c.ljust(w[j]) for j, c in enumerate(r)).rstrip())
             if i == 0:
@@ -283,7 +297,8 @@ class SparseSharding:
     @torch.no_grad()
     def init_tables(self, seed: int, std: float) -> None:
         """Write every local shard from ``table_init_slice`` (the single-process values) and zero
-        the optimizer state, so a sharded model starts bit-identical to ``materialize`` on one process."""
+        the optimizer state, so a sharded model starts bit-identical to ``materialize`` on
+        one process."""
         from opengem.model.sparse_arch import table_init_slice
 
         for t, tensor in self.table_shards():
@@ -300,13 +315,16 @@ class SparseSharding:
     def table_shards(self) -> list[tuple[TableInfo, list[tuple[tuple[int, int], torch.Tensor]]]]:
         """(table, [((row0, col0), local view into the kernel's weights), …]) for every table."""
         states = {path: m.state_dict() for path, m in self.modules.items()}
-        return [(t, _local_pieces(states[t.module][t.fqn[len(t.module) + 1:]])) for t in self.tables]
+        return [(t, _local_pieces(states[t.module][t.fqn[len(t.module) + 1:]]))
+                for t in self.tables]
 
 
 def _local_pieces(value) -> list[tuple[tuple[int, int], torch.Tensor]]:
-    """((row0, col0), tensor) of the local shards of a ShardedTensor or a DTensor over local shards."""
+    """((row0, col0), tensor) of the local shards of a ShardedTensor or a DTensor over
+    local shards."""
     if isinstance(value, ShardedTensor):
-        return [((s.metadata.shard_offsets[0], s.metadata.shard_offsets[1]), s.tensor) for s in value.local_shards()]
+        return [((s.metadata.shard_offsets[0], s.metadata.shard_offsets[1]), s.tensor)
+                for s in value.local_shards()]
     local = value.to_local()
     if hasattr(local, "local_shards"):
         return [((o[0], o[1]), s) for s, o in zip(local.local_shards(), local.local_offsets())]
@@ -314,7 +332,9 @@ def _local_pieces(value) -> list[tuple[tuple[int, int], torch.Tensor]]:
 
 
 def _tbe_modules(modules) -> list[nn.Module]:
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
 
     out: list[nn.Module] = []
 
@@ -322,7 +342,9 @@ def _tbe_modules(modules) -> list[nn.Module]:
         # TorchRec keeps its lookups (which hold the kernels) in a plain list, not as submodules.
         for x in [m, *getattr(m, "_lookups", [])]:
             for y in x.modules():
-                if isinstance(y, SplitTableBatchedEmbeddingBagsCodegen) and all(y is not o for o in out):
+                if isinstance(y, SplitTableBatchedEmbeddingBagsCodegen) and all(
+                    y is not o for o in out
+                ):
                     out.append(y)
                 if y is not x and hasattr(y, "_lookups"):
                     visit(y)
@@ -336,7 +358,8 @@ def _tbe_modules(modules) -> list[nn.Module]:
 def apply_sparse_sharding(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig,
                           optim: SparseOptimizerSpec | None = None,
                           device: torch.device | None = None) -> SparseSharding:
-    """Shard every embedding collection of ``model`` (built on meta or CPU) in place; see module doc.
+    """Shard every embedding collection of ``model`` (built on meta or CPU) in place; see
+    module doc.
 
     The sharded tables come back allocated on ``device`` with arbitrary values: call
     ``SparseSharding.init_tables`` (``parallelize.init_parallel_model`` does) before training.
@@ -345,7 +368,8 @@ def apply_sparse_sharding(model: nn.Module, dims: ParallelDims, cfg: ParallelCon
     optim = optim or SparseOptimizerSpec()
     tables = find_tables(model)
     if not tables:
-        raise SparseShardingError("the model has no EmbeddingBagCollection/EmbeddingCollection to shard")
+        raise SparseShardingError("the model has no EmbeddingBagCollection/EmbeddingCollection "
+                                  "to shard")
     requested = _requested(tables, cfg)
     opt_cls, opt_kwargs = optim.optimizer_class()
     for path, m in model.named_modules():
@@ -354,7 +378,9 @@ def apply_sparse_sharding(model: nn.Module, dims: ParallelDims, cfg: ParallelCon
     sharders = [CpuEmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
     plan = _plan(model, dims, cfg, sharders, device, requested)
     if dims.sparse_2d and device.type == "cuda":
-        modules, dmpc, sharding_pg, replica_pg = _shard_dmp_collection(model, dims, plan, sharders, device)
+        modules, dmpc, sharding_pg, replica_pg = _shard_dmp_collection(
+            model, dims, plan, sharders, device
+        )
     else:
         modules, sharding_pg, replica_pg = _shard_composed(model, dims, plan, sharders, device)
         dmpc = None
@@ -374,7 +400,8 @@ def _sharded_env(dims: ParallelDims, device: torch.device):
     sharding_pg, replica_pg = mesh.get_group("sparse_shard"), mesh.get_group("sparse_replicate")
     # The mesh has DMPCollection's layout: dim 0 = copies (replicate), dim 1 = sharding group.
     env = ShardingEnv2D(sharding_pg=sharding_pg, replica_pg=replica_pg, global_pg=dist.group.WORLD,
-                        device_mesh=mesh, node_group_size=min(dims.sparse_group, _local_world_size()),
+                        device_mesh=mesh,
+                        node_group_size=min(dims.sparse_group, _local_world_size()),
                         use_inter_host_allreduce=True)
     return env, sharding_pg, replica_pg
 
@@ -427,8 +454,9 @@ def _shard_dmp_collection(model, dims, plan, sharders, device):  # pragma: no co
         container.register_module(f"m{i}", model.get_submodule(p))
     sub_plan = ShardingPlan({f"m{i}": plan.get_plan_for_module(p) for i, p in enumerate(paths)})
     dmpc = DMPCollection(module=container, device=device, plan=sub_plan, world_size=dims.world_size,
-                         sharding_group_size=dims.sparse_group, global_pg=dist.group.WORLD, sharders=sharders,
-                         init_data_parallel=False, init_parameters=False, use_inter_host_allreduce=True)
+                         sharding_group_size=dims.sparse_group, global_pg=dist.group.WORLD,
+                         sharders=sharders, init_data_parallel=False, init_parameters=False,
+                         use_inter_host_allreduce=True)
     modules = {}
     for i, p in enumerate(paths):
         sharded = dmpc._dmp_wrapped_module.get_submodule(f"m{i}")
@@ -465,7 +493,8 @@ class FusedSparseOptimizer(torch.optim.Optimizer):
         self._fused = [m.fused_optimizer for m in sharding.modules.values()]
         self.param_groups[0] = _LrGroup(self.param_groups[0], self._push_lr)
         self._device = device
-        self._cw: dict[str, tuple[TableInfo, list]] = {}  # column-wise tables: fqn → (table, pieces)
+        # column-wise tables: fqn → (table, pieces)
+        self._cw: dict[str, tuple[TableInfo, list]] = {}
         self._fused_state: dict[str, dict] = {}
         self._steps = 0
         if spec.kind == "rowwise_adagrad":  # plain SGD (no momentum) has no state at all
@@ -485,7 +514,8 @@ class FusedSparseOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """The update already happened in backward: count the step, push the lr, 2-D sync when due."""
+        """The update already happened in backward: count the step, push the lr, 2-D sync
+        when due."""
         self._push_lr()
         self._steps += 1
         for st in self.state.values():
@@ -501,8 +531,11 @@ class FusedSparseOptimizer(torch.optim.Optimizer):
     def _momentum_pieces(self, t: TableInfo) -> list[tuple[int, torch.Tensor]]:
         """(offset in torchrec's momentum1 layout, local 1-D accumulator view) for table ``t``."""
         if t.module not in self._fused_state:  # one state_dict per collection (they are views)
-            self._fused_state[t.module] = self.sharding.modules[t.module].fused_optimizer.state_dict()["state"]
-        st = self._fused_state[t.module].get(t.fqn[len(t.module) + 1:], {}).get(f"{t.name}.momentum1")
+            self._fused_state[t.module] = self.sharding.modules[
+                t.module
+            ].fused_optimizer.state_dict()["state"]
+        st = self._fused_state[t.module].get(t.fqn[len(t.module) + 1:],
+                                             {}).get(f"{t.name}.momentum1")
         if st is None:
             return []
         if isinstance(st, ShardedTensor):
@@ -536,13 +569,17 @@ class FusedSparseOptimizer(torch.optim.Optimizer):
         if column_wise:
             self._cw[t.fqn] = (t, [(col_order.index(md.shard_offsets[1]) * t.rows, md)
                                    for md in shards_md if md.placement.rank() == rank])
-        meta = ShardedTensorMetadata(gmd, torch.Size([t.rows, 1]), TensorProperties(dtype=torch.float32))
+        meta = ShardedTensorMetadata(gmd, torch.Size([t.rows, 1]),
+                                     TensorProperties(dtype=torch.float32))
         pg = self.sharding.sharding_pg if self.sharding.dims.sparse_2d else None
-        return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta, process_group=pg)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            local, meta, process_group=pg
+        )
 
     @torch.no_grad()
     def _sync_cw(self, to_kernels: bool) -> None:
-        """Column-wise tables: kernels → canonical sum (width-weighted mean) or back (a collective)."""
+        """Column-wise tables: kernels → canonical sum (width-weighted mean) or back
+        (a collective)."""
         pg = self.sharding.sharding_pg if self.sharding.dims.sparse_2d else None
         params = dict(zip([t.fqn for t in self.sharding.tables], self.param_groups[0]["params"]))
         for fqn in sorted(self._cw):
@@ -574,7 +611,8 @@ class FusedSparseOptimizer(torch.optim.Optimizer):
         loaded_groups = state_dict["param_groups"]
         if len(loaded_groups) != 1 or len(loaded_groups[0]["params"]) != len(own):
             raise ValueError(f"sparse optimizer state has {len(loaded_groups)} groups / "
-                             f"{[len(g['params']) for g in loaded_groups]} tables; expected 1 group of {len(own)}")
+                             f"{[len(g['params']) for g in loaded_groups]} tables; expected 1 "
+                             f"group of {len(own)}")
         for k, v in loaded_groups[0].items():
             if k != "params":
                 self.param_groups[0][k] = v

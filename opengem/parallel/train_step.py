@@ -59,7 +59,8 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------- gathering
 def _full(value, group=None) -> torch.Tensor:
-    """A full plain CPU copy of a DTensor, a ShardedTensor or a tensor (collective for the first two)."""
+    """A full plain CPU copy of a DTensor, a ShardedTensor or a tensor (collective for the
+    first two)."""
     if isinstance(value, DTensor):
         local = value.to_local()
         if hasattr(local, "local_shards"):
@@ -72,7 +73,12 @@ def _full(value, group=None) -> torch.Tensor:
     if isinstance(value, ShardedTensor):
         out = torch.zeros(value.size(), dtype=value.dtype, device=comm_device())
         for s in value.local_shards():
-            out[tuple(slice(a, a + n) for a, n in zip(s.metadata.shard_offsets, s.metadata.shard_sizes))] = s.tensor
+            out[
+                tuple(
+                    slice(a, a + n)
+                    for a, n in zip(s.metadata.shard_offsets, s.metadata.shard_sizes)
+                )
+            ] = s.tensor
         dist.all_reduce(out, group=value._process_group)
         return out.cpu()
     return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
@@ -89,8 +95,10 @@ def gather_full_state_dict(model: nn.Module, sharding_pg=None) -> dict[str, torc
     return {k: _full(v, sharding_pg) for k, v in sorted(sd.items())}
 
 
-def gather_full_optim_state(model: nn.Module, optimizers: list, sharding_pg=None) -> dict[str, torch.Tensor]:
-    """Optimizer state flattened to ``state.<param fqn>.<key>`` → full tensor (and param-group values)."""
+def gather_full_optim_state(model: nn.Module, optimizers: list,
+                            sharding_pg=None) -> dict[str, torch.Tensor]:
+    """Optimizer state flattened to ``state.<param fqn>.<key>`` → full tensor (and
+    param-group values)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     _, osd = get_state_dict(model, [o for o in optimizers if o is not None])

@@ -13,4 +13,5 @@ items)`` (``opengem.config``).
 from opengem.recipes.gem import GEMSize, recipe, recipe_names
 from opengem.recipes.students import StudentSize, student_recipe, student_recipe_names
 
-__all__ = ["GEMSize", "StudentSize", "recipe", "recipe_names", "student_recipe", "student_recipe_names"]
+__all__ = ["GEMSize", "StudentSize", "recipe", "recipe_names", "student_recipe",
+           "student_recipe_names"]

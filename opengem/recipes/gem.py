@@ -68,67 +68,74 @@ class GEMSize:
             embedding_dim=self.embedding_dim,
             max_seq_len=self.max_seq_len,
             sparse=SparseArchConfig(max_rows_per_table=self.max_rows_per_table),
-            wukong=WukongConfig(num_layers=self.num_layers, num_fm=self.num_tokens, num_lc=self.num_tokens,
+            wukong=WukongConfig(num_layers=self.num_layers, num_fm=self.num_tokens,
+                                num_lc=self.num_tokens,
                                 fm_rank=self.fm_rank, mlp_dims=self.fm_mlp),
             sequence=SequenceConfig(num_heads=self.num_heads, recent_len=self.recent_len,
                                     min_recent=min(8, self.recent_len), num_pooled=self.num_pooled),
             interformer=InterFormerConfig(),
-            heads=HeadsConfig(trunk_dims=self.trunk_dims, task_dims=(max(32, self.trunk_dims[-1] // 2),)),
+            heads=HeadsConfig(trunk_dims=self.trunk_dims,
+                              task_dims=(max(32, self.trunk_dims[-1] // 2),)),
         )
         return Config(recipe=name, model=model, data=DataConfig(batch_size=self.batch_size),
-                      optim=OptimConfig(lr=self.lr, sparse_lr=self.sparse_lr, warmup_steps=self.warmup_steps),
+                      optim=OptimConfig(lr=self.lr, sparse_lr=self.sparse_lr,
+                                        warmup_steps=self.warmup_steps),
                       train=TrainConfig(ema_decay=self.ema_decay)).validate()
 
 
 def tiny() -> Config:
-    """Tests and smoke runs on the tiny world: a pass in seconds on a CPU, so a short warm-up. The EMA
-    decay 0.9 was chosen on valid of development worlds (docs/experiments.md, 'EMA of the dense weights')."""
-    return GEMSize(embedding_dim=16, num_layers=2, num_tokens=4, fm_rank=4, fm_mlp=(64,), num_heads=2,
-                   recent_len=16, num_pooled=2, trunk_dims=(64, 32), batch_size=128, lr=3e-3,
-                   warmup_steps=50, max_seq_len=256, ema_decay=0.9).config("tiny")
+    """Tests and smoke runs on the tiny world: a pass in seconds on a CPU, so a short warm-up. The
+    EMA decay 0.9 was chosen on valid of development worlds (docs/experiments.md, 'EMA of the
+    dense weights')."""
+    return GEMSize(embedding_dim=16, num_layers=2, num_tokens=4, fm_rank=4, fm_mlp=(64,),
+                   num_heads=2, recent_len=16, num_pooled=2, trunk_dims=(64, 32), batch_size=128,
+                   lr=3e-3, warmup_steps=50, max_seq_len=256, ema_decay=0.9).config("tiny")
 
 
 def demo() -> Config:
-    """The demo world in one pass, within the demo's 10 minutes on 2 CPU cores. K = 16 recent events (the
-    pooled tokens carry the older history) and D = 32 were read off a development world's test day before
-    ``opengem.discipline`` existed, so the demo's own figure is a development world's, not a held-out
-    one's (``benchmarks/heldout_demo.py`` reads held-out ones). The learning rates and the EMA decay were
-    re-chosen on valid of development worlds at this size, the decay's horizon scaled to the pass's length
-    (docs/experiments.md, 'Recipe choices' and 'Figures moved from code docstrings'). Valid is scored every
-    250 steps (the report's held-out NE over training; ``opengem demo`` scores a third of its files): under
-    a forked RNG, on a loader of its own, so the trained parameters are those of a run without it; no best
-    checkpoint is kept."""
-    cfg = GEMSize(embedding_dim=32, num_layers=2, num_tokens=8, fm_rank=8, fm_mlp=(256,), num_heads=2,
-                  recent_len=16, num_pooled=4, trunk_dims=(256, 128), batch_size=256, lr=3e-3,
-                  sparse_lr=0.3, max_seq_len=256, ema_decay=0.99).config("demo")
+    """The demo world in one pass, within the demo's 10 minutes on 2 CPU cores. K = 16 recent events
+    (the pooled tokens carry the older history) and D = 32 were read off a development world's test
+    day before ``opengem.discipline`` existed, so the demo's own figure is a development world's,
+    not a held-out one's (``benchmarks/heldout_demo.py`` reads held-out ones). The learning rates
+    and the EMA decay were re-chosen on valid of development worlds at this size, the decay's
+    horizon scaled to the pass's length (docs/experiments.md, 'Recipe choices' and 'Figures moved
+    from code docstrings'). Valid is scored every 250 steps (the report's held-out NE over training;
+    ``opengem demo`` scores a third of its files): under a forked RNG, on a loader of its own, so
+    the trained parameters are those of a run without it; no best checkpoint is kept."""
+    cfg = GEMSize(embedding_dim=32, num_layers=2, num_tokens=8, fm_rank=8, fm_mlp=(256,),
+                  num_heads=2, recent_len=16, num_pooled=4, trunk_dims=(256, 128), batch_size=256,
+                  lr=3e-3, sparse_lr=0.3, max_seq_len=256, ema_decay=0.99).config("demo")
     cfg.train.eval_every = 250
     return cfg.validate()
 
 
 def small() -> Config:
     """One step up from demo: a third Wukong layer, histories of up to 4,096 events."""
-    return GEMSize(embedding_dim=64, num_layers=3, num_tokens=16, fm_rank=16, fm_mlp=(512, 512), num_heads=4,
-                   recent_len=64, num_pooled=8, trunk_dims=(512, 256), batch_size=1024, lr=1e-3).config("small")
+    return GEMSize(embedding_dim=64, num_layers=3, num_tokens=16, fm_rank=16, fm_mlp=(512, 512),
+                   num_heads=4, recent_len=64, num_pooled=8, trunk_dims=(512, 256), batch_size=1024,
+                   lr=1e-3).config("small")
 
 
 def medium() -> Config:
     """The first size with capped tables (1M rows each)."""
-    return GEMSize(embedding_dim=128, num_layers=4, num_tokens=32, fm_rank=24, fm_mlp=(1024, 1024), num_heads=4,
-                   recent_len=128, num_pooled=8, trunk_dims=(1024, 512), batch_size=2048, lr=1e-3,
-                   max_rows_per_table=1_000_000).config("medium")
+    return GEMSize(embedding_dim=128, num_layers=4, num_tokens=32, fm_rank=24, fm_mlp=(1024, 1024),
+                   num_heads=4, recent_len=128, num_pooled=8, trunk_dims=(1024, 512),
+                   batch_size=2048, lr=1e-3, max_rows_per_table=1_000_000).config("medium")
 
 
 def large() -> Config:
     """A multi-GPU size: 4M rows per table, batch 4,096 per rank."""
-    return GEMSize(embedding_dim=256, num_layers=6, num_tokens=48, fm_rank=48, fm_mlp=(2048, 2048, 2048),
-                   num_heads=8, recent_len=256, num_pooled=16, trunk_dims=(2048, 1024), batch_size=4096,
+    return GEMSize(embedding_dim=256, num_layers=6, num_tokens=48, fm_rank=48,
+                   fm_mlp=(2048, 2048, 2048), num_heads=8, recent_len=256, num_pooled=16,
+                   trunk_dims=(2048, 1024), batch_size=4096,
                    lr=1e-3, max_rows_per_table=4_000_000).config("large")
 
 
 def xl() -> Config:
     """The ≥ 1B-parameter point (only built on the meta device here)."""
-    return GEMSize(embedding_dim=512, num_layers=8, num_tokens=96, fm_rank=96, fm_mlp=(8192, 8192, 8192),
-                   num_heads=8, recent_len=512, num_pooled=32, trunk_dims=(4096, 2048), batch_size=8192,
+    return GEMSize(embedding_dim=512, num_layers=8, num_tokens=96, fm_rank=96,
+                   fm_mlp=(8192, 8192, 8192), num_heads=8, recent_len=512, num_pooled=32,
+                   trunk_dims=(4096, 2048), batch_size=8192,
                    lr=5e-4, max_rows_per_table=8_000_000).config("xl")
 
 

@@ -53,46 +53,50 @@ class StudentSize:
     def config(self, name: str) -> Config:
         """The full, validated ``Config`` of this student, recorded as recipe ``name``."""
         model = GEMConfig(
-            embedding_dim=self.embedding_dim, max_seq_len=self.max_seq_len, use_sequences=self.use_sequences,
-            wukong=WukongConfig(num_layers=self.num_layers, num_fm=self.num_tokens, num_lc=self.num_tokens,
+            embedding_dim=self.embedding_dim, max_seq_len=self.max_seq_len,
+            use_sequences=self.use_sequences,
+            wukong=WukongConfig(num_layers=self.num_layers, num_fm=self.num_tokens,
+                                num_lc=self.num_tokens,
                                 fm_rank=self.fm_rank, mlp_dims=self.fm_mlp),
             sequence=SequenceConfig(num_heads=self.num_heads, recent_len=self.recent_len,
                                     min_recent=min(4, self.recent_len), num_pooled=self.num_pooled),
             interformer=InterFormerConfig(num_sum=self.num_sum, num_pma=1, num_recent=1),
-            heads=HeadsConfig(trunk_dims=self.trunk_dims, task_dims=(max(16, self.trunk_dims[-1] // 2),)),
+            heads=HeadsConfig(trunk_dims=self.trunk_dims,
+                              task_dims=(max(16, self.trunk_dims[-1] // 2),)),
         )
         return Config(recipe=name, model=model, data=DataConfig(batch_size=self.batch_size),
-                      optim=OptimConfig(lr=self.lr, sparse_lr=self.sparse_lr, warmup_steps=self.warmup_steps),
+                      optim=OptimConfig(lr=self.lr, sparse_lr=self.sparse_lr,
+                                        warmup_steps=self.warmup_steps),
                       train=TrainConfig()).validate()
 
 
 def vm_xs() -> Config:
     """The cheapest servable model: no sequence towers, D = 8, one Wukong layer."""
-    return StudentSize(embedding_dim=8, use_sequences=False, max_seq_len=8, num_layers=1, num_tokens=4, fm_rank=4,
-                       fm_mlp=(32,), recent_len=8, num_pooled=1, num_heads=1, num_sum=2,
-                       trunk_dims=(32,)).config("vm_xs")
+    return StudentSize(embedding_dim=8, use_sequences=False, max_seq_len=8, num_layers=1,
+                       num_tokens=4, fm_rank=4, fm_mlp=(32,), recent_len=8, num_pooled=1,
+                       num_heads=1, num_sum=2, trunk_dims=(32,)).config("vm_xs")
 
 
 def vm_s() -> Config:
     """``vm_xs`` plus one tiny tower per stream over the latest 32 events."""
-    return StudentSize(embedding_dim=8, use_sequences=True, max_seq_len=32, num_layers=1, num_tokens=4, fm_rank=4,
-                       fm_mlp=(32,), recent_len=8, num_pooled=1, num_heads=1, num_sum=2,
-                       trunk_dims=(32,)).config("vm_s")
+    return StudentSize(embedding_dim=8, use_sequences=True, max_seq_len=32, num_layers=1,
+                       num_tokens=4, fm_rank=4, fm_mlp=(32,), recent_len=8, num_pooled=1,
+                       num_heads=1, num_sum=2, trunk_dims=(32,)).config("vm_s")
 
 
 def vm_m() -> Config:
     """Twice ``vm_s``'s width, 64 events of history."""
-    return StudentSize(embedding_dim=16, use_sequences=True, max_seq_len=64, num_layers=1, num_tokens=8, fm_rank=4,
-                       fm_mlp=(64,), recent_len=16, num_pooled=2, num_heads=2, num_sum=2,
-                       trunk_dims=(64, 32)).config("vm_m")
+    return StudentSize(embedding_dim=16, use_sequences=True, max_seq_len=64, num_layers=1,
+                       num_tokens=8, fm_rank=4, fm_mlp=(64,), recent_len=16, num_pooled=2,
+                       num_heads=2, num_sum=2, trunk_dims=(64, 32)).config("vm_m")
 
 
 def fm_domain() -> Config:
     """A per-domain foundation model: taught by GEM, it teaches the VMs of its surface (hierarchical
     transfer); two Wukong layers, 128 events of history."""
-    return StudentSize(embedding_dim=16, use_sequences=True, max_seq_len=128, num_layers=2, num_tokens=4, fm_rank=4,
-                       fm_mlp=(64,), recent_len=16, num_pooled=2, num_heads=2, num_sum=4,
-                       trunk_dims=(64, 32)).config("fm_domain")
+    return StudentSize(embedding_dim=16, use_sequences=True, max_seq_len=128, num_layers=2,
+                       num_tokens=4, fm_rank=4, fm_mlp=(64,), recent_len=16, num_pooled=2,
+                       num_heads=2, num_sum=4, trunk_dims=(64, 32)).config("fm_domain")
 
 
 STUDENTS = {f.__name__: f for f in (vm_xs, vm_s, vm_m, fm_domain)}
@@ -109,4 +113,5 @@ def student_recipe(name: str) -> Config:
         return STUDENTS[name]()
     if name in RECIPES:
         return recipe(name)
-    raise ValueError(f"unknown student recipe {name!r}; choose from {student_recipe_names() + list(RECIPES)}")
+    raise ValueError(f"unknown student recipe {name!r}; choose from "
+                     f"{student_recipe_names() + list(RECIPES)}")

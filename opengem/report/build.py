@@ -23,7 +23,8 @@ from opengem.report.calibration import MIN_ROWS, compute_bins
 from opengem.report.sources import Sources, load_sources
 from opengem.run import REPORT_DIR
 
-EVAL_COLUMNS = ("ne", "ne_bayes", "captured", "auc", "gauc", "calibration", "logloss", "n", "positives")
+EVAL_COLUMNS = ("ne", "ne_bayes", "captured", "auc", "gauc", "calibration", "logloss", "n",
+                "positives")
 
 
 @dataclass
@@ -43,22 +44,27 @@ class Report:
         return next(p for s in self.sections for p in s.plots if p.file == file)
 
 
-def build_report(run_dir: str | Path, out: str | Path | None = None, evaluation: str | Path | dict | None = None,
-                 *, benchmarks=(), data: str | Path | None = None, split: str = "test", n_bins: int = 20) -> Path:
-    """Write ``report.html`` and its PNGs into ``out`` (default RUN/report); return the HTML's path."""
+def build_report(run_dir: str | Path, out: str | Path | None = None,
+                 evaluation: str | Path | dict | None = None,
+                 *, benchmarks=(), data: str | Path | None = None, split: str = "test",
+                 n_bins: int = 20) -> Path:
+    """Write ``report.html`` and its PNGs into ``out`` (default RUN/report); return the
+    HTML's path."""
     out = Path(out) if out is not None else Path(run_dir) / REPORT_DIR
-    report = make_report(run_dir, out, evaluation, benchmarks=benchmarks, data=data, split=split, n_bins=n_bins)
+    report = make_report(run_dir, out, evaluation, benchmarks=benchmarks, data=data, split=split,
+                         n_bins=n_bins)
     path = out / "report.html"
     path.write_text(render(report))
     return path
 
 
-def make_report(run_dir, out: Path, evaluation=None, *, benchmarks=(), data=None, split: str = "test",
-                n_bins: int = 20) -> Report:
+def make_report(run_dir, out: Path, evaluation=None, *, benchmarks=(), data=None,
+                split: str = "test", n_bins: int = 20) -> Report:
     """The report's sections; draws the PNGs into ``out`` (``build_report`` adds the HTML)."""
     src = load_sources(run_dir, evaluation, benchmarks)
     out.mkdir(parents=True, exist_ok=True)
-    sections = [summary_section(src), *training_sections(src, out), *evaluation_sections(src, out, data, split, n_bins),
+    sections = [summary_section(src), *training_sections(src, out),
+                *evaluation_sections(src, out, data, split, n_bins),
                 *transfer_sections(src, out), *scaling_sections(src, out)]
     title = f"OpenGEM run {'/'.join(src.run.resolve().parts[-2:])}"
     return Report(title, [s for s in sections if s is not None], src.notes)
@@ -76,7 +82,9 @@ def fmt(v) -> str:
 
 
 def table(header: list[str] | None, rows: list[list]) -> str:
-    head = "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>" if header else ""
+    head = (
+        "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>" if header else ""
+    )
     body = "".join("<tr>" + "".join(f"<td>{fmt(c)}</td>" for c in r) + "</tr>" for r in rows)
     return f"<table>{head}{body}</table>"
 
@@ -96,20 +104,24 @@ def _flat(d: dict, prefix: str = "") -> list[tuple[str, object]]:
 def summary_section(src: Sources) -> Section:
     f = src.final
     if f is None:
-        src.notes.append("no final.json: the run has not finished (figures show the steps logged so far)")
+        src.notes.append("no final.json: the run has not finished (figures show the steps "
+                         "logged so far)")
         return Section("Summary", "<p>The run has not finished: no <code>final.json</code>.</p>")
     p = f.get("parameters", {})
     rows = [["recipe", f.get("recipe")], ["steps", f.get("steps")], ["examples", f.get("examples")],
             ["examples/s", f.get("examples_per_s")],
             ["wall time", _duration(f["wall_s"]) if "wall_s" in f else None],
-            ["training time", _duration(f["train_s"]) if "train_s" in f else None],  # a distilled student
-            ["parameters (total / dense / sparse)", " / ".join(fmt(p.get(k)) for k in ("total", "dense", "sparse"))],
+            # a distilled student
+            ["training time", _duration(f["train_s"]) if "train_s" in f else None],
+            ["parameters (total / dense / sparse)",
+             " / ".join(fmt(p.get(k)) for k in ("total", "dense", "sparse"))],
             ["world size", f.get("world_size")],
             ["peak RSS per rank (MB)", ", ".join(map(fmt, f.get("peak_rss_mb", []))) or None],
             ["checkpoint", f.get("checkpoint")], ["params_sha256", f.get("params_sha256")]]
     times = (src.evaluation or {}).get("times")  # opengem demo: seconds per stage
     if times:
-        rows.append(["stage times", ", ".join(f"{k.removesuffix('_s')} {v:,.0f} s" for k, v in times.items())])
+        rows.append(["stage times",
+                     ", ".join(f"{k.removesuffix('_s')} {v:,.0f} s" for k, v in times.items())])
     body = table(None, [r for r in rows if r[1] is not None])
     quarantined = f.get("quarantined") or {}
     body += "<h3>Quarantined rows</h3>" + (table(["reason", "rows"], sorted(quarantined.items()))
@@ -124,30 +136,36 @@ def training_sections(src: Sources, out: Path) -> list[Section]:
     if not src.records:
         src.notes.append("no training records in metrics.jsonl: no training curves")
         return []
-    loss = Section("Training loss", "<p>Loss of the global batch at each logging step, per domain/task, as an "
-                   "exponential moving average over the logged steps (the span is in each figure's title); the "
-                   "logged values are drawn faintly. One logged step is one batch: a rare task's loss jumps "
-                   "several-fold from one to the next, so the held-out NE above is the curve to read.</p>",
+    loss = Section("Training loss",
+                   "<p>Loss of the global batch at each logging step, per domain/task, as an "
+                   "exponential moving average over the logged steps (the span is in each figure's "
+                   "title); the logged values are drawn faintly. One logged step is one batch: a "
+                   "rare task's loss jumps several-fold from one to the next, so the held-out NE "
+                   "above is the curve to read.</p>",
                    [plots.plot_loss(src.records, out)])
     if src.base_rates:
         loss.plots.append(plots.plot_train_ne(src.records, src.base_rates, out))
-        loss.body += ("<p>Training-batch NE is the logged loss over the entropy of the training base rate "
-                      "(<code>base_rates.json</code>): it tracks the fit on the batches trained on, "
-                      "not held-out data.</p>")
+        loss.body += ("<p>Training-batch NE is the logged loss over the entropy of the "
+                      "training base rate (<code>base_rates.json</code>): it tracks the fit on the "
+                      "batches trained on, not held-out data.</p>")
     loss.plots.append(plots.plot_throughput(src.records, out))
     if src.evals:
         split = html.escape(str(src.evals[-1].get("eval_split", "a held-out split")))
         held = Section("Held-out NE over training",
-                       f"<p>NE on <b>{split}</b> after every periodic evaluation of the trainer (the same rows each "
-                       "time; <code>train.eval_every</code>), with NE_bayes of all domains dotted where the data "
-                       "has the true probabilities. Its time is left out of examples/s.</p>",
+                       f"<p>NE on <b>{split}</b> after every periodic evaluation of the trainer "
+                       f"(the same rows each "
+                       "time; <code>train.eval_every</code>), with NE_bayes of all domains dotted "
+                       "where the data has the true probabilities. Its time is left out "
+                       "of examples/s.</p>",
                        [plots.plot_heldout_ne(src.evals, out)])
     else:
         src.notes.append("no held-out NE over training: the run did not evaluate periodically "
-                         "(train.eval_every=0: metrics.jsonl holds training loss only); the final evaluation is below")
+                         "(train.eval_every=0: metrics.jsonl holds training loss only); the final "
+                         "evaluation is below")
         held = Section("Held-out NE over training",
-                       "<p>Not recorded: the run was trained with train.eval_every=0; no periodic evaluation lines "
-                       "(<code>{\"step\", \"eval\": {slice: {\"ne\"}}}</code>) in metrics.jsonl.</p>")
+                       "<p>Not recorded: the run was trained with train.eval_every=0; no periodic "
+                       "evaluation lines (<code>{\"step\", \"eval\": {slice: {\"ne\"}}}</code>) "
+                       "in metrics.jsonl.</p>")
     return [held, loss]
 
 
@@ -158,51 +176,70 @@ def evaluation_sections(src: Sources, out: Path, data, split: str, n_bins: int) 
         src.notes.append("no evaluation JSON (pass --eval FILE, or run opengem evaluate --json)")
     else:
         m = ev["metrics"]
-        where = f" from <code>{html.escape(src.evaluation_file)}</code>" if src.evaluation_file else ""
-        body = (f"<p>Split <b>{fmt(ev.get('split'))}</b>, {fmt(ev.get('rows'))} rows{where}. NE is normalised by "
-                "the training base rate; <i>captured</i> = (1 − NE) / (1 − NE of the true probabilities).</p>")
-        body += table(["slice", *EVAL_COLUMNS], [[k, *(m[k].get(c) for c in EVAL_COLUMNS)] for k in sorted(m)])
+        where = (
+            f" from <code>{html.escape(src.evaluation_file)}</code>" if src.evaluation_file else ""
+        )
+        body = (f"<p>Split <b>{fmt(ev.get('split'))}</b>, {fmt(ev.get('rows'))} rows{where}. NE is "
+                f"normalised by "
+                "the training base rate; <i>captured</i> = (1 − NE) / (1 − NE of the "
+                "true probabilities).</p>")
+        body += table(["slice", *EVAL_COLUMNS],
+                      [[k, *(m[k].get(c) for c in EVAL_COLUMNS)] for k in sorted(m)])
         if any("ne_bayes" in v for v in m.values()):
-            body += ("<p>On the NE bars, a black tick marks NE_bayes (the true probabilities: the floor)"
-                     + (" and a red one the NE of the world's oracle, 1 − oracle_captured · (1 − NE_bayes)"
+            body += ("<p>On the NE bars, a black tick marks NE_bayes (the true probabilities: "
+                     "the floor)"
+                     + (" and a red one the NE of the world's oracle, 1 − oracle_captured · (1 "
+                        "− NE_bayes)"
                         if any("oracle_captured" in v for v in m.values()) else "") + ".</p>")
         sections.append(Section("Evaluation", body, [plots.plot_metric_bars(m, out)]))
     bins = (ev or {}).get("calibration_bins")
     origin = "the evaluation JSON"
     if bins is None and data is not None:
         bins = compute_bins(src.run, data, split, n_bins)
-        origin = f"up to {n_bins} equal-count bins (at least {MIN_ROWS} rows each) of {split} in {data}"
+        origin = (
+            f"up to {n_bins} equal-count bins (at least {MIN_ROWS} rows each) of {split} in {data}"
+        )
     if bins:
-        sections.append(Section("Calibration", f"<p>Reliability bins from {html.escape(str(origin))}.</p>",
+        sections.append(Section("Calibration",
+                                f"<p>Reliability bins from {html.escape(str(origin))}.</p>",
                                 [plots.plot_calibration(bins, out)]))
     else:
-        src.notes.append("no calibration curves: the evaluation JSON has no calibration_bins; pass --data DIR to "
-                         "compute them (one pass of the model over the split)")
+        src.notes.append("no calibration curves: the evaluation JSON has no calibration_bins; pass "
+                         "--data DIR to compute them (one pass of the model over the split)")
     return sections
 
 
 def transfer_sections(src: Sources, out: Path) -> list[Section]:
     ev, sections = src.evaluation or {}, []
     if "transfer_ratio" in ev:
-        models = [(n, k) for n, k in (("student", "metrics"), ("alone", "alone"), ("teacher", "teacher"),
+        models = [(n, k) for n,
+                  k in (("student", "metrics"), ("alone", "alone"), ("teacher", "teacher"),
                                       ("GEM", "gem")) if k in ev]
         rows = [[task, *(ev[k].get(f"all/{task}", {}).get("ne") for _, k in models), r]
                 for task, r in ev["transfer_ratio"].items()]
-        body = (f"<p>Distilled student on {html.escape('+'.join(ev.get('domains', [])))}, techniques "
-                f"{html.escape(', '.join(ev.get('techniques', [])))}; NE per model and transfer ratio R.</p>"
+        body = (f"<p>Distilled student on "
+                f"{html.escape('+'.join(ev.get('domains', [])))}, techniques "
+                f"{html.escape(', '.join(ev.get('techniques', [])))}; NE per model and transfer "
+                f"ratio R.</p>"
                 + table(["task", *(f"NE {n}" for n, _ in models), "R"], rows))
-        r = {t: (v, 0.0) for t, v in ev["transfer_ratio"].items() if v is not None and math.isfinite(v)}
+        r = {t: (v, 0.0) for t,
+             v in ev["transfer_ratio"].items() if v is not None and math.isfinite(v)}
         sections.append(Section("Knowledge transfer (this student)", body,
                                 [plots.plot_transfer(r, out, "transfer_student.png")] if r else []))
     t = src.transfer
     if t is not None:
-        rows = [[n, a["ne"]["mean"], a["ne"]["std"], a["auc"]["mean"], a["calibration"]["mean"], a["r"]["mean"],
-                 a["r"]["std"], a.get("r_conversion", {}).get("mean")] for n, a in t["rows"].items()]
-        body = (f"<p>benchmarks/transfer.py: R(KD) {fmt(t['r_kd'])}, best servable set <b>{fmt(t['best'])}</b> "
-                f"R {fmt(t['r_best'])} ({fmt(t['ratio_best_vs_kd'])} × KD); teacher NE {fmt(t['teacher']['ne'])}.</p>"
-                + table(["technique", "NE", "± std", "AUC", "calibration", "R", "± std", "R (conversion)"], rows))
+        rows = [[n, a["ne"]["mean"], a["ne"]["std"], a["auc"]["mean"], a["calibration"]["mean"],
+                 a["r"]["mean"], a["r"]["std"], a.get("r_conversion", {}).get("mean")] for n,
+                a in t["rows"].items()]
+        body = (f"<p>benchmarks/transfer.py: R(KD) {fmt(t['r_kd'])}, best servable "
+                f"set <b>{fmt(t['best'])}</b> "
+                f"R {fmt(t['r_best'])} ({fmt(t['ratio_best_vs_kd'])} × KD); teacher "
+                f"NE {fmt(t['teacher']['ne'])}.</p>"
+                + table(["technique", "NE", "± std", "AUC", "calibration", "R", "± std",
+                         "R (conversion)"], rows))
         r = {n: (a["r"]["mean"], a["r"]["std"]) for n, a in t["rows"].items() if n != "alone"}
-        sections.append(Section("Knowledge transfer (benchmark)", body, [plots.plot_transfer(r, out)]))
+        sections.append(Section("Knowledge transfer (benchmark)", body,
+                                [plots.plot_transfer(r, out)]))
     return sections
 
 
@@ -214,8 +251,9 @@ def scaling_sections(src: Sources, out: Path) -> list[Section]:
     rss = s.get("peak_rss_mb", {})
     rows = [[n, eps[n], s.get(f"scaling_{n}", 1.0 if n == min(eps) else None),
              ", ".join(map(fmt, rss.get(str(n), [])))] for n in sorted(eps)]
-    body = (f"<p>benchmarks/scaling.py on {fmt(s.get('device'))} ({fmt(s.get('cpu_cores'))} cores), preset "
-            f"{fmt(s.get('preset'))}, per-rank batch {fmt(s.get('per_rank_batch'))}, {fmt(s.get('steps'))} steps.</p>"
+    body = (f"<p>benchmarks/scaling.py on {fmt(s.get('device'))} ({fmt(s.get('cpu_cores'))} "
+            f"cores), preset {fmt(s.get('preset'))}, per-rank batch "
+            f"{fmt(s.get('per_rank_batch'))}, {fmt(s.get('steps'))} steps.</p>"
             + table(["processes", "examples/s", "scaling", "peak RSS per rank (MB)"], rows))
     return [Section("Scaling", body, [plots.plot_scaling(eps, out)])]
 
@@ -228,7 +266,8 @@ figcaption{color:#555;font-size:13px}.notes{background:#fff8e1;padding:.5em 1em}
 
 
 def render(report: Report) -> str:
-    head = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(report.title)}</title>"
+    head = (f"<!DOCTYPE "
+            f"html><html><head><meta charset='utf-8'><title>{html.escape(report.title)}</title>"
             f"<style>{STYLE}</style></head><body><h1>{html.escape(report.title)}</h1>")
     parts = [head]
     if report.notes:

@@ -1,9 +1,9 @@
 """Reliability bins (predicted vs observed rate) per slice, for the report's calibration curves.
 
-The evaluation JSON carries one calibration ratio per slice (Σp / Σy), not bins. ``reliability_bins``
-is the pure function; ``compute_bins`` runs a run's model over a split to get them per
-``"<domain>/<task>"`` and ``"all/<task>"`` — the format the report reads from an evaluation JSON's
-``calibration_bins`` key (``{slice: {"p": [...], "y": [...], "n": [...]}}``).
+The evaluation JSON carries one calibration ratio per slice (Σp / Σy), not bins.
+``reliability_bins`` is the pure function; ``compute_bins`` runs a run's model over a split to get
+them per ``"<domain>/<task>"`` and ``"all/<task>"`` — the format the report reads from an evaluation
+JSON's ``calibration_bins`` key (``{slice: {"p": [...], "y": [...], "n": [...]}}``).
 """
 
 from __future__ import annotations
@@ -46,16 +46,19 @@ def compute_bins(run_dir: str | Path, data_dir: str | Path, split: str = "test",
 
 def slice_bins(rows: dict, domains: list[str], tasks: list[str], n_bins: int,
                min_rows: int = MIN_ROWS) -> dict[str, dict[str, list]]:
-    """Bins per ``"<domain>/<task>"`` and pooled ``"all/<task>"`` from {(domain, task): [(p, y), …]};
-    a slice of few rows gets fewer bins (at least ``min_rows`` each, one at the least)."""
+    """Bins per ``"<domain>/<task>"`` and pooled ``"all/<task>"`` from {(domain, task): [(p, y),
+    …]}; a slice of few rows gets fewer bins (at least ``min_rows`` each, one at the least)."""
     out = {}
     for t, task in enumerate(tasks):
         pooled = []
         for d, name in enumerate(domains):
             parts = rows.get((d, t), [])
             if parts:
-                pooled.append((np.concatenate([a for a, _ in parts]), np.concatenate([b for _, b in parts])))
+                pooled.append((np.concatenate([a for a, _ in parts]),
+                               np.concatenate([b for _, b in parts])))
                 out[f"{name}/{task}"] = pooled[-1]
         if pooled:
-            out[f"{ALL}/{task}"] = (np.concatenate([a for a, _ in pooled]), np.concatenate([b for _, b in pooled]))
-    return {k: reliability_bins(p, y, max(1, min(n_bins, p.size // min_rows))) for k, (p, y) in out.items()}
+            out[f"{ALL}/{task}"] = (np.concatenate([a for a, _ in pooled]),
+                                    np.concatenate([b for _, b in pooled]))
+    return {k: reliability_bins(p, y, max(1, min(n_bins, p.size // min_rows))) for k,
+            (p, y) in out.items()}

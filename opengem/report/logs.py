@@ -32,15 +32,21 @@ LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNI
 # their own files: at import ("Successfully loaded: 'fbgemm_gpu_….so'", once per library) and per
 # table built ("[TBE=…] Feature Gates: …"). Only the file a record comes from tells them apart.
 QUIET_PACKAGES = ("fbgemm_gpu", "torchrec")
-# Raised by torch.distributed.checkpoint on every save and load without a process group: expected here.
+# Raised by torch.distributed.checkpoint on every save and load without a process group:
+# expected here.
 EXPECTED_WARNINGS = ("torch.distributed is disabled",)
 
 # Attributes every LogRecord has: whatever else a record carries came from ``extra=``.
-_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message",
+    "asctime",
+    "taskName",
+}
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record: time (UTC, ISO 8601), level, logger, message, then extra fields."""
+    """One JSON object per record: time (UTC, ISO 8601), level, logger, message, then
+    extra fields."""
 
     def format(self, record: logging.LogRecord) -> str:
         t = time.gmtime(record.created)
@@ -59,7 +65,8 @@ class LibraryInfoFilter(logging.Filter):
 
     def __init__(self, packages: tuple[str, ...] = QUIET_PACKAGES):
         super().__init__()
-        specs = [importlib.util.find_spec(p) for p in packages]  # finds the folder without importing it
+        # finds the folder without importing it
+        specs = [importlib.util.find_spec(p) for p in packages]
         self.dirs = tuple(os.path.join(d, "") for s in specs if s is not None
                           for d in (s.submodule_search_locations or ()))
 
@@ -67,10 +74,11 @@ class LibraryInfoFilter(logging.Filter):
         return record.levelno >= logging.WARNING or not record.pathname.startswith(self.dirs)
 
 
-def configure_logging(level: int = logging.INFO, fmt: str = "text", stream: TextIO | None = None) -> logging.Handler:
-    """Route every logger to one handler on ``stream`` (stderr) in ``fmt``; replaces earlier handlers
-    of the root logger (``logging.basicConfig(force=True)``). Above DEBUG, also hides the libraries'
-    chatter (module docstring). Returns the handler."""
+def configure_logging(level: int = logging.INFO, fmt: str = "text",
+                      stream: TextIO | None = None) -> logging.Handler:
+    """Route every logger to one handler on ``stream`` (stderr) in ``fmt``; replaces earlier
+    handlers of the root logger (``logging.basicConfig(force=True)``). Above DEBUG, also hides the
+    libraries' chatter (module docstring). Returns the handler."""
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {FORMATS}, got {fmt!r}")
     handler = logging.StreamHandler(stream or sys.stderr)
@@ -80,8 +88,8 @@ def configure_logging(level: int = logging.INFO, fmt: str = "text", stream: Text
         for message in EXPECTED_WARNINGS:
             warnings.filterwarnings("ignore", message=message)
         logging.getLogger("torch").setLevel(logging.ERROR)
-        # importing torch resets that level (torch._logging._init_logs) from TORCH_LOGS: a torch that
-        # is imported later reads this ("-all": ERROR), unless the user set TORCH_LOGS
+        # importing torch resets that level (torch._logging._init_logs) from TORCH_LOGS: a torch
+        # that is imported later reads this ("-all": ERROR), unless the user set TORCH_LOGS
         os.environ.setdefault("TORCH_LOGS", "-all")
     logging.basicConfig(level=level, handlers=[handler], force=True)
     return handler

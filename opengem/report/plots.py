@@ -5,8 +5,8 @@ switch, no display). Each function returns a :class:`Plot` whose ``series`` are 
 Axes after drawing (``"<axes title>|<label>" → (x, y)``; bar charts give category names as x), so
 tests check the drawn values, not the intended ones.
 
-Slices are ``"<domain>/<task>"`` keys (``"all/<task>"`` pools the domains), as in the evaluation JSON
-and ``metrics.jsonl``'s ``loss_by_domain_task``.
+Slices are ``"<domain>/<task>"`` keys (``"all/<task>"`` pools the domains), as in the evaluation
+JSON and ``metrics.jsonl``'s ``loss_by_domain_task``.
 """
 
 from __future__ import annotations
@@ -56,12 +56,15 @@ def _save(fig: Figure, out: Path, name: str, title: str) -> Plot:
         for line in ax.get_lines():
             label = line.get_label()
             if label.startswith(RAW) or not label.startswith("_"):
-                series[f"{ax.get_title()}|{label.lstrip('_')}"] = ([float(v) for v in line.get_xdata()],
-                                                                 [float(v) for v in line.get_ydata()])
+                series[f"{ax.get_title()}|{label.lstrip('_')}"] = (
+                    [float(v) for v in line.get_xdata()],
+                    [float(v) for v in line.get_ydata()],
+                )
         for c in ax.containers:
             if isinstance(c, BarContainer) and not c.get_label().startswith("_"):
                 flat = c.orientation == "horizontal"
-                names = [t.get_text() for t in (ax.get_yticklabels() if flat else ax.get_xticklabels())]
+                names = [t.get_text()
+                         for t in (ax.get_yticklabels() if flat else ax.get_xticklabels())]
                 values = [float(p.get_width() if flat else p.get_height()) for p in c.patches]
                 series[f"{ax.get_title()}|{c.get_label()}"] = (names, values)
     return Plot(name, title, series, ylim)
@@ -90,8 +93,8 @@ def _per_slice(records: list[dict], values) -> dict[str, tuple[list, list]]:
 
 
 def ema(y: list[float], span: int) -> list[float]:
-    """Exponential moving average, weight ``α = 2 / (span + 1)`` on the newest point, normalised by the
-    weights seen so far (pandas' ``ewm(span, adjust=True)``): no pull towards 0 at the start."""
+    """Exponential moving average, weight ``α = 2 / (span + 1)`` on the newest point, normalised by
+    the weights seen so far (pandas' ``ewm(span, adjust=True)``): no pull towards 0 at the start."""
     a, num, den, out = 2.0 / (span + 1), 0.0, 0.0, []
     for v in y:
         num, den = (1 - a) * num + v, (1 - a) * den + 1
@@ -101,13 +104,14 @@ def ema(y: list[float], span: int) -> list[float]:
 
 def ema_span(n: int) -> int:
     """The EMA's span for ``n`` logged points: a fifth of them. One logged step is one batch, and a
-    conversion slice of 256 rows holds a positive or two, so its loss jumps ~10× from step to step."""
+    conversion slice of 256 rows holds a positive or two, so its loss jumps ~10× from step
+    to step."""
     return max(1, n // 5)
 
 
 def _curve(ax, x: list, y: list, label: str) -> None:
-    """The logged points faintly, out of the y-range (the spikes of a rare task would set it), and their
-    EMA (``ema_span``) on top."""
+    """The logged points faintly, out of the y-range (the spikes of a rare task would set it), and
+    their EMA (``ema_span``) on top."""
     span = ema_span(len(y))
     if span == 1:
         ax.plot(x, y, label=label)
@@ -127,7 +131,8 @@ def _fit_y(ax) -> None:
 
 
 def _ema_title(fig: Figure, what: str, records: list[dict]) -> str:
-    """``what`` with the EMA's span in logged and in training steps (the figure's title and caption)."""
+    """``what`` with the EMA's span in logged and in training steps (the figure's title
+    and caption)."""
     span = ema_span(len(records))
     if span == 1:
         title = f"{what} (each logged step, not smoothed)"
@@ -139,7 +144,8 @@ def _ema_title(fig: Figure, what: str, records: list[dict]) -> str:
 
 
 def plot_loss(records: list[dict], out: Path, name: str = "loss.png") -> Plot:
-    """Training loss over steps: the task-weighted total, then one panel per task, a line per domain."""
+    """Training loss over steps: the task-weighted total, then one panel per task, a line
+    per domain."""
     curves = _per_slice(records, lambda rec, k: rec["loss_by_domain_task"][k])
     tasks = _tasks(curves)
     fig, axes = _figure(1 + len(tasks))
@@ -154,10 +160,12 @@ def plot_loss(records: list[dict], out: Path, name: str = "loss.png") -> Plot:
         _fit_y(ax)
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
-    return _save(fig, out, name, _ema_title(fig, "Training loss of the logged steps' global batches", records))
+    return _save(fig, out, name,
+                 _ema_title(fig, "Training loss of the logged steps' global batches", records))
 
 
-def plot_train_ne(records: list[dict], base_rates: dict[str, float], out: Path, name: str = "train_ne.png") -> Plot:
+def plot_train_ne(records: list[dict], base_rates: dict[str, float], out: Path,
+                  name: str = "train_ne.png") -> Plot:
     """Loss / H(training base rate) per domain/task: NE on the training batches (not held out)."""
     def ne(rec, key):
         h = entropy(base_rates.get(key, math.nan))
@@ -175,12 +183,14 @@ def plot_train_ne(records: list[dict], base_rates: dict[str, float], out: Path, 
         ax.set_title(f"{task} training NE")
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
-    return _save(fig, out, name, _ema_title(fig, "Training-batch NE (loss / entropy of the training base rate)",
+    return _save(fig, out, name,
+                 _ema_title(fig, "Training-batch NE (loss / entropy of the training base rate)",
                                             records))
 
 
 def plot_heldout_ne(evals: list[dict], out: Path, name: str = "heldout_ne.png") -> Plot:
-    """Held-out NE over training from periodic evaluation records ``{"step", "eval": {slice: {"ne"}}}``."""
+    """Held-out NE over training from periodic evaluation records ``{"step", "eval":
+    {slice: {"ne"}}}``."""
     curves: dict[str, tuple[list, list]] = {}
     for rec in evals:
         for key, m in rec["eval"].items():
@@ -224,7 +234,8 @@ def plot_throughput(records: list[dict], out: Path, name: str = "throughput.png"
 
 
 def plot_calibration(bins: dict[str, dict], out: Path, name: str = "calibration.png") -> Plot:
-    """Reliability curves per task (log-log): mean prediction vs observed rate per bin, a line per slice."""
+    """Reliability curves per task (log-log): mean prediction vs observed rate per bin, a line
+    per slice."""
     tasks = _tasks(bins)
     fig, axes = _figure(max(len(tasks), 1))
     for ax, task in zip(axes, tasks):
@@ -233,15 +244,18 @@ def plot_calibration(bins: dict[str, dict], out: Path, name: str = "calibration.
             b = bins[key]
             if split_slice(key)[1] != task:
                 continue
-            pts = [(p, y) for p, y in zip(b["p"], b["y"]) if p > 0 and y > 0]  # log axes: observed 0 is off-scale
+            # log axes: observed 0 is off-scale
+            pts = [(p, y) for p, y in zip(b["p"], b["y"]) if p > 0 and y > 0]
             if pts:
                 ax.plot(*zip(*pts), marker="o", ms=3, label=split_slice(key)[0])
-                lo, hi = min(lo, *(min(x) for x in zip(*pts))), max(hi, *(max(x) for x in zip(*pts)))
+                lo, hi = min(lo,
+                             *(min(x) for x in zip(*pts))), max(hi, *(max(x) for x in zip(*pts)))
         if hi > 0:
             ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8, ls=":", label="_ideal")
         ax.set_xscale("log")
         ax.set_yscale("log")
-        subs = (1.0, 2.0, 5.0) if 0 < lo and hi / lo <= 200 else (1.0,)  # labelled 1-2-5 ticks up to ~2 decades
+        # labelled 1-2-5 ticks up to ~2 decades
+        subs = (1.0, 2.0, 5.0) if 0 < lo and hi / lo <= 200 else (1.0,)
         for axis in (ax.xaxis, ax.yaxis):
             axis.set_major_locator(LogLocator(subs=subs))
             axis.set_major_formatter(FormatStrFormatter("%g"))
@@ -250,11 +264,13 @@ def plot_calibration(bins: dict[str, dict], out: Path, name: str = "calibration.
         ax.set_xlabel("mean predicted")
         ax.set_ylabel("observed rate")
         ax.legend(fontsize=8)
-    return _save(fig, out, name, "Calibration (reliability bins, log axes: bins with no positives are not drawn; "
+    return _save(fig, out, name,
+                 "Calibration (reliability bins, log axes: bins with no positives are not drawn; "
                                  "dotted: perfect calibration)")
 
 
-def plot_metric_bars(metrics: dict[str, dict], out: Path, keys=("ne", "auc"), name: str = "metrics.png") -> Plot:
+def plot_metric_bars(metrics: dict[str, dict], out: Path, keys=("ne", "auc"),
+                     name: str = "metrics.png") -> Plot:
     """One panel per metric: a group of bars per domain ("all" last), a bar per task."""
     tasks, domains = _tasks(metrics), _domains(metrics)
     fig, axes = _figure(len(keys))
@@ -263,45 +279,52 @@ def plot_metric_bars(metrics: dict[str, dict], out: Path, keys=("ne", "auc"), na
     for ax, metric in zip(axes, keys):
         for i, task in enumerate(tasks):
             vals = [metrics.get(f"{d}/{task}", {}).get(metric) for d in domains]
-            ax.bar(x + (i - (len(tasks) - 1) / 2) * width, [math.nan if v is None else v for v in vals],
+            ax.bar(x + (i - (len(tasks) - 1) / 2) * width,
+                   [math.nan if v is None else v for v in vals],
                    width, label=task)
         if metric == "ne":
             _ne_limits(ax, metrics, tasks, domains, x, width)
         ax.set_xticks(x, domains)
         ax.set_title(metric.upper() if metric in ("ne", "auc") else metric)
-        top = max((b.get_height() for b in ax.patches if math.isfinite(b.get_height())), default=1.0)
-        ax.set_ylim(*((0.5, 1.05) if metric == "auc" else (0.0, 1.25 * top)))  # headroom for the legend
+        top = max((b.get_height() for b in ax.patches if math.isfinite(b.get_height())),
+                  default=1.0)
+        # headroom for the legend
+        ax.set_ylim(*((0.5, 1.05) if metric == "auc" else (0.0, 1.25 * top)))
         ax.legend(fontsize=8, loc="upper left", ncols=len(tasks))
     return _save(fig, out, name, f"{' and '.join(k.upper() for k in keys)} per domain")
 
 
 def oracle_ne(m: dict) -> float | None:
-    """The world's oracle's NE on a slice: ``captured = (1 − NE) / (1 − NE_bayes)`` solved for NE."""
+    """The world's oracle's NE on a slice: ``captured = (1 − NE) / (1 − NE_bayes)`` solved
+    for NE."""
     oc, bayes = m.get("oracle_captured"), m.get("ne_bayes")
     return None if oc is None or bayes is None else 1.0 - oc * (1.0 - bayes)
 
 
-def _ne_limits(ax, metrics: dict[str, dict], tasks: list[str], domains: list[str], x, width: float) -> None:
-    """A tick across each NE bar at NE_bayes (the true probabilities) and at the oracle's NE, where the
-    evaluation has them (synthetic data; the oracle where the manifest holds it)."""
+def _ne_limits(ax, metrics: dict[str, dict], tasks: list[str], domains: list[str], x,
+               width: float) -> None:
+    """A tick across each NE bar at NE_bayes (the true probabilities) and at the oracle's NE, where
+    the evaluation has them (synthetic data; the oracle where the manifest holds it)."""
     for label, value, style in (("NE_bayes", lambda m: m.get("ne_bayes"), {"color": "black"}),
                                 ("oracle NE", oracle_ne, {"color": "crimson"})):
         pts = [(x[j] + (i - (len(tasks) - 1) / 2) * width, value(metrics[f"{d}/{t}"]))
                for i, t in enumerate(tasks) for j, d in enumerate(domains) if f"{d}/{t}" in metrics]
         pts = [(px, v) for px, v in pts if v is not None and math.isfinite(v)]
         if pts:
-            ax.plot(*zip(*pts), ls="none", marker="_", ms=max(6.0, 220 * width / len(domains)), mew=2,
-                    label=label, **style)
+            ax.plot(*zip(*pts), ls="none", marker="_", ms=max(6.0, 220 * width / len(domains)),
+                    mew=2, label=label, **style)
 
 
-def plot_transfer(rows: dict[str, tuple[float, float]], out: Path, name: str = "transfer.png") -> Plot:
+def plot_transfer(rows: dict[str, tuple[float, float]], out: Path,
+                  name: str = "transfer.png") -> Plot:
     """Transfer ratio R per technique: horizontal bars (mean, with ± std when given)."""
     names = list(rows)
     fig = Figure(figsize=(7.5, max(2.6, 0.35 * len(names) + 1.2)), dpi=DPI, layout="constrained")
     ax = fig.subplots()
     means = [rows[n][0] for n in names]
     stds = [rows[n][1] for n in names]
-    ax.barh(np.arange(len(names)), means, 0.6, xerr=stds if any(s > 0 for s in stds) else None, label="R")
+    ax.barh(np.arange(len(names)), means, 0.6, xerr=stds if any(s > 0 for s in stds) else None,
+            label="R")
     ax.set_yticks(np.arange(len(names)), names)
     ax.invert_yaxis()
     ax.axvline(0.0, color="grey", lw=0.8)
@@ -316,7 +339,8 @@ def plot_scaling(eps: dict[int, float], out: Path, name: str = "scaling.png") ->
     fig, axes = _figure(1)
     ax = axes[0]
     ax.plot(procs, [eps[n] for n in procs], marker="o", label="measured")
-    ax.plot(procs, [eps[procs[0]] * n / procs[0] for n in procs], color="grey", ls=":", label="linear")
+    ax.plot(procs, [eps[procs[0]] * n / procs[0] for n in procs], color="grey", ls=":",
+            label="linear")
     ax.set_xscale("log", base=2)
     ax.set_xticks(procs, [str(n) for n in procs])
     ax.set_title("data-parallel scaling")

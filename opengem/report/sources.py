@@ -40,7 +40,8 @@ def _json(path: Path) -> dict | None:
 
 
 def read_jsonl(path: Path, notes: list[str]) -> list[dict]:
-    """Parsed lines of a JSON-lines file; a line that does not parse (a run killed mid-write) is skipped."""
+    """Parsed lines of a JSON-lines file; a line that does not parse (a run killed mid-write)
+    is skipped."""
     if not path.exists():
         return []
     out, bad = [], 0
@@ -106,6 +107,7 @@ def load_sources(run_dir: str | Path, evaluation: str | Path | dict | None = Non
         elif any(k.startswith("eps_") for k in obj):
             src.scaling = obj
         else:
-            src.notes.append(f"{Path(b).name}: neither benchmarks/transfer.py nor benchmarks/scaling.py output; "
+            src.notes.append(f"{Path(b).name}: neither benchmarks/transfer.py nor "
+                             f"benchmarks/scaling.py output; "
                              "left out")
     return src

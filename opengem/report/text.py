@@ -18,7 +18,8 @@ import math
 
 COLUMNS = ("ne", "auc", "gauc", "calibration", "logloss", "ne_bayes", "captured", "n")
 
-# Why a column can be undefined (opengem.evaluation.metrics): (what, what it needs), said once under the table.
+# Why a column can be undefined (opengem.evaluation.metrics): (what, what it needs), said once under
+# the table.
 WHY_UNDEFINED = {
     "ne": ("NE", "a base rate strictly between 0 and 1"),
     "auc": ("AUC", "both labels"),
@@ -60,7 +61,8 @@ def _why(columns: list[str]) -> str:
     for c in columns:
         what, need = WHY_UNDEFINED[c]
         needs.setdefault(need, []).append(what)
-    return "; ".join(f"{' and '.join(w)} {'need' if len(w) > 1 else 'needs'} {need}" for need, w in needs.items())
+    return "; ".join(f"{' and '.join(w)} {'need' if len(w) > 1 else 'needs'} {need}" for need,
+                     w in needs.items())
 
 
 def recalibration_line(rec: dict) -> str:
@@ -69,7 +71,8 @@ def recalibration_line(rec: dict) -> str:
     slopes = rec.get("slopes")
     return (f"recalibrated on {rec['split']} ({rec['rows']:,} rows): "
             + (", ".join(f"slope {t} {a:.3f}" for t, a in slopes.items()) + "; " if slopes else "")
-            + ", ".join(f"{k} {rec['offsets'][k]:+.3f} (calibration {before[k]:.3f} → {after[k]:.3f})"
+            + ", ".join(f"{k} {rec['offsets'][k]:+.3f} (calibration {before[k]:.3f} "
+                        f"→ {after[k]:.3f})"
                         for k in before))
 
 
@@ -78,16 +81,24 @@ def distill_line(out: dict, task: str = "click") -> str:
     teacher and GEM, and R."""
     key = f"all/{task}"
     parts = [f"{name} NE {out[k][key]['ne']:.4f} AUC {out[k][key]['auc']:.4f}"
-             for name, k in (("student", "metrics"), ("alone", "alone"), ("teacher", "teacher"), ("GEM", "gem"))
+             for name,
+             k in (("student", "metrics"), ("alone", "alone"), ("teacher", "teacher"),
+                   ("GEM", "gem"))
              if k in out]
     ratio = out.get("transfer_ratio", {}).get(task, "absent")
     r = "" if ratio == "absent" else (f"; transfer ratio R {ratio:.3f}" if _defined(ratio) else
-                                      "; transfer ratio R - (undefined: the teacher is not ahead of the student alone)")
-    return f"{task} on {'+'.join(out['domains'])}, {out['split']} ({out['rows']:,} rows): " + "; ".join(parts) + r
+                                      "; transfer ratio R - (undefined: the teacher is not ahead "
+                                      "of the student alone)")
+    return (
+        f"{task} on {'+'.join(out['domains'])}, {out['split']} ({out['rows']:,} rows): "
+        + "; ".join(parts)
+        + r
+    )
 
 
 def signal_lines(signal: dict) -> str:
     """``evaluate --signal``: per part of the model, the slope of its logit on each true term."""
     return "\n".join(f"\n{part}: slope of the model's logit on each true term (1 = fully learned), "
-                     f"corr {d['corr']:.3f}\n  " + ", ".join(f"{k} {v:+.2f}" for k, v in d["slopes"].items())
+                     f"corr {d['corr']:.3f}\n  "
+                     + ", ".join(f"{k} {v:+.2f}" for k, v in d["slopes"].items())
                      for part, d in signal.items())

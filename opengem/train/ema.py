@@ -1,15 +1,17 @@
-"""An exponential moving average (EMA) of the dense parameters: the weights a run is judged and served by.
+"""An exponential moving average (EMA) of the dense parameters: the weights a run is judged and
+served by.
 
 With ``train.ema_decay = d > 0`` the trainer keeps a shadow ``s ← d·s + (1 − d)·θ`` of every dense
-parameter after each optimizer step (the first step copies θ). Held-out evaluations, the best checkpoint,
-every checkpoint's ``model`` and published snapshots hold the shadow, so every later stage (evaluate,
-recalibrate, export, serve, distil) reads the averaged weights without knowing about it; the training
-weights travel beside them in the checkpoint (``EMA_KEY``) so that a resumed run is the run it would
-have been. Why: on little data the last steps' noise spreads the logits and the average removes part
-of it (docs/experiments.md, "EMA of the dense weights"). Only the dense parameters: the tables are
-updated row by row (row-wise Adagrad), an average over them would touch every row at every step, and
-averaging them too did no better. Under FSDP2 each rank averages its own shards (the parameters are
-DTensors; the arithmetic runs on their local tensors), so the shadow costs one copy of this rank's dense shard.
+parameter after each optimizer step (the first step copies θ). Held-out evaluations, the best
+checkpoint, every checkpoint's ``model`` and published snapshots hold the shadow, so every later
+stage (evaluate, recalibrate, export, serve, distil) reads the averaged weights without knowing
+about it; the training weights travel beside them in the checkpoint (``EMA_KEY``) so that a resumed
+run is the run it would have been. Why: on little data the last steps' noise spreads the logits and
+the average removes part of it (docs/experiments.md, "EMA of the dense weights"). Only the dense
+parameters: the tables are updated row by row (row-wise Adagrad), an average over them would touch
+every row at every step, and averaging them too did no better. Under FSDP2 each rank averages its
+own shards (the parameters are DTensors; the arithmetic runs on their local tensors), so the shadow
+costs one copy of this rank's dense shard.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from opengem.checkpoint import load_tensors
 
-EMA_KEY = "ema_training_weights"  # the DCP entry of the training weights while ``model`` holds the shadow
+# the DCP entry of the training weights while ``model`` holds the shadow
+EMA_KEY = "ema_training_weights"
 
 
 def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -30,13 +33,15 @@ def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class DenseEMA:
-    """The shadow of ``params`` (name → dense parameter) at ``decay``; ``decay = 0`` is off (a no-op)."""
+    """The shadow of ``params`` (name → dense parameter) at ``decay``; ``decay = 0`` is off
+    (a no-op)."""
 
     def __init__(self, params: dict[str, torch.nn.Parameter], decay: float):
         self.params, self.decay = params, decay
         self.shadow: list[torch.Tensor] | None = None
         self.updates = 0
-        self._training: list[torch.Tensor] | None = None  # the training weights while the shadow is applied
+        # the training weights while the shadow is applied
+        self._training: list[torch.Tensor] | None = None
 
     @property
     def on(self) -> bool:
@@ -57,7 +62,8 @@ class DenseEMA:
     @contextlib.contextmanager
     def applied(self):
         """The shadow in the parameters inside the block, the training weights back after it."""
-        if self.shadow is None or self._training is not None:  # off, no step yet, or already applied
+        # off, no step yet, or already applied
+        if self.shadow is None or self._training is not None:
             yield
             return
         live = list(self.params.values())
@@ -73,7 +79,11 @@ class DenseEMA:
 
     def state(self) -> dict:
         """For the trainer state: present only when a checkpoint's ``model`` holds a shadow."""
-        return {"ema": {"decay": self.decay, "updates": self.updates}} if self.shadow is not None else {}
+        return (
+            {"ema": {"decay": self.decay, "updates": self.updates}}
+            if self.shadow is not None
+            else {}
+        )
 
     def extra(self) -> dict | None:
         """The training weights to save beside ``model``, inside ``applied()`` only."""
@@ -83,21 +93,23 @@ class DenseEMA:
 
     @torch.no_grad()
     def resume(self, ckpt: Path, trainer_state: dict) -> None:
-        """After ``load_checkpoint`` put the checkpoint's ``model`` (a shadow, if it was written with one)
-        in the parameters: that becomes the shadow and the saved training weights go back in. A checkpoint
-        without a shadow starts a fresh one at the next step; with ``decay = 0`` the shadow is dropped and
-        training goes on from the training weights."""
+        """After ``load_checkpoint`` put the checkpoint's ``model`` (a shadow, if it was written
+        with one) in the parameters: that becomes the shadow and the saved training weights go back
+        in. A checkpoint without a shadow starts a fresh one at the next step; with ``decay = 0``
+        the shadow is dropped and training goes on from the training weights."""
         saved = trainer_state.get("ema")
         if saved is None:
             self.shadow, self.updates = None, 0
             return
         live = list(self.params.values())
         shadow = [p.detach().clone() for p in live]
-        load_tensors(ckpt, {EMA_KEY: dict(self.params)})  # in place: the parameters hold the training weights
+        # in place: the parameters hold the training weights
+        load_tensors(ckpt, {EMA_KEY: dict(self.params)})
         self.shadow, self.updates = (shadow, int(saved["updates"])) if self.on else (None, 0)
 
 
 def dense_ema(model: torch.nn.Module, decay: float) -> DenseEMA:
-    """The EMA of ``model``'s dense parameters (``model.dense_parameters()``), keyed by their names."""
+    """The EMA of ``model``'s dense parameters (``model.dense_parameters()``), keyed by
+    their names."""
     dense = {id(p) for p in model.dense_parameters()}
     return DenseEMA({n: p for n, p in model.named_parameters() if id(p) in dense}, decay)

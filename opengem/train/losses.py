@@ -31,7 +31,11 @@ def masked_bce(
     per_task = (ll * w).sum(0) / w.sum(0).clamp(min=1e-12)
     loss = (per_task * task_weights_T).sum()
     with torch.no_grad():
-        dom = domain_B if domain_B is not None else torch.zeros(ll.shape[0], dtype=torch.long, device=ll.device)
+        dom = (
+            domain_B
+            if domain_B is not None
+            else torch.zeros(ll.shape[0], dtype=torch.long, device=ll.device)
+        )
         num = ll.new_zeros(num_domains, ll.shape[1]).index_add_(0, dom, ll.detach() * w)
         den = ll.new_zeros(num_domains, ll.shape[1]).index_add_(0, dom, w)
         table = torch.where(den > 0, num / den.clamp(min=1e-12), torch.full_like(num, float("nan")))
@@ -42,7 +46,8 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def global_masked_bce(logits_BT, labels_BT, mask_BT, weights_B, task_weights_T, domain_B=None, num_domains=1):
+def global_masked_bce(logits_BT, labels_BT, mask_BT, weights_B, task_weights_T, domain_B=None,
+                      num_domains=1):
     """``masked_bce`` scaled so that the mean over ranks equals ``masked_bce`` of the global batch.
 
     Each task's loss is a mean over its labelled rows; when ranks hold different numbers of them the
@@ -52,10 +57,12 @@ def global_masked_bce(logits_BT, labels_BT, mask_BT, weights_B, task_weights_T, 
     """
     W = _world()
     if W == 1:
-        return masked_bce(logits_BT, labels_BT, mask_BT, weights_B, task_weights_T, domain_B, num_domains)
+        return masked_bce(logits_BT, labels_BT, mask_BT, weights_B, task_weights_T, domain_B,
+                          num_domains)
     with torch.no_grad():
         den_local = (mask_BT.to(logits_BT.dtype) * weights_B.unsqueeze(1)).sum(0)
         den_global = den_local.clone()
         dist.all_reduce(den_global)
         scale = W * den_local.clamp(min=1e-12) / den_global.clamp(min=1e-12)
-    return masked_bce(logits_BT, labels_BT, mask_BT, weights_B, task_weights_T * scale, domain_B, num_domains)
+    return masked_bce(logits_BT, labels_BT, mask_BT, weights_B, task_weights_T * scale, domain_B,
+                      num_domains)

@@ -3,15 +3,15 @@
     with RunLog(run, enabled=info.is_main, purge_step=step + 1) as mlog:
         mlog.log(step, {"loss": 0.41, "lr_factor": 1.0, "loss_by_domain_task": {"feed/click": 0.39}})
 
-writes one JSON line ``{"step": step, "loss": 0.41, …}`` (the format ``metrics.jsonl`` always had) and
-the scalars ``loss``, ``lr_factor``, ``loss_by_domain_task/feed/click`` (nested keys joined by ``/``)
-to event files in ``RUN/tensorboard/`` (``tensorboard --logdir RUN/tensorboard``).
+writes one JSON line ``{"step": step, "loss": 0.41, …}`` (the format ``metrics.jsonl`` always had)
+and the scalars ``loss``, ``lr_factor``, ``loss_by_domain_task/feed/click`` (nested keys joined by
+``/``) to event files in ``RUN/tensorboard/`` (``tensorboard --logdir RUN/tensorboard``).
 
-Resume: the trainer truncates ``metrics.jsonl`` to the checkpoint's step (``resume.truncate_metrics``);
-event files cannot be truncated, so the writer opened after a resume at step S gets
-``purge_step=S + 1``: TensorBoard then hides every earlier event of step > S, and the redone steps
-appear once. Only rank 0 writes (``enabled=False`` elsewhere: every call is a no-op). Without the
-``tensorboard`` package only the JSON lines are written (one warning says so).
+Resume: the trainer truncates ``metrics.jsonl`` to the checkpoint's step
+(``resume.truncate_metrics``); event files cannot be truncated, so the writer opened after a resume
+at step S gets ``purge_step=S + 1``: TensorBoard then hides every earlier event of step > S, and the
+redone steps appear once. Only rank 0 writes (``enabled=False`` elsewhere: every call is a no-op).
+Without the ``tensorboard`` package only the JSON lines are written (one warning says so).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 
 def flatten_scalars(values: Mapping, prefix: str = "") -> Iterator[tuple[str, float]]:
-    """(tag, value) for every finite number in ``values``; nested mappings join their keys with ``/``."""
+    """(tag, value) for every finite number in ``values``; nested mappings join their keys
+    with ``/``."""
     for key, v in values.items():
         tag = f"{prefix}{key}"
         if isinstance(v, Mapping):
@@ -64,10 +65,12 @@ class RunLog:
         except ImportError as e:  # the package is optional: metrics.jsonl is the record
             log.info("no TensorBoard event files (%s); pip install tensorboard to get them", e)
             return None
-        return SummaryWriter(str(self.run / TENSORBOARD_DIR), purge_step=purge_step, flush_secs=flush_secs)
+        return SummaryWriter(str(self.run / TENSORBOARD_DIR), purge_step=purge_step,
+                             flush_secs=flush_secs)
 
     def log(self, step: int, scalars: Mapping) -> None:
-        """One line ``{"step": step, **scalars}``; every finite number also as a TensorBoard scalar."""
+        """One line ``{"step": step, **scalars}``; every finite number also as a
+        TensorBoard scalar."""
         if not self.enabled:
             return
         self._file.write(json.dumps({"step": step, **scalars}) + "\n")

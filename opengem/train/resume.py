@@ -26,11 +26,13 @@ if TYPE_CHECKING:  # state.py imports this module (SigtermFlag)
 
 log = logging.getLogger(__name__)
 
-EXIT_PREEMPTED = 75  # os.EX_TEMPFAIL: stopped on SIGTERM after a checkpoint; run again with --resume
+# os.EX_TEMPFAIL: stopped on SIGTERM after a checkpoint; run again with --resume
+EXIT_PREEMPTED = 75
 
 
 class Preempted(SystemExit):
-    """Raised after the checkpoint that follows a SIGTERM; exits the process with ``EXIT_PREEMPTED``."""
+    """Raised after the checkpoint that follows a SIGTERM; exits the process
+    with ``EXIT_PREEMPTED``."""
 
     def __init__(self, message: str):
         super().__init__(EXIT_PREEMPTED)
@@ -66,7 +68,8 @@ class SigtermFlag:
 def resume_run(r: TrainState, ckpt: Path | None) -> None:
     """Load ``ckpt`` into the run state ``r`` (``TrainState.restore``) and place the data there.
 
-    No checkpoint (a run killed before its first one) starts over: only its log lines are dropped."""
+    No checkpoint (a run killed before its first one) starts over: only its log lines
+    are dropped."""
     if ckpt is None:
         if r.info.is_main:
             truncate_metrics(r.run / METRICS_FILE, 0)
@@ -83,7 +86,8 @@ def resume_run(r: TrainState, ckpt: Path | None) -> None:
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """Drop log lines past the checkpoint (a run killed between checkpoints logged steps that are redone)."""
+    """Drop log lines past the checkpoint (a run killed between checkpoints logged steps that
+    are redone)."""
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)
@@ -102,7 +106,8 @@ def _step_of(line: str) -> float:
         return math.inf
 
 
-def shared_data_boundary(positions: list[dict], n_shards: int, epochs: int) -> tuple[int, list[tuple]]:
+def shared_data_boundary(positions: list[dict], n_shards: int,
+                         epochs: int) -> tuple[int, list[tuple]]:
     """Where the loader positions of ``W = len(positions)`` ranks meet in the global shard order.
 
     Rank r of W reads shards r, r+W, … of each epoch's order, so its position (epoch e, local shard
@@ -110,11 +115,12 @@ def shared_data_boundary(positions: list[dict], n_shards: int, epochs: int) -> t
     of epoch e, and k rows of shard r + W·s. Units are (epoch, global shard) pairs in order.
 
     Returns (m, past): the first m units were all read completely, and ``past`` lists what was read
-    after them, ``(epoch, global shard, rows or None for the whole shard)``. ``past`` empty means the
-    ranks together read exactly the first m units: any world size can continue there exactly.
+    after them, ``(epoch, global shard, rows or None for the whole shard)``. ``past`` empty means
+    the ranks together read exactly the first m units: any world size can continue there exactly.
     """
     W = len(positions)
-    done = np.zeros((epochs + 1) * n_shards, dtype=bool)  # + 1: a finished rank sits at (epochs, 0, 0)
+    # + 1: a finished rank sits at (epochs, 0, 0)
+    done = np.zeros((epochs + 1) * n_shards, dtype=bool)
     partial = []
     for r, p in enumerate(positions):
         e, s, k = int(p["epoch"]), int(p["shard"]), int(p["row"])
@@ -136,21 +142,30 @@ def position_after(m: int, n_shards: int, rank: int, world_size: int) -> dict:
 
 def _reshard_data(r: TrainState, ckpt: Path, saved_world: int) -> None:
     """Continue the data of a checkpoint written by ``saved_world`` ranks on this world size."""
-    old = [torch.load(ckpt / f"trainer_state-rank{i}.pt", weights_only=False)["loader"] for i in range(saved_world)]
+    old = [torch.load(ckpt / f"trainer_state-rank{i}.pt", weights_only=False)["loader"]
+           for i in range(saved_world)]
     n_shards = len(r.loader.files)
     m, past = shared_data_boundary(old, n_shards, r.loader.epochs)
-    one = ShardLoader(r.loader.data_dir, r.loader.split, r.loader.batch_size, r.schema, shuffle=r.loader.shuffle,
-                      seed=r.loader.seed, epochs=r.loader.epochs)  # world size 1: the global shard order
+    one = ShardLoader(r.loader.data_dir, r.loader.split, r.loader.batch_size, r.schema,
+                      shuffle=r.loader.shuffle,
+                      # world size 1: the global shard order
+                      seed=r.loader.seed, epochs=r.loader.epochs)
     repeated = sum(rows if rows is not None else one.shard_order(e)[s].rows for e, s, rows in past)
     if past and r.cfg.train.resume_reshard != "rewind":
         raise CheckpointError(
-            f"{ckpt} was written by {saved_world} ranks; resuming on {r.info.world_size} cannot continue the data "
-            f"exactly: the ranks' positions do not meet at a shard boundary ({repeated} rows were read past the "
-            f"last shared one). Resume with {saved_world} processes (torchrun --nproc-per-node {saved_world}), or "
-            "pass train.resume_reshard=rewind to restart at that boundary (those rows are then seen twice).")
+            f"{ckpt} was written by {saved_world} ranks; resuming on {r.info.world_size} cannot "
+            f"continue the data exactly: the ranks' positions do not meet at a shard boundary "
+            f"({repeated} rows were read past the "
+            f"last shared one). Resume with {saved_world} processes (torchrun --nproc-per-node "
+            f"{saved_world}), or "
+            "pass train.resume_reshard=rewind to restart at that boundary (those rows are then "
+            "seen twice).")
     pos = position_after(m, n_shards, r.info.rank, r.info.world_size)
-    quarantined = sum((Counter(s.get("quarantined", {})) for s in old), Counter()) if r.info.is_main else {}
-    r.loader.load_state_dict({**pos, "seed": r.loader.seed, "split": r.loader.split, "quarantined": dict(quarantined)})
+    quarantined = (
+        sum((Counter(s.get("quarantined", {})) for s in old), Counter()) if r.info.is_main else {}
+    )
+    r.loader.load_state_dict({**pos, "seed": r.loader.seed, "split": r.loader.split,
+                              "quarantined": dict(quarantined)})
     left = sum(f.rows for e in range(pos["epoch"], r.loader.epochs)
                for f in r.loader.shard_order(e)[pos["shard"] if e == pos["epoch"] else 0:])
     B = r.cfg.data.batch_size
@@ -158,7 +173,8 @@ def _reshard_data(r: TrainState, ckpt: Path, saved_world: int) -> None:
     steps_left = min_over_ranks(mine, r.distributed)
     r.total = min(r.cfg.train.max_steps or 10**15, r.step + steps_left)
     r.schedule.total = r.total
-    r.resumed = {"from_world_size": saved_world, "rows_repeated": repeated, "units_done": m, "total_steps": r.total}
-    log.warning("resharded the data from %d to %d ranks at %d of %d (epoch, shard) units; %d rows repeat; "
-                "the lr schedule now ends at step %d", saved_world, r.info.world_size, m,
-                n_shards * r.loader.epochs, repeated, r.total)
+    r.resumed = {"from_world_size": saved_world, "rows_repeated": repeated, "units_done": m,
+                 "total_steps": r.total}
+    log.warning("resharded the data from %d to %d ranks at %d of %d (epoch, shard) units; %d "
+                "rows repeat; the lr schedule now ends at step %d", saved_world, r.info.world_size,
+                m, n_shards * r.loader.epochs, repeated, r.total)

@@ -1,4 +1,5 @@
-"""Training on an ensemble's soft labels (``train.soft_label_runs``): distilling several runs into one.
+"""Training on an ensemble's soft labels (``train.soft_label_runs``): distilling several runs
+into one.
 
 Legend: B rows, T tasks, K teacher runs.
 
@@ -6,17 +7,18 @@ Legend: B rows, T tasks, K teacher runs.
     target = w·q + (1 − w)·y    (w = ``train.soft_label_weight``; rows whose label is masked keep theirs)
 
 Why: on little data a trained GEM's error is mostly variance, not bias, so an ensemble of its seeds
-scores better than one run, and one run trained on the ensemble's mean probability keeps most of that
-at one model's serving cost (docs/experiments.md, "Variance, and one model distilled from an ensemble
-of its seeds"). This is Hinton et al.'s
-(2015) distillation of an ensemble, here with the same architecture as student and teacher.
+scores better than one run, and one run trained on the ensemble's mean probability keeps most of
+that at one model's serving cost (docs/experiments.md, "Variance, and one model distilled from an
+ensemble of its seeds"). This is Hinton et al.'s (2015) distillation of an ensemble, here with the
+same architecture as student and teacher.
 
 The teachers are loaded as evaluation loads a run (``opengem.run.load_run_model``: the best held-out
 checkpoint where the run kept one, else its latest; with its recalibration and down-sampling
 correction), on every rank in full: the use is small data, where the teachers are small. Their
 schema must be the data's (checked at start, the run named). The targets are probabilities, so the
 loss stays the trainer's BCE; the labels the trainer counts and logs are the mixed ones. Negative
-down-sampling is refused beside it (``Config.validate``): the teachers' probabilities are of all rows.
+down-sampling is refused beside it (``Config.validate``): the teachers' probabilities are of
+all rows.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from opengem.run import load_run_model
 
 
 class SoftLabels:
-    """The frozen teacher runs and the mixing weight; ``__call__`` gives a batch with mixed labels."""
+    """The frozen teacher runs and the mixing weight; ``__call__`` gives a batch with
+    mixed labels."""
 
     def __init__(self, runs: Sequence[str | Path], weight: float, schema: FeatureSchema,
                  device: torch.device | None = None):
@@ -45,7 +48,8 @@ class SoftLabels:
                 raise ConfigError(f"train.soft_label_runs: {run} is not a run directory")
             model, _, teacher_schema = load_run_model(run, best=best_checkpoint(run) is not None)
             if teacher_schema.fingerprint() != schema.fingerprint():
-                raise SchemaError(f"train.soft_label_runs: run {run} was trained on another schema than this data's")
+                raise SchemaError(f"train.soft_label_runs: run {run} was trained on another schema "
+                                  f"than this data's")
             self.models.append(model.to(device or torch.device("cpu")).eval().requires_grad_(False))
 
     @torch.no_grad()
@@ -55,11 +59,13 @@ class SoftLabels:
 
     def __call__(self, batch: Batch) -> Batch:
         q = self.probabilities(batch).to(batch.labels.dtype)
-        mixed = torch.where(batch.label_mask, self.weight * q + (1 - self.weight) * batch.labels, batch.labels)
+        mixed = torch.where(batch.label_mask, self.weight * q + (1 - self.weight) * batch.labels,
+                            batch.labels)
         return dataclasses.replace(batch, labels=mixed)
 
 
 def soft_labels(runs: Sequence[str], weight: float, schema: FeatureSchema,
                 device: torch.device | None = None) -> SoftLabels | None:
-    """``SoftLabels`` of ``train.soft_label_runs``, or None when there are none (the trainer's labels as they are)."""
+    """``SoftLabels`` of ``train.soft_label_runs``, or None when there are none (the trainer's
+    labels as they are)."""
     return SoftLabels(runs, weight, schema, device) if runs else None

@@ -46,7 +46,8 @@ def forward_loss(model: torch.nn.Module, batch: Batch, task_w_T: torch.Tensor, n
 
 
 def loss_value(loss: torch.Tensor) -> float:
-    """The mean of ``loss`` over ranks (a collective when distributed); TrainingError when not finite."""
+    """The mean of ``loss`` over ranks (a collective when distributed); TrainingError when
+    not finite."""
     value = dist_step.global_mean(loss).item()
     if not math.isfinite(value):
         raise TrainingError(f"loss is {value}")
@@ -66,13 +67,15 @@ def update(optimizers: list, dense_params: list, grad_clip: float) -> None:
         o.step()  # the table optimizer's step also averages the 2-D table copies when due
 
 
-def train_step(model: torch.nn.Module, optimizers: list, batch: Batch, task_w_T: torch.Tensor, num_domains: int,
-               *, grad_clip: float = 0.0, fp8: bool = False,
+def train_step(model: torch.nn.Module, optimizers: list, batch: Batch, task_w_T: torch.Tensor,
+               num_domains: int, *, grad_clip: float = 0.0, fp8: bool = False,
                dense_params: list | None = None) -> tuple[float, torch.Tensor]:
-    """Forward, loss, backward, clip, every optimizer (set the lr first). Returns (loss of the global
-    batch, this rank's per-(domain, task) loss table). ``dense_params`` defaults to the model's."""
+    """Forward, loss, backward, clip, every optimizer (set the lr first). Returns (loss of the
+    global batch, this rank's per-(domain, task) loss table). ``dense_params`` defaults to
+    the model's."""
     loss, table = forward_loss(model, batch, task_w_T, num_domains, fp8)
     value = loss_value(loss)  # before backward: a NaN step leaves the parameters as they were
     backward(loss, optimizers)
-    update(optimizers, list(model.dense_parameters()) if dense_params is None else dense_params, grad_clip)
+    update(optimizers, list(model.dense_parameters()) if dense_params is None else dense_params,
+           grad_clip)
     return value, table

@@ -21,18 +21,18 @@ Distributed rules (the loop is the same; ``opengem.parallel.train_step`` makes i
 
 Resume (``--resume``) at the same world size is exact: each rank continues its own shard stream.
 At another world size the data position is re-derived from every rank's saved position (see
-``train.resume.shared_data_boundary``): exact where they meet at a shard boundary, else refused, or with
-``train.resume_reshard=rewind`` restarted at the last shared boundary (rows after it repeat).
+``train.resume.shared_data_boundary``): exact where they meet at a shard boundary, else refused, or
+with ``train.resume_reshard=rewind`` restarted at the last shared boundary (rows after it repeat).
 
 Held-out evaluation, early stopping and the best checkpoint are hooks (``opengem.train.hooks``): the
-caller passes ``evaluator=`` (the CLI: ``evaluation.evaluate.held_out_evaluator``) and ``train.eval_*``
-keys say when; with them off the loop runs exactly as without them.
+caller passes ``evaluator=`` (the CLI: ``evaluation.evaluate.held_out_evaluator``) and
+``train.eval_*`` keys say when; with them off the loop runs exactly as without them.
 
 ``train.ema_decay`` > 0 (the ``tiny`` and ``demo`` recipes): an average of the dense weights is what
-evaluations score and what checkpoints, snapshots and ``final.json``'s ``params_sha256`` hold; training
-itself is unchanged and its weights travel beside the average (``opengem.train.ema``).
-``train.soft_label_runs``: before each step the batch's labels are mixed with the mean probability of
-those trained runs (``opengem.train.soft_labels``); the step itself is the same.
+evaluations score and what checkpoints, snapshots and ``final.json``'s ``params_sha256`` hold;
+training itself is unchanged and its weights travel beside the average (``opengem.train.ema``).
+``train.soft_label_runs``: before each step the batch's labels are mixed with the mean probability
+of those trained runs (``opengem.train.soft_labels``); the step itself is the same.
 
 Continuous training (``days=``; ``opengem train --continue RUN --days …``): one pass over each of
 those days in order, warm-started from the run's checkpoint, a snapshot published after each day's
@@ -69,11 +69,23 @@ from opengem.data.batch import Batch
 from opengem.data.downsampling import NegativeSampler
 from opengem.data.loader import ShardLoader
 from opengem.features.schema import FeatureSchema
-from opengem.model.build import build_gem, count_parameters, dense_norm_stats, fit_dense_norm, materialize
+from opengem.model.build import (
+    build_gem,
+    count_parameters,
+    dense_norm_stats,
+    fit_dense_norm,
+    materialize,
+)
 from opengem.model.logit_shift import LogitShift, RecalibrationError, gem_heads, offsets_tensor
 from opengem.parallel import ParallelDims, SparseOptimizerSpec, build_parallel_gem
 from opengem.parallel import train_step as dist_step
-from opengem.parallel.launch import DistInfo, comm_device, destroy_distributed, init_distributed, min_over_ranks
+from opengem.parallel.launch import (
+    DistInfo,
+    comm_device,
+    destroy_distributed,
+    init_distributed,
+    min_over_ranks,
+)
 from opengem.progress import progress_bar
 from opengem.run import (
     QUARANTINE_DIR,
@@ -87,7 +99,13 @@ from opengem.run import (
     save_final,
     save_schema,
 )
-from opengem.train.continual import DayStream, check_stream_config, continue_config, publish, start_stream
+from opengem.train.continual import (
+    DayStream,
+    check_stream_config,
+    continue_config,
+    publish,
+    start_stream,
+)
 from opengem.train.hooks import EvalHook, Evaluator
 from opengem.train.observe import RunLog
 from opengem.train.optim import Schedule, build_optimizers
@@ -103,7 +121,8 @@ HASH_LIMIT = 200_000_000
 
 
 def state_sha256(state: dict[str, torch.Tensor]) -> str:
-    """The parameter fingerprint: names and bytes in sorted name order (any world size, same format)."""
+    """The parameter fingerprint: names and bytes in sorted name order (any world size,
+    same format)."""
     h = hashlib.sha256()
     for name, t in sorted(state.items()):
         h.update(name.encode())
@@ -120,21 +139,25 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path, resume: bool =
           publish_end: bool = False) -> dict:
     """Train from ``cfg``; under torchrun every rank calls this. Returns final.json's content.
 
-    ``evaluator`` scores the model on held-out data when ``train.eval_every``, ``eval_each_epoch`` or
-    ``eval_at`` asks for it (``opengem.train.hooks``); it is not called otherwise. ``days``: train a
-    stream over those days (``opengem.train.continual``); ``warm``: continuing the run in ``run_dir``
-    from its checkpoint (``continue_training``). ``publish_end``: a plain run also publishes its final
-    model as the snapshot of its last day, for readers of snapshots (the demo's teacher)."""
+    ``evaluator`` scores the model on held-out data when ``train.eval_every``, ``eval_each_epoch``
+    or ``eval_at`` asks for it (``opengem.train.hooks``); it is not called otherwise. ``days``:
+    train a stream over those days (``opengem.train.continual``); ``warm``: continuing the run in
+    ``run_dir`` from its checkpoint (``continue_training``). ``publish_end``: a plain run also
+    publishes its final model as the snapshot of its last day, for readers of snapshots (the
+    demo's teacher)."""
     cfg.validate()
     if not (resume or warm):
         refuse_a_used_run_dir(Path(run_dir))
     if cfg.train.evaluates and evaluator is None:
-        raise ConfigError("train.eval_every/eval_each_epoch/eval_at need an evaluator: pass train(…, evaluator=…), "
-                          "e.g. opengem.evaluation.evaluate.held_out_evaluator(data_dir, cfg.train.eval_split)")
+        raise ConfigError("train.eval_every/eval_each_epoch/eval_at need an evaluator: pass "
+                          "train(…, evaluator=…), "
+                          "e.g. opengem.evaluation.evaluate.held_out_evaluator(data_dir, "
+                          "cfg.train.eval_split)")
     owned = not (dist.is_available() and dist.is_initialized())
     info = init_distributed(cfg.parallel.backend)
     try:
-        final = _train(cfg, Path(data_dir), Path(run_dir), resume, info, evaluator, days, warm, publish_end)
+        final = _train(cfg, Path(data_dir), Path(run_dir), resume, info, evaluator, days, warm,
+                       publish_end)
     except BaseException:
         if owned and info.backend is not None:  # no barrier: the other ranks may be gone already
             dist.destroy_process_group()
@@ -145,7 +168,8 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path, resume: bool =
 
 
 def refuse_a_used_run_dir(run: Path) -> None:
-    """A fresh run refuses a directory that already holds a run's checkpoints or published snapshots.
+    """A fresh run refuses a directory that already holds a run's checkpoints or
+    published snapshots.
 
     Why: a fresh run writes its files over the old ones but not every old file is rewritten (a
     snapshot already published is kept by design, old step-N checkpoints, the best one), so a reader
@@ -154,29 +178,33 @@ def refuse_a_used_run_dir(run: Path) -> None:
     found = [p.name for p in (run / "checkpoints" / "LATEST", run / "snapshots") if p.exists()
              and (p.is_file() or any(p.glob("day-*")))]
     if found:
-        raise ConfigError(f"{run} already holds a training run ({', '.join(found)}): pass --resume to continue "
-                          "it, or train into a new or empty directory (its old checkpoints and snapshots would "
-                          "mix with this run's)")
+        raise ConfigError(f"{run} already holds a training run ({', '.join(found)}): pass --resume "
+                          f"to continue "
+                          "it, or train into a new or empty directory (its old checkpoints and "
+                          "snapshots would mix with this run's)")
 
 
-def continue_training(run_dir: str | Path, data_dir: str | Path, days: list[int], overrides=(), resume: bool = False,
-                      evaluator: Evaluator | None = None) -> dict:
-    """Continue the run in ``run_dir`` over ``days`` (``opengem train --continue``), warm-started from
-    its latest checkpoint with ``continue_config``. Returns final.json's content."""
+def continue_training(run_dir: str | Path, data_dir: str | Path, days: list[int], overrides=(),
+                      resume: bool = False, evaluator: Evaluator | None = None) -> dict:
+    """Continue the run in ``run_dir`` over ``days`` (``opengem train --continue``), warm-started
+    from its latest checkpoint with ``continue_config``. Returns final.json's content."""
     cfg = continue_config(run_dir, overrides)
     return train(cfg, data_dir, run_dir, resume, evaluator, days=list(days), warm=True)
 
 
-def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo, evaluator: Evaluator | None,
-           days: list[int] | None = None, warm: bool = False, publish_end: bool = False) -> dict:
+def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo,
+           evaluator: Evaluator | None, days: list[int] | None = None, warm: bool = False,
+           publish_end: bool = False) -> dict:
     if days is not None:
         return _train_stream(cfg, data_dir, run, resume, info, evaluator, days, warm)
     schema, rates, model, optimizers, sparse, sampling = _parts(cfg, data_dir, run, info)
-    loader = ShardLoader(data_dir, cfg.data.train_split, cfg.data.batch_size, schema, rank=info.rank,
-                         world_size=info.world_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
-                         epochs=cfg.train.epochs, drop_last=info.world_size > 1, max_seq_len=model.max_seq_len(),
+    loader = ShardLoader(data_dir, cfg.data.train_split, cfg.data.batch_size, schema,
+                         rank=info.rank, world_size=info.world_size, shuffle=cfg.data.shuffle,
+                         seed=cfg.data.seed, epochs=cfg.train.epochs, drop_last=info.world_size > 1,
+                         max_seq_len=model.max_seq_len(),
                          quarantine_dir=run / QUARANTINE_DIR, prefetch=cfg.data.prefetch,
-                         negative_rate=cfg.data.negative_rate, negative_rate_by_domain=cfg.data.negative_rate_by_domain)
+                         negative_rate=cfg.data.negative_rate,
+                         negative_rate_by_domain=cfg.data.negative_rate_by_domain)
     total = _planned_steps(cfg, loader, sparse is not None)
     # Built before a checkpoint is loaded: Schedule keeps the config's base lrs.
     schedule = Schedule(optimizers, total, cfg.optim)
@@ -186,7 +214,8 @@ def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo,
         try:  # before any step: a correction that cannot be served must not cost a training run
             r.downsampling = downsampling_record(gem_heads(model), schema, sampling[0], sampling[1])
         except RecalibrationError as e:
-            raise ConfigError(f"data.negative_rate < 1 needs a correction in the heads' biases: {e}") from None
+            raise ConfigError(f"data.negative_rate < 1 needs a correction in the heads' "
+                              f"biases: {e}") from None
     if cfg.train.evaluates:
         r.evals = EvalHook(cfg.train, evaluator, rates, info)
     if resume:
@@ -196,8 +225,9 @@ def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo,
 
 def _parts(cfg: Config, data_dir: Path, run: Path, info: DistInfo):
     """(schema, base rates, model, optimizers, sparse sharding or None, down-sampling or None: see
-    ``_negative_sampling``), seeded, in this order (the order every earlier run used: their parameters
-    depend on it; the down-sampling count draws from numpy, not from torch's generator)."""
+    ``_negative_sampling``), seeded, in this order (the order every earlier run used: their
+    parameters depend on it; the down-sampling count draws from numpy, not from
+    torch's generator)."""
     run.mkdir(parents=True, exist_ok=True)
     schema = FeatureSchema.load(data_dir)
     if cfg.train.threads:
@@ -207,8 +237,10 @@ def _parts(cfg: Config, data_dir: Path, run: Path, info: DistInfo):
     torch.manual_seed(cfg.train.seed + info.rank)
     rates = train_base_rates(data_dir, schema, cfg.data.train_split, info.rank, info.world_size)
     sampling, init_rates = _negative_sampling(cfg, schema, data_dir, rates)
-    model, optimizers, sparse = _build(cfg, schema, [init_rates.get(t, 0.5) for t in schema.task_names], info)
-    fit_dense_norm(model, data_dir, schema, cfg.data.train_split)  # a resume or continuation loads the checkpoint's
+    model, optimizers, sparse = _build(cfg, schema,
+                                       [init_rates.get(t, 0.5) for t in schema.task_names], info)
+    # a resume or continuation loads the checkpoint's
+    fit_dense_norm(model, data_dir, schema, cfg.data.train_split)
     return schema, rates, model, optimizers, sparse, sampling
 
 
@@ -230,16 +262,18 @@ def _run(r: TrainState, rates: dict, config: bool = True) -> dict:
 
 
 def _negative_sampling(cfg: Config, schema: FeatureSchema, data_dir: Path,
-                       rates: dict[str, float]) -> tuple[tuple[dict, dict] | None, dict[str, float]]:
-    """With ``data.negative_rate(_by_domain)`` < 1: ((rates by domain, rows read and kept), the rates
-    the heads' biases start at); else (None, ``rates``).
+                       rates: dict[str, float]) -> tuple[tuple[dict, dict] | None,
+                                                         dict[str, float]]:
+    """With ``data.negative_rate(_by_domain)`` < 1: ((rates by domain, rows read and kept), the
+    rates the heads' biases start at); else (None, ``rates``).
 
     NE keeps the true rates (``RUN/base_rates.json``: evaluation reads all rows). The biases start
     at the rates the loss sees on the kept rows instead: a bias started at the true rate would
     first have to travel log(1/r) (2.3 at r = 0.1), which takes the tiny recipes most of their
     steps. Counted over all files of the split on every rank (labels only): no collective."""
     try:
-        sampler = NegativeSampler(schema, cfg.data.negative_rate, cfg.data.negative_rate_by_domain, cfg.data.seed)
+        sampler = NegativeSampler(schema, cfg.data.negative_rate, cfg.data.negative_rate_by_domain,
+                                  cfg.data.seed)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if not sampler.active:
@@ -257,22 +291,30 @@ def _refuse_sampled_stream(cfg: Config, run: Path, warm: bool) -> None:
     """A stream (``DayStream``) reads every row: down-sampling it, or continuing a down-sampled run
     (whose RUN/downsampling.json would then correct a model trained on all rows), is refused."""
     by_domain = cfg.data.negative_rate_by_domain.values()
-    if cfg.data.negative_rate < 1 or any(float(r) < 1 for r in by_domain) or (warm and load_downsampling(run)):
-        raise ConfigError("negative down-sampling (data.negative_rate < 1, RUN/downsampling.json) is not supported "
-                          "by continuous training (--continue/--days) yet: its DayStream reads every row")
+    if (
+        cfg.data.negative_rate < 1
+        or any(float(r) < 1 for r in by_domain)
+        or (warm and load_downsampling(run))
+    ):
+        raise ConfigError("negative down-sampling (data.negative_rate < 1, RUN/downsampling.json) "
+                          "is not supported by continuous training (--continue/--days) yet: its "
+                          "DayStream reads every row")
 
 
-def _train_stream(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo, evaluator: Evaluator | None,
+def _train_stream(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo,
+                  evaluator: Evaluator | None,
                   days: list[int], warm: bool) -> dict:
-    """``_train`` for a stream (``opengem.train.continual``): the same parts, a ``DayStream`` for a loader.
-    A warm leg leaves config.json as the run wrote it: its overrides are the leg's (as ``--resume``'s are
-    the resumed command's), and a plain run's schedule horizon is recomputed from it."""
+    """``_train`` for a stream (``opengem.train.continual``): the same parts, a ``DayStream`` for a
+    loader. A warm leg leaves config.json as the run wrote it: its overrides are the leg's (as
+    ``--resume``'s are the resumed command's), and a plain run's schedule horizon is recomputed
+    from it."""
     check_stream_config(cfg, info.world_size)
     _refuse_sampled_stream(cfg, run, warm)
     prev = load_config(run) if warm else cfg
     schema, rates, model, optimizers, sparse, _ = _parts(cfg, data_dir, run, info)
-    loader = DayStream(data_dir, days, cfg.data.batch_size, schema, [], cfg.data.train_split, shuffle=cfg.data.shuffle,
-                       seed=cfg.data.seed, max_seq_len=model.max_seq_len(), quarantine_dir=run / QUARANTINE_DIR,
+    loader = DayStream(data_dir, days, cfg.data.batch_size, schema, [], cfg.data.train_split,
+                       shuffle=cfg.data.shuffle, seed=cfg.data.seed,
+                       max_seq_len=model.max_seq_len(), quarantine_dir=run / QUARANTINE_DIR,
                        prefetch=cfg.data.prefetch)
     schedule = Schedule(optimizers, 0, cfg.optim)  # its horizon is set by start_stream
     r = TrainState(cfg, schema, run, info, model, optimizers, sparse, loader, schedule, 0)
@@ -280,7 +322,8 @@ def _train_stream(cfg: Config, data_dir: Path, run: Path, resume: bool, info: Di
         r.evals = EvalHook(cfg.train, evaluator, rates, info)
 
     def plain_run() -> tuple[Config, int]:
-        ld = ShardLoader(data_dir, prev.data.train_split, prev.data.batch_size, schema, shuffle=prev.data.shuffle,
+        ld = ShardLoader(data_dir, prev.data.train_split, prev.data.batch_size, schema,
+                         shuffle=prev.data.shuffle,
                          seed=prev.data.seed, epochs=prev.train.epochs)
         return prev, _planned_steps(prev, ld, False)
 
@@ -289,16 +332,20 @@ def _train_stream(cfg: Config, data_dir: Path, run: Path, resume: bool, info: Di
 
 
 def _build(cfg: Config, schema: FeatureSchema, base_rates: list[float], info: DistInfo):
-    """(model, optimizers, sparse sharding or None): the plain model on one process, else the parallel one."""
+    """(model, optimizers, sparse sharding or None): the plain model on one process, else the
+    parallel one."""
     if info.backend is None:
         model = materialize(build_gem(schema, cfg.model), "cpu", cfg.train.seed, base_rates)
-        dense, sparse_opt = build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim)
+        dense, sparse_opt = build_optimizers(model.dense_parameters(), model.sparse_parameters(),
+                                             cfg.optim)
         return model, [o for o in (dense, sparse_opt) if o is not None], None
     dims = ParallelDims.from_config(cfg.parallel, info.world_size)
     if info.is_main:
         log.info("%s", dims.describe())
-    model, sparse = build_parallel_gem(schema, cfg.model, dims, cfg.parallel, SparseOptimizerSpec.from_optim(cfg.optim),
-                                       info.device, cfg.train.seed, base_rates)  # logs the sparse plan on rank 0
+    model, sparse = build_parallel_gem(schema, cfg.model, dims, cfg.parallel,
+                                       SparseOptimizerSpec.from_optim(cfg.optim),
+                                       # logs the sparse plan on rank 0
+                                       info.device, cfg.train.seed, base_rates)
     dense = build_optimizers(model.dense_parameters(), [], cfg.optim)[0]
     return model, [dense, sparse.optimizer], sparse
 
@@ -327,9 +374,11 @@ def _loop(r: TrainState) -> None:
     batches = iter(r.loader)
     r.model.train()
     try:
-        # purge_step: after a resume TensorBoard hides the old events of the steps about to be redone
+        # purge_step: after a resume TensorBoard hides the old events of the steps about to
+        # be redone
         with RunLog(r.run, enabled=r.info.is_main, purge_step=r.step + 1) as mlog:
-            if r.evals and r.step == 0 and r.evals.due_at_start():  # the untrained model is a candidate too
+            # the untrained model is a candidate too
+            if r.evals and r.step == 0 and r.evals.due_at_start():
                 _evaluate(r, mlog, started)
             # checked before the loader hands out (and counts) another batch
             while r.step < stop and not (r.evals and r.evals.stopped):
@@ -343,10 +392,12 @@ def _loop(r: TrainState) -> None:
                 bar.update(1)
                 ended = r.step >= r.total
                 if r.step % cfg.train.log_every == 0 or r.step == r.total:
-                    _log(r, mlog, bar, clock, {"loss": loss, "lr_factor": lr_f}, _global_table(r, table, batch))
+                    _log(r, mlog, bar, clock, {"loss": loss, "lr_factor": lr_f},
+                         _global_table(r, table, batch))
                 if not _after_step(r, mlog, started, stop):
                     break
-            if r.evals and ended and r.evals.due_at_end(r.step):  # the final model, not a stop_at pause
+            # the final model, not a stop_at pause
+            if r.evals and ended and r.evals.due_at_end(r.step):
                 _evaluate(r, mlog, started)
     finally:
         batches.close()
@@ -371,10 +422,11 @@ def _after_step(r: TrainState, mlog, started: float, stop: int) -> bool:
 
 
 def _evaluate(r: TrainState, mlog, started: float) -> None:
-    """A held-out evaluation after this step (``hooks``), and the best checkpoint when it is the best;
-    their seconds are not training time: ``train_s`` and every examples/s leave them out."""
+    """A held-out evaluation after this step (``hooks``), and the best checkpoint when it is the
+    best; their seconds are not training time: ``train_s`` and every examples/s leave them out."""
     t0 = time.perf_counter()
-    # Down-sampled negatives: score the corrected model, as every later stage does (model.logit_shift.LogitShift).
+    # Down-sampled negatives: score the corrected model, as every later stage
+    # does (model.logit_shift.LogitShift).
     model = r.model if r.downsampling is None else LogitShift(r.model, offsets_tensor(
         gem_heads(r.model), r.downsampling["offsets"], r.schema))
     with r.ema.applied():  # the weights that are kept and served are the ones judged
@@ -388,16 +440,18 @@ def _evaluate(r: TrainState, mlog, started: float) -> None:
 
 
 def _save(r: TrainState) -> None:
-    """A checkpoint: ``model`` holds the weights that are served (the EMA when on), the training weights
-    travel beside them (``opengem.train.ema``)."""
+    """A checkpoint: ``model`` holds the weights that are served (the EMA when on), the training
+    weights travel beside them (``opengem.train.ema``)."""
     with r.ema.applied():
-        save_checkpoint(r.run, r.step, r.model, r.optimizers, r.trainer_state(), extra=r.ema.extra())
+        save_checkpoint(r.run, r.step, r.model, r.optimizers, r.trainer_state(),
+                        extra=r.ema.extra())
 
 
 def _preempt(r: TrainState, saved: bool) -> None:
     if not saved:
         _save(r)
-    msg = (f"SIGTERM: stopped after step {r.step} of {r.total} and saved {latest_checkpoint(r.run)}; "
+    msg = (f"SIGTERM: stopped after step {r.step} of {r.total} and "
+           f"saved {latest_checkpoint(r.run)}; "
            f"exiting with code {EXIT_PREEMPTED}; continue with `opengem train … --resume`")
     if r.info.is_main:
         log.warning("%s", msg)
@@ -411,7 +465,8 @@ def _next_batch(batches, r: TrainState) -> tuple[Batch | None, int]:
     rows = 0 if batch is None else batch.batch_size
     if not r.distributed:
         return batch, rows
-    t = torch.tensor([float(batch is not None), float(rows)], dtype=torch.float64, device=comm_device())
+    t = torch.tensor([float(batch is not None), float(rows)], dtype=torch.float64,
+                     device=comm_device())
     dist.all_reduce(t)
     if int(t[0].item()) < r.info.world_size:
         return None, 0
@@ -422,8 +477,10 @@ def _next_batch(batches, r: TrainState) -> tuple[Batch | None, int]:
 
 def _step(r: TrainState, batch: Batch, task_w: torch.Tensor,
           dense_params: list) -> tuple[float, torch.Tensor, float]:
-    """One optimizer step; returns (loss of the global batch, this rank's per-(domain, task) table, lr factor)."""
-    lr_f = r.schedule.set(r.step)  # before the forward: the fused CPU table kernel takes its lr there
+    """One optimizer step; returns (loss of the global batch, this rank's per-(domain, task) table,
+    lr factor)."""
+    # before the forward: the fused CPU table kernel takes its lr there
+    lr_f = r.schedule.set(r.step)
     if r.soft is not None:
         batch = r.soft(batch)
     try:
@@ -431,7 +488,8 @@ def _step(r: TrainState, batch: Batch, task_w: torch.Tensor,
                                   grad_clip=r.cfg.optim.grad_clip, fp8=r.cfg.train.fp8_activations,
                                   dense_params=dense_params)
     except TrainingError as e:
-        raise TrainingError(f"{e} at step {r.step}; last checkpoint: {latest_checkpoint(r.run)}") from None
+        raise TrainingError(f"{e} at step {r.step}; last "
+                            f"checkpoint: {latest_checkpoint(r.run)}") from None
     r.ema.update()
     return value, table, lr_f
 
@@ -440,7 +498,11 @@ def _global_table(r: TrainState, table: torch.Tensor, batch: Batch) -> torch.Ten
     """The per-(domain, task) loss table of the global batch (a collective when distributed)."""
     if not r.distributed:
         return table
-    dom = batch.domain if batch.domain is not None else torch.zeros(batch.batch_size, dtype=torch.long)
+    dom = (
+        batch.domain
+        if batch.domain is not None
+        else torch.zeros(batch.batch_size, dtype=torch.long)
+    )
     w = batch.label_mask.to(table.dtype) * batch.weights.unsqueeze(1)
     den = table.new_zeros(table.shape).index_add_(0, dom.to(table.device), w)
     both = torch.stack([torch.nan_to_num(table) * den, den]).to(comm_device())
@@ -479,10 +541,12 @@ def _finish(r: TrainState, wall: float) -> dict:
     with r.ema.applied():  # the fingerprint of the weights that are served
         sha, why = _fingerprint(r, parameters["total"])
     final = {
-        "steps": r.step, "examples": r.examples, "params_sha256": sha, "parameters": parameters, "wall_s": wall,
-        "examples_per_s": (r.examples - r.start_examples) / max(wall - r.eval_s, 1e-9), "recipe": r.cfg.recipe,
+        "steps": r.step, "examples": r.examples, "params_sha256": sha, "parameters": parameters,
+        "wall_s": wall, "examples_per_s": (r.examples - r.start_examples)
+                        / max(wall - r.eval_s, 1e-9), "recipe": r.cfg.recipe,
         "schema": r.schema.fingerprint(), "checkpoint": str(latest_checkpoint(r.run).name),
-        "quarantined": quarantined, "repaired": repaired, "world_size": r.info.world_size, "peak_rss_mb": rss,
+        "quarantined": quarantined, "repaired": repaired, "world_size": r.info.world_size,
+        "peak_rss_mb": rss,
     }
     if why:
         final["params_sha256_skipped"] = why
@@ -493,12 +557,16 @@ def _finish(r: TrainState, wall: float) -> dict:
     if r.resumed:
         final["resharded"] = r.resumed
     if r.distributed:
-        final["parallel"] = {"dims": r.sparse.dims.describe(), "sparse_plan": r.sparse.describe().splitlines()}
-    if r.publish_end and (r.step >= r.total or r.loader.state_dict()["epoch"] >= r.loader.epochs):  # not a pause
+        final["parallel"] = {"dims": r.sparse.dims.describe(),
+                             "sparse_plan": r.sparse.describe().splitlines()}
+    # not a pause
+    if r.publish_end and (r.step >= r.total or r.loader.state_dict()["epoch"] >= r.loader.epochs):
         publish(r, sorted({f.day for f in r.loader.files}))
     if r.stream is not None or r.publish_end:
         snaps = list_snapshots(r.run)
-        final["days"] = r.stream.completed if r.stream is not None else (snaps[-1][1]["days"] if snaps else [])
+        final["days"] = (
+            r.stream.completed if r.stream is not None else (snaps[-1][1]["days"] if snaps else [])
+        )
         final["snapshot"] = snaps[-1][0].name if snaps else None
     if r.info.is_main:
         save_final(r.run, final)
@@ -530,10 +598,15 @@ def _sum_nested(dicts: list[dict]) -> dict:
 
 
 def _fingerprint(r: TrainState, n_params: int) -> tuple[str | None, str | None]:
-    """params_sha256 over the full parameters, keyed as on one process (a collective when distributed)."""
+    """params_sha256 over the full parameters, keyed as on one process (a collective
+    when distributed)."""
     if not r.distributed:
         return params_sha256(r.model), None
     if n_params > HASH_LIMIT:
-        return None, f"{n_params:,} parameters > {HASH_LIMIT:,}: hashing would gather every full table on every rank"
+        return (
+            None,
+            f"{n_params:,} parameters > {HASH_LIMIT:,}: hashing would gather every full table "
+            f"on every rank",
+        )
     full = dist_step.gather_full_state_dict(r.model, r.sparse.sharding_pg)
     return (state_sha256(full) if r.info.is_main else None), None

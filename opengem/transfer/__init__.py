@@ -13,8 +13,14 @@
 
 from opengem.transfer.config import TransferConfig, techniques_config
 from opengem.transfer.distill import distill
-from opengem.transfer.teacher import CachedTeacher, TeacherOutput, TeacherService, UserRepCache, teacher_snapshot
+from opengem.transfer.teacher import (
+    CachedTeacher,
+    TeacherOutput,
+    TeacherService,
+    UserRepCache,
+    teacher_snapshot,
+)
 from opengem.transfer.trainer import transfer_ratio
 
-__all__ = ["CachedTeacher", "TeacherOutput", "TeacherService", "TransferConfig", "UserRepCache", "distill",
-           "teacher_snapshot", "techniques_config", "transfer_ratio"]
+__all__ = ["CachedTeacher", "TeacherOutput", "TeacherService", "TransferConfig", "UserRepCache",
+           "distill", "teacher_snapshot", "techniques_config", "transfer_ratio"]

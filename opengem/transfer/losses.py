@@ -58,7 +58,8 @@ class DistillLoss:
     distill: float
 
 
-def distill_loss(logits_BT: torch.Tensor, aux_BT: torch.Tensor | None, teacher_BT: torch.Tensor | None,
+def distill_loss(logits_BT: torch.Tensor, aux_BT: torch.Tensor | None,
+                 teacher_BT: torch.Tensor | None,
                  labels_BT: torch.Tensor, mask_BT: torch.Tensor, weights_B: torch.Tensor,
                  task_weights_T: torch.Tensor, cfg: TransferConfig) -> DistillLoss:
     """The student's loss for one batch.

@@ -32,8 +32,8 @@ def without_tasks(schema: FeatureSchema, drop) -> FeatureSchema:
 
 
 def fm_view(data_dir: str | Path, out_dir: str | Path, drop) -> Path:
-    """A data directory that is ``data_dir`` without the tasks ``drop``: the same shards (linked) and
-    manifest, a schema without those tasks, so an FM trained on it never sees their labels."""
+    """A data directory that is ``data_dir`` without the tasks ``drop``: the same shards (linked)
+    and manifest, a schema without those tasks, so an FM trained on it never sees their labels."""
     data_dir, out = Path(data_dir).resolve(), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     without_tasks(FeatureSchema.load(data_dir), drop).save(out / SCHEMA_FILE)
@@ -44,21 +44,27 @@ def fm_view(data_dir: str | Path, out_dir: str | Path, drop) -> Path:
     return out
 
 
-def head_map(student_tasks: list[str], teacher_tasks: list[str], heads: tuple[str, ...] = ()) -> list[int]:
+def head_map(student_tasks: list[str], teacher_tasks: list[str],
+             heads: tuple[str, ...] = ()) -> list[int]:
     """For each student task, the index of the teacher head KD reads (module docstring)."""
     named = {}
     for pair in heads:
         s, _, t = pair.partition(":")
         if not t or t not in teacher_tasks:
-            raise ConfigError(f"transfer.kd.heads entry {pair!r} must be STUDENT_TASK:TEACHER_TASK with a teacher "
-                              f"task of {teacher_tasks}")
+            raise ConfigError(f"transfer.kd.heads entry {pair!r} must be STUDENT_TASK:TEACHER_TASK "
+                              f"with a teacher task of {teacher_tasks}")
         named[s] = t
-    return [teacher_tasks.index(s if s in teacher_tasks else named.get(s, teacher_tasks[0])) for s in student_tasks]
+    return [teacher_tasks.index(s if s in teacher_tasks else named.get(s, teacher_tasks[0]))
+            for s in student_tasks]
 
 
 def check_teacher_schema(teacher: FeatureSchema, data: FeatureSchema) -> None:
-    """The teacher must read the data's features; its tasks may be a subset of the data's (a view)."""
+    """The teacher must read the data's features; its tasks may be a subset of the data's
+    (a view)."""
     names = set(teacher.task_names)
-    if not names <= set(data.task_names) or without_tasks(data, set(data.task_names) - names).fingerprint() \
+    if not names <= set(data.task_names) or without_tasks(data,
+                                                          set(data.task_names)
+                                                          - names).fingerprint() \
             != teacher.fingerprint():
-        raise SchemaError("the teacher was trained on another schema than this data's (or one of its task views)")
+        raise SchemaError("the teacher was trained on another schema than this data's (or one of "
+                          "its task views)")

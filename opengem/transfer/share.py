@@ -16,9 +16,9 @@ initialisation gave them (the kept columns stay as they are; a std taken over ze
 would inflate the copied ones by up to sqrt(D_s/D_t)): what transfers is the geometry (which ids
 are alike), while the student's layers, learning rates and row-wise Adagrad see inputs of the scale
 they were tuned for (trained teacher tables are several times wider than the init, and copied as
-they are they slowed the student down: docs/experiments.md, 'Figures moved from code docstrings'). ``freeze`` turns the
-shared tables off for the optimiser (reuse as they are). The domain embedding (an ``nn.Embedding``,
-dense) is shared the same way.
+they are they slowed the student down: docs/experiments.md, 'Figures moved from code docstrings').
+``freeze`` turns the shared tables off for the optimiser (reuse as they are). The domain embedding
+(an ``nn.Embedding``, dense) is shared the same way.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 def project_table(w_RD: torch.Tensor, dim: int) -> torch.Tensor:
     """The columns a student of width ``dim`` takes from the table (module docstring): all D of them
-    when D <= ``dim``, else the leading ``dim`` principal directions (min(R, ``dim``) of them: a table
-    of R < dim rows has R). The student's own init fills any column beyond."""
+    when D <= ``dim``, else the leading ``dim`` principal directions (min(R, ``dim``) of them: a
+    table of R < dim rows has R). The student's own init fills any column beyond."""
     if w_RD.shape[1] <= dim:
         return w_RD.clone()
     _, _, vh = torch.linalg.svd(w_RD.double(), full_matrices=False)
@@ -50,7 +50,8 @@ def share_parameters(student: GEM, teacher: GEM, cfg: ShareConfig) -> list[str]:
     names = list(cfg.tables) or [n for n in mine if n in theirs]
     missing = [n for n in names if n not in mine or n not in theirs]
     if missing:
-        raise ValueError(f"cannot share tables {missing}: not in both models (student {sorted(mine)}, "
+        raise ValueError(f"cannot share tables {missing}: not in both models "
+                         f"(student {sorted(mine)}, "
                          f"teacher {sorted(theirs)})")
     pairs = [(n, mine[n], theirs[n]) for n in names]
     if cfg.domain_emb:
@@ -58,7 +59,8 @@ def share_parameters(student: GEM, teacher: GEM, cfg: ShareConfig) -> list[str]:
     shared = []
     for name, w, t in pairs:
         if w.shape[0] != t.shape[0]:
-            log.warning("not sharing %s: %d rows in the student, %d in the teacher", name, w.shape[0], t.shape[0])
+            log.warning("not sharing %s: %d rows in the student, %d in the teacher", name,
+                        w.shape[0], t.shape[0])
             continue
         new = project_table(t.detach().to(w.dtype), w.shape[1])
         cols = w[:, :new.shape[1]]  # a wider student keeps its own init in the rest

@@ -35,12 +35,14 @@ def select_kjt(kjt: KeyedJaggedTensor, rows: torch.Tensor) -> KeyedJaggedTensor:
     if K == 0:
         return kjt
     B = kjt.stride()
-    flat = (torch.arange(K)[:, None] * B + rows[None, :]).reshape(-1)  # key-major, as KJT lays out lengths
+    # key-major, as KJT lays out lengths
+    flat = (torch.arange(K)[:, None] * B + rows[None, :]).reshape(-1)
     lens = kjt.lengths()[flat]
     starts = kjt.offsets()[flat]
     seg = torch.cumsum(lens, 0) - lens
     idx = torch.repeat_interleave(starts - seg, lens) + torch.arange(int(lens.sum()))
-    return KeyedJaggedTensor.from_lengths_sync(keys=kjt.keys(), values=kjt.values()[idx], lengths=lens)
+    return KeyedJaggedTensor.from_lengths_sync(keys=kjt.keys(), values=kjt.values()[idx],
+                                               lengths=lens)
 
 
 def select_rows(batch: Batch, rows: torch.Tensor) -> Batch:
@@ -48,7 +50,11 @@ def select_rows(batch: Batch, rows: torch.Tensor) -> Batch:
     out = {}
     for f in dataclasses.fields(batch):
         x = getattr(batch, f.name)
-        out[f.name] = select_kjt(x, rows) if isinstance(x, KeyedJaggedTensor) else (None if x is None else x[rows])
+        out[f.name] = (
+            select_kjt(x, rows)
+            if isinstance(x, KeyedJaggedTensor)
+            else (None if x is None else x[rows])
+        )
     return Batch(**out)
 
 
@@ -63,7 +69,8 @@ def _cap_kjt(kjt: KeyedJaggedTensor, caps: dict[str, int]) -> KeyedJaggedTensor:
             v, n = v[torch.from_numpy(idx)], torch.from_numpy(new)
         vals.append(v)
         lens.append(n)
-    return KeyedJaggedTensor.from_lengths_sync(keys=kjt.keys(), values=torch.cat(vals), lengths=torch.cat(lens))
+    return KeyedJaggedTensor.from_lengths_sync(keys=kjt.keys(), values=torch.cat(vals),
+                                               lengths=torch.cat(lens))
 
 
 def cap_history(batch: Batch, schema: FeatureSchema, caps: dict[str, int]) -> Batch:
@@ -72,7 +79,8 @@ def cap_history(batch: Batch, schema: FeatureSchema, caps: dict[str, int]) -> Ba
     by_key = {}
     for s in schema.sequences:
         if s.name in caps:
-            for col in [s.item_column, s.event_column] + [s.attribute_column(a) for a in s.attributes]:
+            for col in [s.item_column, s.event_column] + [s.attribute_column(a)
+                                                          for a in s.attributes]:
                 by_key[col] = caps[s.name]
     if not by_key:
         return batch
@@ -87,7 +95,8 @@ def domain_ids(schema: FeatureSchema, names) -> list[int]:
     return [schema.domains.names.index(n) for n in names]
 
 
-def slice_rates(data_dir: str | Path, schema: FeatureSchema, split: str, domains: list[int]) -> tuple[dict, int, int]:
+def slice_rates(data_dir: str | Path, schema: FeatureSchema, split: str,
+                domains: list[int]) -> tuple[dict, int, int]:
     """(base rates of the split's rows on ``domains`` — NE's normaliser, slice rows, all rows),
     reading only the label and domain columns."""
     manifest = DatasetManifest.load(data_dir)
@@ -98,15 +107,21 @@ def slice_rates(data_dir: str | Path, schema: FeatureSchema, split: str, domains
         table = read_shard(data_dir, info, cols)
         dom = table.column(schema.domains.column).to_numpy()
         keep = np.isin(dom, domains)
-        labels = np.stack([table.column(t.label_column).to_numpy(zero_copy_only=False).astype(np.float64)
-                           for t in schema.tasks], 1)
+        labels = np.stack(
+            [
+                table.column(t.label_column).to_numpy(zero_copy_only=False).astype(np.float64)
+                for t in schema.tasks
+            ],
+            1,
+        )
         mask = ~np.isnan(labels) & keep[:, None]
         counter.update(np.nan_to_num(labels), mask, dom)
         n_slice, n_all = n_slice + int(keep.sum()), n_all + len(dom)
     return counter.rates(), n_slice, n_all
 
 
-def day_loader(data_dir: str | Path, days: list[int], batch_size: int, schema: FeatureSchema, **kw) -> ShardLoader:
+def day_loader(data_dir: str | Path, days: list[int], batch_size: int, schema: FeatureSchema,
+               **kw) -> ShardLoader:
     """A ``ShardLoader`` over the shards of ``days`` (whatever split they belong to)."""
     manifest = DatasetManifest.load(data_dir)
     loader = ShardLoader(data_dir, next(iter(manifest.splits)), batch_size, schema, **kw)
@@ -115,7 +130,8 @@ def day_loader(data_dir: str | Path, days: list[int], batch_size: int, schema: F
 
 
 class SliceStream:
-    """(Batch, TeacherOutput) pairs over ``split``'s rows of ``domains``; the teacher scores each row once.
+    """(Batch, TeacherOutput) pairs over ``split``'s rows of ``domains``; the teacher scores each
+    row once.
 
     The teacher scores chunks of about ``teacher_batch`` of the students' rows (the loader reads
     ``teacher_batch · all / slice`` rows at a time), and the students step on consecutive pieces of
@@ -127,15 +143,16 @@ class SliceStream:
     (its own last days), so the user cache is filled before the students' first day, as a feature
     store would be.
 
-    Chunks are cut per day (one loader per day): a teacher publishes its per-user tables when the day
-    it is told changes, so a chunk straddling two days would put rows of the later day into the
+    Chunks are cut per day (one loader per day): a teacher publishes its per-user tables when the
+    day it is told changes, so a chunk straddling two days would put rows of the later day into the
     earlier day's table, and the rows after it would read their own day (a same-day leak). For a
     one-day split the batches are those of one loader over the split.
     """
 
-    def __init__(self, data_dir: str | Path, split: str, schema: FeatureSchema, domains: list[int], teacher,
-                 batch_size: int, *, shuffle: bool = True, seed: int = 0, update_cache: bool = True,
-                 slice_rows: int | None = None, all_rows: int | None = None, warmup_days: int = 0,
+    def __init__(self, data_dir: str | Path, split: str, schema: FeatureSchema, domains: list[int],
+                 teacher, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                 update_cache: bool = True, slice_rows: int | None = None,
+                 all_rows: int | None = None, warmup_days: int = 0,
                  teacher_batch: int = 2048):
         if slice_rows is None or all_rows is None:
             _, slice_rows, all_rows = slice_rates(data_dir, schema, split, domains)
@@ -149,8 +166,8 @@ class SliceStream:
         self.split_days = sorted(DatasetManifest.load(data_dir).splits[split])
         first = self.split_days[0]
         self.warm_days = list(range(max(0, first - warmup_days), first))
-        # student steps per pass (for the lr schedules): every chunk ends in a partial piece, and a day's
-        # last chunk is short, so there are at most ceil(all / read) + days − 1 chunks
+        # student steps per pass (for the lr schedules): every chunk ends in a partial piece, and a
+        # day's last chunk is short, so there are at most ceil(all / read) + days − 1 chunks
         self.steps = (math.ceil(slice_rows / batch_size) + math.ceil(all_rows / self.read)
                       + len(self.split_days) - 1)
         self._loader_kw = {"max_seq_len": teacher.max_seq_len(), "prefetch": 2, "epochs": 1}
@@ -167,13 +184,14 @@ class SliceStream:
 
     def _days(self, days: list[int], shuffle: bool) -> Iterator[tuple[Batch, int]]:
         for d in days:
-            loader = day_loader(self._data, [d], self.read, self._schema, shuffle=shuffle, seed=self._seed,
-                                **self._loader_kw)
+            loader = day_loader(self._data, [d], self.read, self._schema, shuffle=shuffle,
+                                seed=self._seed, **self._loader_kw)
             for batch in self._slice(loader):
                 yield batch, d
 
     def batches(self) -> Iterator[tuple[Batch, int]]:
-        """(chunk, day): the students' rows before the teacher (what ``cache_to_parquet`` consumes)."""
+        """(chunk, day): the students' rows before the teacher (what
+        ``cache_to_parquet`` consumes)."""
         yield from self._days(self.split_days, self._shuffle)
 
     def __iter__(self):

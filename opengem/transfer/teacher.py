@@ -1,7 +1,8 @@
 """The teacher service: a frozen foundation model, run once per example, shared by every student.
 
 Legend: B rows, T tasks, E teacher embedding width (``embedding``: ``trunk`` = the heads' shared
-trunk output, ``HeadsConfig.trunk_dims[-1]``; ``features`` = what the heads read, ``GEM.feature_dim``).
+trunk output, ``HeadsConfig.trunk_dims[-1]``; ``features`` = what the heads
+read, ``GEM.feature_dim``).
 
     loader ─► batch ─► TeacherService.predict (no grad, eval, once) ─► TeacherOutput ─┬─► student 1
                                                                                      ├─► student 2 …
@@ -22,16 +23,16 @@ end of day d − 1 (zeros for a user not seen before); at serving the same vecto
 lookup by user id, passed as the student's ``teacher_rep_*`` dense user features, so training and
 serving see the same thing. ``rep.source=row`` (the row's own features) is the offline upper bound.
 ``rep.source=days`` (LoopFM's representations over time) keeps one table per published day instead
-(``opengem.transfer.user_reps.UserRepHistory``): a row of day d reads its user's vectors of the last k
-published days < d, each day's table computed by that day's own snapshot (``DailySnapshots``) when
+(``opengem.transfer.user_reps.UserRepHistory``): a row of day d reads its user's vectors of the last
+k published days < d, each day's table computed by that day's own snapshot (``DailySnapshots``) when
 the run publishes snapshots.
 
-The teacher is built and loaded as in training and evaluation (``opengem.run.load_run_model``: meta →
-materialise → load the DCP checkpoint), from a published snapshot when the run has any (a run still
-training writes checkpoints; its snapshots are complete by construction, ``teacher_snapshot`` picks
-one by the student's day and the lag); a large teacher can be passed in already sharded
-(``opengem.parallel.build_parallel_gem`` + ``load_checkpoint``): the service only calls it.
-A student run can be a teacher too (hierarchical transfer): if it reads teacher embeddings, its own
+The teacher is built and loaded as in training and evaluation (``opengem.run.load_run_model``: meta
+→ materialise → load the DCP checkpoint), from a published snapshot when the run has any (a run
+still training writes checkpoints; its snapshots are complete by construction, ``teacher_snapshot``
+picks one by the student's day and the lag); a large teacher can be passed in already sharded
+(``opengem.parallel.build_parallel_gem`` + ``load_checkpoint``): the service only calls it. A
+student run can be a teacher too (hierarchical transfer): if it reads teacher embeddings, its own
 teacher is given as ``upstream``.
 """
 
@@ -53,8 +54,8 @@ from opengem.model.student import forward_with_features, rep_dim_of, with_rep
 from opengem.run import TRANSFER_FILE, load_run_model
 from opengem.transfer.user_reps import UserRepCache, UserRepHistory
 
-__all__ = ["CachedTeacher", "DailySnapshots", "TeacherOutput", "TeacherService", "UserRepCache", "UserRepHistory",
-           "teacher_snapshot"]
+__all__ = ["CachedTeacher", "DailySnapshots", "TeacherOutput", "TeacherService", "UserRepCache",
+           "UserRepHistory", "teacher_snapshot"]
 
 
 @dataclass
@@ -62,13 +63,15 @@ class TeacherOutput:
     logits: torch.Tensor  # [B, T]
     embeddings: torch.Tensor | None = None  # [B, E]
     user_rep: torch.Tensor | None = None  # [B, E]
-    user_hist: torch.Tensor | None = None  # [B, k·r]: the user's last k published daily representations
+    # [B, k·r]: the user's last k published daily representations
+    user_hist: torch.Tensor | None = None
 
     def select(self, rows: torch.Tensor | None) -> TeacherOutput:
         if rows is None:
             return self
         return TeacherOutput(*(None if x is None else x[rows]
-                               for x in (self.logits, self.embeddings, self.user_rep, self.user_hist)))
+                               for x in (self.logits, self.embeddings, self.user_rep,
+                                         self.user_hist)))
 
 
 class TeacherService:
@@ -81,7 +84,8 @@ class TeacherService:
             ``rep``), the service that provides them; ``upstream_source`` says which (user | row).
     """
 
-    def __init__(self, model: torch.nn.Module, user_cache: bool = True, upstream: TeacherService | None = None,
+    def __init__(self, model: torch.nn.Module, user_cache: bool = True,
+                 upstream: TeacherService | None = None,
                  upstream_source: str = "user", embedding: str = "features",
                  history: tuple[int, int] | None = None):
         if embedding not in ("trunk", "features"):
@@ -109,7 +113,9 @@ class TeacherService:
             snapshot = newest[0] if newest else None
         model, _, _ = load_run_model(run_dir, snapshot=snapshot)
         meta = Path(run_dir) / TRANSFER_FILE
-        source = json.loads(meta.read_text())["transfer"]["rep"]["source"] if meta.exists() else "user"
+        source = (
+            json.loads(meta.read_text())["transfer"]["rep"]["source"] if meta.exists() else "user"
+        )
         return cls(model, upstream=upstream, upstream_source=source)
 
     @property
@@ -131,7 +137,8 @@ class TeacherService:
         return caps
 
     @torch.no_grad()
-    def predict(self, batch: Batch, update_cache: bool = True, day: int | None = None) -> TeacherOutput:
+    def predict(self, batch: Batch, update_cache: bool = True,
+                day: int | None = None) -> TeacherOutput:
         """The teacher's outputs for ``batch``. ``update_cache``: add these rows to the user cache
         (training passes; off when scoring held-out days). ``day``: the rows' day; the cache is
         published when it changes, so rows read the snapshot of the days before theirs."""
@@ -141,7 +148,8 @@ class TeacherService:
             self.day = day
         if self.rep_in:
             up = self.upstream.predict(batch, update_cache, day)
-            batch = with_rep(batch, up.user_rep if self.upstream_source == "user" else up.embeddings)
+            batch = with_rep(batch,
+                             up.user_rep if self.upstream_source == "user" else up.embeddings)
         logits, feats = self._features(self.model, batch)
         user_rep = user_hist = None
         if self.cache is not None:
@@ -167,7 +175,8 @@ class TeacherService:
 
     def _day_features(self, batch: Batch, day: int, feats: torch.Tensor) -> torch.Tensor | None:
         """The embeddings day ``day``'s representation table is built from: those of the day's own
-        snapshot (``history.snapshots``), else this teacher's; None when no snapshot may publish it."""
+        snapshot (``history.snapshots``), else this teacher's; None when no snapshot may
+        publish it."""
         snaps = self.history.snapshots
         if snaps is None:
             return feats
@@ -176,7 +185,8 @@ class TeacherService:
             return None if model is None else feats
         return self._features(model, batch)[1]
 
-    def cache_to_parquet(self, batches, path: str | Path, update_cache: bool = True, meta: dict | None = None) -> int:
+    def cache_to_parquet(self, batches, path: str | Path, update_cache: bool = True,
+                         meta: dict | None = None) -> int:
         """Score ``batches`` ((batch, day) pairs, e.g. ``SliceStream.batches()``) once and write the
         outputs in row order.
 
@@ -195,10 +205,14 @@ class TeacherService:
             for key in ("embeddings", "user_rep"):
                 x = getattr(out, key)
                 if x is not None:
-                    cols[key] = pa.FixedSizeListArray.from_arrays(pa.array(x.numpy().ravel()), x.shape[1])
+                    cols[key] = pa.FixedSizeListArray.from_arrays(
+                        pa.array(x.numpy().ravel()), x.shape[1]
+                    )
             table = pa.table(cols)
             if writer is None:
-                schema = table.schema.with_metadata({"opengem.teacher_cache": json.dumps(meta or {})})
+                schema = table.schema.with_metadata(
+                    {"opengem.teacher_cache": json.dumps(meta or {})}
+                )
                 writer = pq.ParquetWriter(tmp, schema)
             writer.write_table(table.replace_schema_metadata(writer.schema.metadata))
             n += batch.batch_size
@@ -209,23 +223,27 @@ class TeacherService:
 
 
 def teacher_snapshot(run_dir: str | Path, day: int, lag: int) -> tuple[Path, dict]:
-    """(path, snapshot.json) of the snapshot a student of ``day`` reads with ``lag`` days of delay: the
-    newest that has seen only days up to ``day − 1 − lag`` (lag 0: everything before the student's day)."""
+    """(path, snapshot.json) of the snapshot a student of ``day`` reads with ``lag`` days of delay:
+    the newest that has seen only days up to ``day − 1 − lag`` (lag 0: everything before the
+    student's day)."""
     if lag < 0:
-        raise ConfigError(f"transfer.snapshot_lag is days of teacher delay: it must be >= 0, got {lag}")
+        raise ConfigError(f"transfer.snapshot_lag is days of teacher delay: it must be >= 0, "
+                          f"got {lag}")
     up_to = day - 1 - lag
     found = newest_snapshot(run_dir, up_to)
     if found is None:
         have = [f"{p.name} (up to day {m['last_day']})" for p, m in list_snapshots(run_dir)]
-        raise CheckpointError(f"{run_dir}: no published snapshot has seen only days up to {up_to}, as a student of "
-                              f"day {day} with transfer.snapshot_lag={lag} needs; snapshots: "
-                              f"{', '.join(have) or 'none'} (a run publishes them when trained with --days or "
+        raise CheckpointError(f"{run_dir}: no published snapshot has seen only days up to {up_to}, "
+                              f"as a student of day {day} with transfer.snapshot_lag={lag} "
+                              f"needs; snapshots: {', '.join(have) or 'none'} (a run publishes "
+                              f"them when trained with --days or "
                               "--continue)")
     return found
 
 
 class DailySnapshots:
-    """The FM snapshot that computes each day's representation table (``rep.source=days``), loaded once.
+    """The FM snapshot that computes each day's representation table (``rep.source=days``),
+    loaded once.
 
     The rule: the table of day t is published when day t ends, so it is computed by the snapshot a
     student of day t + 1 reads, ``teacher_snapshot(run, t + 1, lag)`` (it has seen days ≤ t − lag);
@@ -238,7 +256,8 @@ class DailySnapshots:
         loaded: snapshots already loaded (path → model), e.g. the students' teacher, reused as is.
     """
 
-    def __init__(self, run_dir: str | Path, lag: int, loaded: dict[Path, torch.nn.Module] | None = None):
+    def __init__(self, run_dir: str | Path, lag: int,
+                 loaded: dict[Path, torch.nn.Module] | None = None):
         self.run_dir, self.lag = Path(run_dir), lag
         self.loaded = {Path(p): m for p, m in (loaded or {}).items()}
         self.by_day: dict[int, tuple[torch.nn.Module | None, int | None]] = {}
@@ -251,7 +270,9 @@ class DailySnapshots:
                 self.by_day[day] = (None, None)
             else:
                 if path not in self.loaded:
-                    self.loaded[path] = load_run_model(self.run_dir, snapshot=path)[0].eval().requires_grad_(False)
+                    self.loaded[path] = (
+                        load_run_model(self.run_dir, snapshot=path)[0].eval().requires_grad_(False)
+                    )
                 self.by_day[day] = (self.loaded[path], meta["last_day"])
         return self.by_day[day]
 
@@ -272,15 +293,18 @@ class CachedTeacher:
         table = pq.read_table(self.path)
         self.meta = json.loads((table.schema.metadata or {}).get(b"opengem.teacher_cache", b"{}"))
         self.user_id = table.column("user_id").to_numpy()
-        self.logits = torch.from_numpy(np.stack([table.column(f"logit.{t}").to_numpy() for t in task_names], 1))
-        self.parts = {k: _fixed_list(table.column(k)) for k in ("embeddings", "user_rep") if k in table.column_names}
+        self.logits = torch.from_numpy(np.stack([table.column(f"logit.{t}").to_numpy()
+                                                 for t in task_names], 1))
+        self.parts = {k: _fixed_list(table.column(k)) for k in ("embeddings", "user_rep")
+                      if k in table.column_names}
         self.pos, self.calls, self.rows = 0, 0, 0
 
-    def predict(self, batch: Batch, update_cache: bool = True, day: int | None = None) -> TeacherOutput:
+    def predict(self, batch: Batch, update_cache: bool = True,
+                day: int | None = None) -> TeacherOutput:
         lo, hi = self.pos, self.pos + batch.batch_size
         if hi > len(self.user_id) or not np.array_equal(self.user_id[lo:hi], batch.user_id.numpy()):
-            raise ValueError(f"{self.path}: rows {lo}..{hi} do not match this batch (replay the loader that "
-                             f"wrote the cache: {self.meta})")
+            raise ValueError(f"{self.path}: rows {lo}..{hi} do not match this batch (replay the "
+                             f"loader that wrote the cache: {self.meta})")
         self.pos, self.calls, self.rows = hi, self.calls + 1, self.rows + batch.batch_size
         parts = {k: v[lo:hi] for k, v in self.parts.items()}
         return TeacherOutput(self.logits[lo:hi], parts.get("embeddings"), parts.get("user_rep"))

@@ -48,24 +48,29 @@ class StudentTrainer:
     """
 
     def __init__(self, name: str, student: Student, cfg: Config, tcfg: TransferConfig,
-                 data_schema: FeatureSchema, total_steps: int, teacher_tasks: list[str] | None = None):
+                 data_schema: FeatureSchema, total_steps: int,
+                 teacher_tasks: list[str] | None = None):
         self.name, self.student, self.cfg, self.tcfg = name, student, cfg, tcfg
         self.domains = torch.tensor([data_schema.domains.names.index(d) for d in tcfg.domains])
-        dense, sparse = build_optimizers(student.dense_parameters(), student.sparse_parameters(), cfg.optim)
+        dense, sparse = build_optimizers(student.dense_parameters(), student.sparse_parameters(),
+                                         cfg.optim)
         self.optimizers = [o for o in (dense, sparse) if o is not None]
         self.schedule = Schedule(self.optimizers, total_steps, cfg.optim)
-        self.head_idx: torch.Tensor | None = None  # teacher head per student task, when their tasks differ
+        # teacher head per student task, when their tasks differ
+        self.head_idx: torch.Tensor | None = None
         borrowed = None  # [T]: the tasks read from another task's head
         if teacher_tasks is not None and list(teacher_tasks) != data_schema.task_names:
             idx = head_map(data_schema.task_names, list(teacher_tasks), tcfg.kd.heads)
             self.head_idx = torch.tensor(idx)
-            borrowed = torch.tensor([teacher_tasks[i] != t for t, i in zip(data_schema.task_names, idx)])
+            borrowed = torch.tensor([teacher_tasks[i] != t for t,
+                                     i in zip(data_schema.task_names, idx)])
         self.adapter = (StudentAdapter(data_schema, tcfg.adapter, borrowed)
                         if tcfg.kd.enabled and tcfg.adapter.enabled else None)
         self.task_w = torch.tensor([t.weight for t in data_schema.tasks])
         self.data_schema = data_schema
         self.caps = dict(student.max_seq_len())
-        self.shared: list[str] = []  # tables shared from the teacher (set by whoever built the student)
+        # tables shared from the teacher (set by whoever built the student)
+        self.shared: list[str] = []
         self.step_n = self.examples = 0
         self.sums = {"loss_true": 0.0, "loss_distill": 0.0, "loss_adapter": 0.0}
         self.wall = 0.0
@@ -80,19 +85,22 @@ class StudentTrainer:
             idx = rows.nonzero().squeeze(1)
             batch, tout = select_rows(batch, idx), tout.select(idx)
         batch = cap_history(batch, self.data_schema, self.caps)
-        if self.head_idx is not None:  # a task the teacher lacks reads its closest head (transfer.objectives)
+        # a task the teacher lacks reads its closest head (transfer.objectives)
+        if self.head_idx is not None:
             tout = dataclasses.replace(tout, logits=tout.logits[:, self.head_idx])
         if self.tcfg.rep.enabled:
-            rep = {"user": tout.user_rep, "row": tout.embeddings, "days": tout.user_hist}[self.tcfg.rep.source]
+            rep = {"user": tout.user_rep, "row": tout.embeddings,
+                   "days": tout.user_hist}[self.tcfg.rep.source]
             if rep is None:
-                raise ValueError(f"student {self.name!r} needs teacher embeddings ({self.tcfg.rep.source}) "
+                raise ValueError(f"student {self.name!r} needs teacher "
+                                 f"embeddings ({self.tcfg.rep.source}) "
                                  "that the teacher service does not provide")
             batch = with_rep(batch, rep)
         return batch, tout
 
     def teacher_logits(self, batch: Batch, tout: TeacherOutput) -> torch.Tensor | None:
-        """The logits the soft label is made of (``distill_loss`` tempers them); updates the adapter on
-        this batch's labels first (stale → fresh)."""
+        """The logits the soft label is made of (``distill_loss`` tempers them); updates the adapter
+        on this batch's labels first (stale → fresh)."""
         if not self.tcfg.kd.enabled:
             return None
         if self.adapter is None:
@@ -111,9 +119,11 @@ class StudentTrainer:
         self.schedule.set(min(self.step_n, self.schedule.total - 1))
         self.student.train()
         logits, aux = self.student.forward_train(batch)
-        loss = distill_loss(logits, aux, teacher, batch.labels, batch.label_mask, batch.weights, self.task_w, self.tcfg)
+        loss = distill_loss(logits, aux, teacher, batch.labels, batch.label_mask, batch.weights,
+                            self.task_w, self.tcfg)
         if not math.isfinite(loss.total.item()):
-            raise FloatingPointError(f"student {self.name!r}: loss is {loss.total.item()} at step {self.step_n}")
+            raise FloatingPointError(f"student {self.name!r}: loss is {loss.total.item()} at "
+                                     f"step {self.step_n}")
         backward(loss.total, self.optimizers)
         update(self.optimizers, list(self.student.dense_parameters()), self.cfg.optim.grad_clip)
         self.step_n += 1
@@ -123,8 +133,11 @@ class StudentTrainer:
         self.wall += time.perf_counter() - t0
 
     @torch.no_grad()
-    def predict(self, batch: Batch, tout: TeacherOutput) -> tuple[Batch, TeacherOutput, torch.Tensor] | None:
-        """(this student's rows, the teacher's output on them, the student's serving probabilities)."""
+    def predict(
+        self, batch: Batch, tout: TeacherOutput
+    ) -> tuple[Batch, TeacherOutput, torch.Tensor] | None:
+        """(this student's rows, the teacher's output on them, the student's
+        serving probabilities)."""
         v = self.view(batch, tout)
         if v is None:
             return None
@@ -158,7 +171,8 @@ def train_students(trainers: list[StudentTrainer], stream, followers: dict | Non
     and reads its logits (and, for ``rep.source=row``, its features)."""
     followers = followers or {}
     batches = 0
-    bar = progress_bar(total=getattr(stream, "steps", None), desc="distill", unit="batch", disable=not progress,
+    bar = progress_bar(total=getattr(stream, "steps", None), desc="distill", unit="batch",
+                       disable=not progress,
                dynamic_ncols=True)
     for batch, tout in stream:
         bar.update(1)
@@ -176,11 +190,12 @@ def train_students(trainers: list[StudentTrainer], stream, followers: dict | Non
 
 
 @torch.no_grad()
-def evaluate_students(trainers: list[StudentTrainer], stream, schema: FeatureSchema, base_rates: dict,
-                      references: dict | None = None) -> dict:
+def evaluate_students(trainers: list[StudentTrainer], stream, schema: FeatureSchema,
+                      base_rates: dict, references: dict | None = None) -> dict:
     """Metrics of each student and, on the same rows with the same normaliser, of its teacher
     (``"teacher@<student>"``) and of each reference model (``"<name>@<student>"``, e.g. GEM when the
-    teacher is a domain FM). ``references``: name → a service with ``predict(batch, update_cache)``."""
+    teacher is a domain FM). ``references``: name → a service with
+    ``predict(batch, update_cache)``."""
     def acc():
         return MetricAccumulator(list(schema.domains.names), schema.task_names, base_rates)
 
@@ -197,9 +212,11 @@ def evaluate_students(trainers: list[StudentTrainer], stream, schema: FeatureSch
             preds = {tr.name: probs, f"teacher@{tr.name}": torch.sigmoid(t_rows.logits.double())}
             if refs:
                 idx = torch.isin(batch.domain, tr.domains).nonzero().squeeze(1)
-                preds.update({f"{r}@{tr.name}": torch.sigmoid(o.logits[idx].double()) for r, o in ref_out.items()})
+                preds.update({f"{r}@{tr.name}": torch.sigmoid(o.logits[idx].double()) for r,
+                              o in ref_out.items()})
             for name, p in preds.items():
-                accs[name].update(p, rows.labels, rows.label_mask, rows.domain, rows.user_id, rows.true_probs)
+                accs[name].update(p, rows.labels, rows.label_mask, rows.domain, rows.user_id,
+                                  rows.true_probs)
     return {name: a.compute() for name, a in accs.items()}
 
 

@@ -1,4 +1,5 @@
-"""The teacher's per-user tables, published like feature-store tables (what serving looks up by user id).
+"""The teacher's per-user tables, published like feature-store tables (what serving looks up by
+user id).
 
 Legend: B rows, E teacher embedding width, U users of a table, r the projected width (``rep.dim``).
 
@@ -83,13 +84,13 @@ class UserRepHistory:
     seen): never its own day or later (a day is published only once the teacher has moved past it,
     and only days < d are read).
 
-    Which model computes a day's table: with ``snapshots`` (``DailySnapshots``, a continuously trained
-    run), the day's own snapshot, the one published when the day ended, delayed by the lag (the rule
-    is ``DailySnapshots``'s); without, the teacher that scores the day (a run without snapshots).
-    ``update`` takes the embeddings of that model; ``source`` records, per table, the last day its
-    snapshot had seen. One frozen projection over snapshots is meaningful because successive snapshots
-    of one continuous run are warm-started from each other (their feature spaces move slowly); a run
-    retrained from scratch would need a projection per snapshot.
+    Which model computes a day's table: with ``snapshots`` (``DailySnapshots``, a continuously
+    trained run), the day's own snapshot, the one published when the day ended, delayed by the lag
+    (the rule is ``DailySnapshots``'s); without, the teacher that scores the day (a run without
+    snapshots). ``update`` takes the embeddings of that model; ``source`` records, per table, the
+    last day its snapshot had seen. One frozen projection over snapshots is meaningful because
+    successive snapshots of one continuous run are warm-started from each other (their feature
+    spaces move slowly); a run retrained from scratch would need a projection per snapshot.
 
     Why dense features of the last k days, projected, rather than a pooled stream inside the model:
     the served backbone stays a plain GEM (no new module, nothing run at serving but a key-value
@@ -99,8 +100,10 @@ class UserRepHistory:
 
     def __init__(self, dim_in: int, days: int = 3, dim: int = 16, snapshots=None):
         self.dim_in, self.days, self.dim, self.snapshots = dim_in, days, dim, snapshots
-        self.tables: dict[int, tuple[dict[int, int], torch.Tensor]] = {}  # day → (user → row, [U, r])
-        self.source: dict[int, int | None] = {}  # day → last day seen by the snapshot that computed its table
+        # day → (user → row, [U, r])
+        self.tables: dict[int, tuple[dict[int, int], torch.Tensor]] = {}
+        # day → last day seen by the snapshot that computed its table
+        self.source: dict[int, int | None] = {}
         self.proj: tuple[torch.Tensor, torch.Tensor] | None = None  # (mean [E], basis [E, r])
         self.live: tuple[int, dict[int, int], list[torch.Tensor], list[torch.Tensor]] | None = None
 
@@ -144,14 +147,16 @@ class UserRepHistory:
             _, _, v = torch.linalg.svd(x, full_matrices=False)
             basis = torch.zeros(self.dim_in, self.dim)
             basis[:, :r] = v[:r].T
-            scale = (x @ basis).std(0).clamp(min=1e-6)  # unit variance per component on the fitting day
+            # unit variance per component on the fitting day
+            scale = (x @ basis).std(0).clamp(min=1e-6)
             self.proj = (mu, basis / scale)
         mu, basis = self.proj
         self.tables[day] = (slot, (mean - mu) @ basis)
         self.source[day] = self.snapshots.last_day(day) if self.snapshots is not None else None
 
     def lookup(self, user_ids: torch.Tensor, day: int) -> torch.Tensor:
-        """[B, days·dim]: each user's vectors of the ``days`` latest published days before ``day``."""
+        """[B, days·dim]: each user's vectors of the ``days`` latest published days
+        before ``day``."""
         past = sorted((d for d in self.tables if d < day), reverse=True)[: self.days]
         out = torch.zeros(len(user_ids), self.days, self.dim)
         ids = user_ids.tolist()
@@ -164,9 +169,12 @@ class UserRepHistory:
         return out.reshape(len(ids), -1)
 
     def state_dict(self) -> dict:
-        """The published tables and the projection (what serving reads, keyed by user id and day)."""
-        return {"days": self.days, "dim": self.dim, "proj": self.proj, "snapshot_last_day": dict(self.source),
-                "tables": {d: {"user_ids": torch.tensor(sorted(slot, key=slot.get), dtype=torch.long), "reps": t}
+        """The published tables and the projection (what serving reads, keyed by user id
+        and day)."""
+        return {"days": self.days, "dim": self.dim, "proj": self.proj,
+                "snapshot_last_day": dict(self.source),
+                "tables": {d: {"user_ids": torch.tensor(sorted(slot, key=slot.get),
+                                                        dtype=torch.long), "reps": t}
                            for d, (slot, t) in self.tables.items()}}
 
     def days_read(self, day: int) -> list[int]:

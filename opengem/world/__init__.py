@@ -8,6 +8,6 @@ pipeline (that is ``opengem.data``).
     oracle.py      a world's exact-structure logistic fit: what a model's captured is divided by
     signal.py      which of a world's true terms a model has learned (per-term slopes)
 
-What may be tuned on which world seed is ``opengem.discipline``'s, at the bottom of the house: config,
-evaluation and transfer call it too, and this package sits above them.
+What may be tuned on which world seed is ``opengem.discipline``'s, at the bottom of the house:
+config, evaluation and transfer call it too, and this package sits above them.
 """

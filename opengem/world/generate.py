@@ -50,8 +50,8 @@ seconds, day 0 starts at ``cfg.sizes.start_ts``):
 7. Steps 5 and 6 are the form of ``structure_seed`` 0. Another structure seed draws the form
    (``opengem.world.structure``: which pairs interact at what rank, how each history acts,
    numeric shapes, position form, surface tables, conversion terms, drift scales); the draws of
-   steps 1–4 stay as they were, but for the drifts' scales and, through the interest drift, the rows.
-   ``opengem generate`` then fits an oracle with the world's exact structure on the train rows
+   steps 1–4 stay as they were, but for the drifts' scales and, through the interest drift, the
+   rows. ``opengem generate`` then fits an oracle with the world's exact structure on the train rows
    (``opengem.world.oracle``); its NE and ``captured`` per split land in ``source.stats.oracle``.
 
 Everything the true models read is in the row: ``synthetic_world.probabilities(world, cols)``
@@ -76,7 +76,14 @@ from typing import Callable, Protocol
 import numpy as np
 import pyarrow as pa
 
-from opengem.data.parquet import LAYOUT_V2, LAYOUTS, DatasetManifest, ShardWriter, list_array, stream_columns
+from opengem.data.parquet import (
+    LAYOUT_V2,
+    LAYOUTS,
+    DatasetManifest,
+    ShardWriter,
+    list_array,
+    stream_columns,
+)
 from opengem.features.schema import (
     DenseFeature,
     Domains,
@@ -140,13 +147,15 @@ class WorldSizes:
     num_advertiser_clusters: int = 8
     initial_ads: int = 1200  # launched before day 0
     new_ads_per_day: int = 100  # launched on each of days 1..num_days-1
-    initial_ad_span_days: int = 60  # initial ads launch uniformly over this many days before the window
+    # initial ads launch uniformly over this many days before the window
+    initial_ad_span_days: int = 60
     latent_rank: int = 4  # rank of the interaction factors
 
 
 @dataclass
 class Behaviour:
-    """Catalogue popularity, user activity and interests, and the two event streams (step 3 above)."""
+    """Catalogue popularity, user activity and interests, and the two event streams (step
+    3 above)."""
 
     activity_median: float = 1.2  # organic events per day of the median user
     activity_sigma: float = 1.5  # lognormal sigma of activity (long tail)
@@ -204,16 +213,17 @@ class ClickModel:
     ads_tau_hours: float = 168.0
     beta_activity: float = 0.1
     beta_device: float = 1.0
-    # Ad content vectors (``synthetic_world.World``): 0 = off (the default world is unchanged); k > 0
-    # writes an ``ad_content`` list<float32> column of k floats per row (an ``EmbeddingFeature``) and
-    # adds content_sigma · ⟨v_ad, ŵ⟩ to the click logit. Kept out of the manifest while 0.
+    # Ad content vectors (``synthetic_world.World``): 0 = off (the default world is unchanged); k >
+    # 0 writes an ``ad_content`` list<float32> column of k floats per row (an ``EmbeddingFeature``)
+    # and adds content_sigma · ⟨v_ad, ŵ⟩ to the click logit. Kept out of the manifest while 0.
     content_dim: int = 0
     content_sigma: float = 1.0
 
 
 @dataclass
 class ConversionModel:
-    """The true conversion-given-click logit's scales (step 6 above); ``c0`` is calibrated to ``target_cvr``."""
+    """The true conversion-given-click logit's scales (step 6 above); ``c0`` is calibrated
+    to ``target_cvr``."""
 
     target_cvr: float = 0.08
     cvr_advertiser_sigma: float = 0.6
@@ -247,8 +257,10 @@ class WorldConfig:
     click: ClickModel = field(default_factory=ClickModel)
     conversion: ConversionModel = field(default_factory=ConversionModel)
     structure_seed: int = 0
-    surface_task: SurfaceTask = field(default_factory=SurfaceTask)  # off: not in the manifest (``source_config``)
-    dense_missing: DenseMissing = field(default_factory=DenseMissing)  # off: not in the manifest either
+    # off: not in the manifest (``source_config``)
+    surface_task: SurfaceTask = field(default_factory=SurfaceTask)
+    # off: not in the manifest either
+    dense_missing: DenseMissing = field(default_factory=DenseMissing)
 
     def leaves(self) -> dict[str, tuple[str, object]]:
         """Dotted key → (declared type, value), for every knob."""
@@ -263,14 +275,17 @@ class WorldConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> WorldConfig:
-        """From ``asdict`` (a manifest's ``source.config``); unknown keys are ignored. A flat dict (manifests
-        written before the config was nested) maps by field name: names are unique across the parts."""
+        """From ``asdict`` (a manifest's ``source.config``); unknown keys are ignored. A flat dict
+        (manifests written before the config was nested) maps by field name: names are unique across
+        the parts."""
         top = ("seed", "structure_seed")
         parts = {f.name: f.default_factory for f in fields(cls) if f.name not in top}
         flat = not any(isinstance(d.get(p), dict) for p in parts)
         given = {p: d if flat else d.get(p, {}) for p in parts}
-        return cls(**{k: d.get(k, 0) for k in top}, **{p: kind(**{f.name: given[p][f.name] for f in fields(kind)
-                                                               if f.name in given[p]}) for p, kind in parts.items()})
+        return cls(**{k: d.get(k, 0) for k in top},
+                   **{p: kind(**{f.name: given[p][f.name] for f in fields(kind)
+                                                               if f.name in given[p]}) for p,
+                      kind in parts.items()})
 
     def validate(self) -> WorldConfig:
         leaves = self.leaves()
@@ -284,17 +299,25 @@ class WorldConfig:
                     bad(name, "must be bool")
                 continue
             want = int if kind in ("int", int) else float
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not isinstance(v, int)):
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or (want is int and not isinstance(v, int))
+            ):
                 bad(name, f"must be {want.__name__}")
             if not np.isfinite(v):
                 bad(name, "must be finite")
-        positive = ["sizes.num_users", "sizes.users_per_block", "sizes.num_days", "sizes.num_categories",
-                    "sizes.num_segments", "sizes.num_content_items", "sizes.num_advertisers", "sizes.num_campaigns",
+        positive = ["sizes.num_users", "sizes.users_per_block", "sizes.num_days",
+                    "sizes.num_categories", "sizes.num_segments", "sizes.num_content_items",
+                    "sizes.num_advertisers", "sizes.num_campaigns",
                     "sizes.num_advertiser_clusters", "sizes.initial_ads", "sizes.latent_rank",
-                    "behaviour.activity_median", "behaviour.max_events", "behaviour.organic_max_len",
-                    "behaviour.ads_max_len", "impressions.impressions_per_day", "click.seq_tau_hours",
-                    "click.ads_tau_hours", "behaviour.segment_peaks", "impressions.surface_concentration",
-                    "behaviour.ads_max_events", "behaviour.ads_events_per_organic", "impressions.position_decay",
+                    "behaviour.activity_median", "behaviour.max_events",
+                    "behaviour.organic_max_len",
+                    "behaviour.ads_max_len", "impressions.impressions_per_day",
+                    "click.seq_tau_hours", "click.ads_tau_hours", "behaviour.segment_peaks",
+                    "impressions.surface_concentration",
+                    "behaviour.ads_max_events", "behaviour.ads_events_per_organic",
+                    "impressions.position_decay",
                     "sizes.initial_ad_span_days", "impressions.retarget_recent"]
         for n in positive:
             if not leaves[n][1] > 0:
@@ -313,17 +336,24 @@ class WorldConfig:
                 bad(n, "must be in [0, 1]")
         s, imp = self.sizes, self.impressions
         if imp.target_frac + imp.retarget_frac > 1:
-            bad("impressions.retarget_frac", f"+ impressions.target_frac ({imp.target_frac}) must be <= 1")
-        if not self.surface_task.surface < len(SURFACES) or not 0 < self.surface_task.target_rate < 1:
-            bad("surface_task.surface", f"must be < {len(SURFACES)} with surface_task.target_rate in (0, 1)")
+            bad("impressions.retarget_frac",
+                f"+ impressions.target_frac ({imp.target_frac}) must be <= 1")
+        if (
+            not self.surface_task.surface < len(SURFACES)
+            or not 0 < self.surface_task.target_rate < 1
+        ):
+            bad("surface_task.surface",
+                f"must be < {len(SURFACES)} with surface_task.target_rate in (0, 1)")
         if s.num_campaigns < s.num_advertisers:
             bad("sizes.num_campaigns", f"must be >= sizes.num_advertisers ({s.num_advertisers})")
         if s.num_content_items < s.num_categories:
             bad("sizes.num_content_items", f"must be >= sizes.num_categories ({s.num_categories})")
         if s.start_ts < s.history_days * DAY:
-            bad("sizes.start_ts", "must be >= sizes.history_days * 86400 so that every timestamp is >= 0")
+            bad("sizes.start_ts",
+                "must be >= sizes.history_days * 86400 so that every timestamp is >= 0")
         if s.num_days < s.valid_days + s.test_days + 1:
-            bad("sizes.num_days", f"must leave >= 1 train day after sizes.valid_days={s.valid_days} "
+            bad("sizes.num_days",
+                f"must leave >= 1 train day after sizes.valid_days={s.valid_days} "
                                   f"and sizes.test_days={s.test_days}")
         return self
 
@@ -331,36 +361,52 @@ class WorldConfig:
 def build_schema(cfg: WorldConfig) -> FeatureSchema:
     sizes, beh = cfg.sizes, cfg.behaviour
     n_ads = sizes.initial_ads + sizes.new_ads_per_day * (sizes.num_days - 1)
-    # No user_id feature: the world has no per-user effect outside the histories, and a 36k-row id table
-    # seen a few times per row memorises them (docs/experiments.md, 'Figures moved from code docstrings').
-    # The column stays in every row (gAUC groups by it; real-data schemas may list it as a feature).
+    # No user_id feature: the world has no per-user effect outside the histories, and a 36k-row id
+    # table seen a few times per row memorises them (docs/experiments.md, 'Figures moved from code
+    # docstrings'). The column stays in every row (gAUC groups by it; real-data schemas may list it
+    # as a feature).
     sparse = [SparseFeature("age", NUM_AGES, "user"),
-              SparseFeature("gender", NUM_GENDERS, "user"), SparseFeature("country", NUM_COUNTRIES, "user"),
-              SparseFeature("device", NUM_DEVICES, "user"), SparseFeature("segment", sizes.num_segments, "user"),
-              SparseFeature("ad_id", n_ads, "ad"), SparseFeature("advertiser_id", sizes.num_advertisers, "ad"),
+              SparseFeature("gender", NUM_GENDERS, "user"),
+              SparseFeature("country", NUM_COUNTRIES, "user"),
+              SparseFeature("device", NUM_DEVICES, "user"),
+              SparseFeature("segment", sizes.num_segments, "user"),
+              SparseFeature("ad_id", n_ads, "ad"),
+              SparseFeature("advertiser_id", sizes.num_advertisers, "ad"),
               SparseFeature("campaign_id", sizes.num_campaigns, "ad"),
-              SparseFeature("category", sizes.num_categories, "ad"), SparseFeature("format", len(FORMATS), "ad"),
-              SparseFeature("position", NUM_POSITIONS, "context"), SparseFeature("hour", NUM_HOURS, "context")]
-    dense = [DenseFeature("user_activity", "user"), DenseFeature("ad_age", "ad"), DenseFeature("ad_quality", "ad"),
+              SparseFeature("category", sizes.num_categories, "ad"),
+              SparseFeature("format", len(FORMATS), "ad"),
+              SparseFeature("position", NUM_POSITIONS, "context"),
+              SparseFeature("hour", NUM_HOURS, "context")]
+    dense = [DenseFeature("user_activity", "user"), DenseFeature("ad_age", "ad"),
+             DenseFeature("ad_quality", "ad"),
              DenseFeature("hour_sin", "context"), DenseFeature("hour_cos", "context")]
     if cfg.dense_missing.rate > 0:
-        dense = [dataclasses.replace(f, missing="indicator") if f.name in MISSING_FEATURES else f for f in dense]
+        dense = [dataclasses.replace(f, missing="indicator") if f.name in MISSING_FEATURES else f
+                 for f in dense]
     org_attrs, ads_attrs = {}, {}
     if beh.event_attributes:
         from opengem.features.schema import EventAttribute
 
         org_attrs = {"attributes": (EventAttribute("category", sizes.num_categories),)}
         ads_attrs = {"attributes": (EventAttribute("advertiser_id", sizes.num_advertisers),)}
-    seqs = [SequenceStream("organic", sizes.num_content_items, len(ORGANIC_EVENTS), beh.organic_max_len, **org_attrs),
+    seqs = [SequenceStream("organic", sizes.num_content_items, len(ORGANIC_EVENTS),
+                           beh.organic_max_len, **org_attrs),
             SequenceStream("ads", n_ads, len(ADS_EVENTS), beh.ads_max_len, **ads_attrs)]
-    tasks = [Task("click", "click", "p_click"), Task("conversion", "conversion", "p_conversion", requires="click")]
-    embeddings = (EmbeddingFeature("ad_content", cfg.click.content_dim, "ad"),) if cfg.click.content_dim else ()
+    tasks = [Task("click", "click", "p_click"),
+             Task("conversion", "conversion", "p_conversion", requires="click")]
+    embeddings = (
+        (EmbeddingFeature("ad_content", cfg.click.content_dim, "ad"),)
+        if cfg.click.content_dim
+        else ()
+    )
     if cfg.surface_task.enabled:
         tasks.append(Task(SURFACE_TASK, SURFACE_TASK, f"p_{SURFACE_TASK}"))
-    return FeatureSchema(sparse=tuple(sparse), dense=tuple(dense), sequences=tuple(seqs), tasks=tuple(tasks),
-                         domains=Domains(SURFACES, "domain"), embeddings=embeddings,
+    return FeatureSchema(sparse=tuple(sparse), dense=tuple(dense), sequences=tuple(seqs),
+                         tasks=tuple(tasks), domains=Domains(SURFACES, "domain"),
+                         embeddings=embeddings,
                          meta={"source": "synthetic", "seed": cfg.seed, "formats": list(FORMATS),
-                               "organic_events": list(ORGANIC_EVENTS), "ads_events": list(ADS_EVENTS)})
+                               "organic_events": list(ORGANIC_EVENTS),
+                               "ads_events": list(ADS_EVENTS)})
 
 
 def splits_for(cfg: WorldConfig) -> dict[str, list[int]]:
@@ -373,7 +419,8 @@ def splits_for(cfg: WorldConfig) -> dict[str, list[int]]:
 
 # ------------------------------------------------------------------------------ impressions
 def _impressions(world: World, ub: UserBlock, day: int, block: int) -> dict:
-    """Rows of one (block, day), as column arrays in their final dtypes (lists: (values, lengths))."""
+    """Rows of one (block, day), as column arrays in their final dtypes (lists:
+    (values, lengths))."""
     cfg = world.cfg
     beh, imp = cfg.behaviour, cfg.impressions
     rng = rng_for(cfg.seed, TAG_DAY, block, day)
@@ -387,7 +434,8 @@ def _impressions(world: World, ub: UserBlock, day: int, block: int) -> dict:
 
     surface = (r[0] > ub.surface_cum[user, 0]).astype(np.int64) + (r[0] > ub.surface_cum[user, 1])
     pos_p = imp.position_decay ** np.arange(NUM_POSITIONS)
-    position = np.searchsorted(np.cumsum(pos_p / pos_p.sum())[:-1], r[1], side="right").astype(np.int64)
+    position = np.searchsorted(np.cumsum(pos_p / pos_p.sum())[:-1], r[1],
+                               side="right").astype(np.int64)
     n_org, org_lo, org_len = ub.history("organic", user, t, beh.organic_max_len)
     n_ads, ads_lo, ads_len = ub.history("ads", user, t, beh.ads_max_len)
 
@@ -395,7 +443,8 @@ def _impressions(world: World, ub: UserBlock, day: int, block: int) -> dict:
     cat = ub.interest.sample(user * world.window_days + (day + cfg.sizes.history_days), r[2])
     ad = world.sample_live_ads(cat, t, r[3])
     recent = np.minimum(ads_len, imp.retarget_recent)  # retarget one of the most recent engagements
-    j = ads_lo + ads_len - 1 - np.minimum((r[4] * recent).astype(np.int64), np.maximum(recent - 1, 0))
+    j = ads_lo + ads_len - 1 - np.minimum((r[4] * recent).astype(np.int64),
+                                          np.maximum(recent - 1, 0))
     if len(ub.ads_item):
         adv = world.ad_advertiser[ub.ads_item[np.clip(j, 0, len(ub.ads_item) - 1)]]
     else:
@@ -403,7 +452,12 @@ def _impressions(world: World, ub: UserBlock, day: int, block: int) -> dict:
     re_ad, re_ok = world.live_by_advertiser.sample(adv, t, r[3])
     rand_ad, _ = world.live_any.sample(np.zeros(n, dtype=np.int64), t, r[3])
     mode = r[5]
-    retarget = (mode >= imp.target_frac) & (mode < imp.target_frac + imp.retarget_frac) & (ads_len > 0) & re_ok
+    retarget = (
+        (mode >= imp.target_frac)
+        & (mode < imp.target_frac + imp.retarget_frac)
+        & (ads_len > 0)
+        & re_ok
+    )
     rand = mode >= imp.target_frac + imp.retarget_frac
     ad = np.where(retarget, re_ad, np.where(rand, rand_ad, ad))
 
@@ -414,11 +468,12 @@ def _impressions(world: World, ub: UserBlock, day: int, block: int) -> dict:
     oi, ai = ranges(org_lo, org_len), ranges(ads_lo, ads_len)
     gu = ub.first + user
     c = {
-        "user_id": gu, "request_ts": cfg.sizes.start_ts + t, "day": np.full(n, day, dtype=np.int32), "domain": surface,
-        "age": ub.age[user], "gender": ub.gender[user], "country": ub.country[user], "device": ub.device[user],
+        "user_id": gu, "request_ts": cfg.sizes.start_ts + t, "day": np.full(n, day, dtype=np.int32),
+        "domain": surface, "age": ub.age[user], "gender": ub.gender[user],
+        "country": ub.country[user], "device": ub.device[user],
         "segment": ub.segment[user], "ad_id": ad, "advertiser_id": world.ad_advertiser[ad],
-        "campaign_id": world.ad_campaign[ad], "category": world.ad_category[ad], "format": world.ad_format[ad],
-        "position": position, "hour": sec // 3600,
+        "campaign_id": world.ad_campaign[ad], "category": world.ad_category[ad],
+        "format": world.ad_format[ad], "position": position, "hour": sec // 3600,
         "user_activity": ((np.log1p(n_org) - act_mu) / act_sd).astype(np.float32),
         "ad_age": np.log1p(age_days).astype(np.float32),
         "ad_quality": world.ad_quality_observed[ad],
@@ -436,7 +491,8 @@ def _impressions(world: World, ub: UserBlock, day: int, block: int) -> dict:
             c[k] = (v[0].astype(np.int64, copy=False), v[1].astype(np.int64, copy=False))
         elif k != "day" and v.dtype.kind in "iu":
             c[k] = v.astype(np.int64, copy=False)
-    if world.ad_content is not None:  # after the int64 pass: float vectors, (flat values, lengths) as lists are
+    # after the int64 pass: float vectors, (flat values, lengths) as lists are
+    if world.ad_content is not None:
         k = world.ad_content.shape[1]
         c["ad_content"] = (world.ad_content[ad].reshape(-1), np.full(n, k, dtype=np.int64))
     u = rng.random((2, n))  # label draws, used once the intercepts are known
@@ -473,10 +529,13 @@ class _Stats:
     def add(self, day, c, table, ct, vt):
         s = self.split_of[day]
         pc, pv = table["p_click"].to_numpy(), table["p_conversion"].to_numpy()
-        yc, yv = table["click"].to_numpy().astype(np.float64), table["conversion"].to_numpy().astype(np.float64)
+        yc, yv = (
+            table["click"].to_numpy().astype(np.float64),
+            table["conversion"].to_numpy().astype(np.float64),
+        )
         new = (self.world.ad_launch_day[c["ad_id"]] > self.last_train_day).astype(np.float64)
-        vals = [len(pc), pc.sum(), yc.sum(), pv.sum(), yv.sum(), _xent(pc, yc).sum(), _xent(pv, yv).sum(),
-                _xent(pc, pc).sum(), _xent(pv, pv).sum(), new.sum()]
+        vals = [len(pc), pc.sum(), yc.sum(), pv.sum(), yv.sum(), _xent(pc, yc).sum(),
+                _xent(pv, yv).sum(), _xent(pc, pc).sum(), _xent(pv, pv).sum(), new.sum()]
         self.acc[s] = self.acc.get(s, np.zeros(len(vals))) + np.array(vals, dtype=np.float64)
         for st in ("organic", "ads"):
             lens = c[f"{st}.item"][1]
@@ -490,8 +549,8 @@ class _Stats:
                 a += [len(v), v.sum(), (v * v).sum()]
 
     def result(self, world: World) -> dict:
-        out: dict = {"rows": {}, "ctr": {}, "p_click_mean": {}, "cvr": {}, "p_cvr_mean": {}, "bayes_ne": {},
-                     "bayes_ne_expected": {}, "new_ad_row_share": {}}
+        out: dict = {"rows": {}, "ctr": {}, "p_click_mean": {}, "cvr": {}, "p_cvr_mean": {},
+                     "bayes_ne": {}, "bayes_ne_expected": {}, "new_ad_row_share": {}}
         total = sum(self.acc.values())
         for s, a in [*sorted(self.acc.items()), ("all", total)]:
             n, spc, syc, spv, syv, xc, xv, hc, hv, new = a
@@ -499,13 +558,15 @@ class _Stats:
             out["ctr"][s], out["p_click_mean"][s] = syc / n, spc / n
             out["cvr"][s], out["p_cvr_mean"][s] = syv / max(syc, 1), spv / spc
             out["bayes_ne"][s] = {"click": xc / n / _h(syc / n), "conversion": xv / n / _h(syv / n)}
-            out["bayes_ne_expected"][s] = {"click": hc / n / _h(spc / n), "conversion": hv / n / _h(spv / n)}
+            out["bayes_ne_expected"][s] = {"click": hc / n / _h(spc / n),
+                                           "conversion": hv / n / _h(spv / n)}
             out["new_ad_row_share"][s] = new / n
         out["seq_len"] = {}
         for st, h in self.len_hist.items():
             cdf = np.cumsum(h) / max(h.sum(), 1)
             out["seq_len"][st] = {"mean": float((h * np.arange(len(h))).sum() / max(h.sum(), 1)),
-                                  "median": int(np.searchsorted(cdf, 0.5)), "p99": int(np.searchsorted(cdf, 0.99)),
+                                  "median": int(np.searchsorted(cdf, 0.5)),
+                                  "p99": int(np.searchsorted(cdf, 0.99)),
                                   "max": int(np.nonzero(h)[0].max()) if h.any() else 0,
                                   "truncated_rows": self.truncated[st]}
         for kind in ("click", "conversion"):
@@ -514,7 +575,8 @@ class _Stats:
             out[f"{kind}_logit_var"] = tot
             out[f"{kind}_logit_var_share"] = {k: v / tot for k, v in var.items()}
         out = _plain(out)
-        out["calibration"] = {"b0": float(world.b0), "c0": float(world.c0)}  # exact: JSON floats round-trip
+        # exact: JSON floats round-trip
+        out["calibration"] = {"b0": float(world.b0), "c0": float(world.c0)}
         return out
 
 
@@ -540,7 +602,8 @@ def _plain(x):
 # ------------------------------------------------------------------------------ generate
 class ShardObserver(Protocol):
     """Sees each shard as ``generate`` writes it (``add``); ``result()`` goes into the manifest's
-    ``source.stats[stats_key]``. The oracle is one: it collects its inputs without reading shards back."""
+    ``source.stats[stats_key]``. The oracle is one: it collects its inputs without reading
+    shards back."""
 
     stats_key: str
 
@@ -554,9 +617,10 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
              layout: str = "v1") -> DatasetManifest:
     """Write the world's shards, schema and manifest into ``out_dir``; one block of users at a time.
 
-    ``observer(world, split_of_day)`` builds a ``ShardObserver`` that sees every shard's columns as it
-    is written; its ``result()`` is stored in ``source.stats[observer.stats_key]``. The CLI passes the
-    world's oracle (``opengem.world.oracle.OracleCollector``): the data layer names no model.
+    ``observer(world, split_of_day)`` builds a ``ShardObserver`` that sees every shard's columns as
+    it is written; its ``result()`` is stored in ``source.stats[observer.stats_key]``. The CLI
+    passes the world's oracle (``opengem.world.oracle.OracleCollector``): the data layer names
+    no model.
 
     ``layout="v2"`` (``opengem.data.events``) writes each user block's event streams once, as bucket
     ``block`` of each stream's log, and impression shards without history columns; the rows, draws,
@@ -570,7 +634,8 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
     world = World(cfg)
     n_blocks = -(-cfg.sizes.num_users // cfg.sizes.users_per_block)
 
-    # Calibrate the intercepts on all rows of block 0 (its rows are regenerated, bit-identical, below).
+    # Calibrate the intercepts on all rows of block 0 (its rows are regenerated,
+    # bit-identical, below).
     ub = UserBlock(world, 0)
     z, zc, surf = [], [], []
     for d in range(cfg.sizes.num_days):
@@ -611,7 +676,8 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
                 c["_surface_task"] = surface_task_columns(world, c, ct, b, d)
             table = _table(schema, c, p_click, p_cvr)
             stats.add(d, c, table, ct, vt)
-            table = blank_dense(world, table, b, d)  # after the statistics: they describe the world, not the log
+            # after the statistics: they describe the world, not the log
+            table = blank_dense(world, table, b, d)
             if writer.layout == LAYOUT_V2:
                 writer.write(table.drop_columns(histories), f"d{d:03d}-b{b:05d}", d, bucket=b)
             else:
@@ -624,14 +690,16 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
         result["calibration"]["e0"] = float(world.e0)
     if watcher is not None:
         result[watcher.stats_key] = _plain(watcher.result())
-    return writer.close(splits_for(cfg), source={"kind": "synthetic", "config": manifest_config(cfg),
-                                                 "structure": world.structure.to_dict(), "stats": result})
+    return writer.close(splits_for(cfg),
+                        source={"kind": "synthetic", "config": manifest_config(cfg),
+                                                 "structure": world.structure.to_dict(),
+                                "stats": result})
 
 
 def manifest_config(cfg: WorldConfig) -> dict:
-    """``asdict(cfg)`` as the manifest stores it: the content-vector keys and the surface task only when
-    they are on, so a world without them writes the manifest it always did (``from_dict`` fills in the
-    defaults)."""
+    """``asdict(cfg)`` as the manifest stores it: the content-vector keys and the surface task only
+    when they are on, so a world without them writes the manifest it always did (``from_dict`` fills
+    in the defaults)."""
     d = asdict(cfg)
     if not cfg.click.content_dim:
         for k in ("content_dim", "content_sigma"):
@@ -648,8 +716,10 @@ def _event_logs(world: World, ub: UserBlock) -> dict[str, pa.Table]:
     once, sorted by (user, ts) as ``UserBlock`` holds them, with the attributes v1 rows carry."""
     start = world.cfg.sizes.start_ts
     out = {}
-    for stream, off, item, event, ts in (("organic", ub.org_off, ub.org_item, ub.org_event, ub.org_ts),
-                                          ("ads", ub.ads_off, ub.ads_item, ub.ads_event, ub.ads_ts)):
+    for stream, off, item, event, ts in (("organic", ub.org_off, ub.org_item, ub.org_event,
+                                          ub.org_ts),
+                                          ("ads", ub.ads_off, ub.ads_item, ub.ads_event,
+                                           ub.ads_ts)):
         user = ub.first + np.repeat(np.arange(ub.n, dtype=np.int64), np.diff(off))
         cols = {"user_id": user, "ts": start + ts, "item": item, "event": event}
         if world.cfg.behaviour.event_attributes:
@@ -657,13 +727,15 @@ def _event_logs(world: World, ub: UserBlock) -> dict[str, pa.Table]:
                 cols["category"] = world.item_category[item]
             else:
                 cols["advertiser_id"] = world.ad_advertiser[item]
-        out[stream] = pa.table({k: pa.array(np.asarray(v).astype(np.int64, copy=False)) for k, v in cols.items()})
+        out[stream] = pa.table({k: pa.array(np.asarray(v).astype(np.int64, copy=False)) for k,
+                                v in cols.items()})
     return out
 
 
 def world_from_manifest(manifest: DatasetManifest) -> World:
-    """The calibrated ``World`` a synthetic dataset was generated from (for exact decompositions), with
-    the structure its manifest stores (a manifest without one predates the family: structure seed 0)."""
+    """The calibrated ``World`` a synthetic dataset was generated from (for exact decompositions),
+    with the structure its manifest stores (a manifest without one predates the family: structure
+    seed 0)."""
     src = manifest.source
     if src.get("kind") != "synthetic":
         raise ValueError("not a synthetic dataset (manifest source kind is not 'synthetic')")
@@ -674,7 +746,8 @@ def world_from_manifest(manifest: DatasetManifest) -> World:
 
 
 def columns_from_table(table: pa.Table) -> dict:
-    """A shard's columns as numpy (list columns as (flat values, lengths)), for ``probabilities``."""
+    """A shard's columns as numpy (list columns as (flat values, lengths)),
+    for ``probabilities``."""
     out = {}
     for name in table.column_names:
         col = table.column(name).combine_chunks()

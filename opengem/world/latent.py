@@ -16,7 +16,8 @@ describes the whole generative process. This module holds:
   shard can be recomputed from the shard alone (the tests do exactly that).
 
 Times inside this module are seconds relative to the start of day 0 ("rel"); the written
-``request_ts`` / ``*.ts`` columns add ``cfg.sizes.start_ts``. The true models only use time differences.
+``request_ts`` / ``*.ts`` columns add ``cfg.sizes.start_ts``. The true models only use
+time differences.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from opengem.world.structure import (
 
 DAY = 86400
 TAG_GLOBAL, TAG_BLOCK, TAG_DAY, TAG_STRUCTURE = 0, 1, 2, 3
-TAG_CONTENT = 5  # the optional ad content vectors (click.content_dim > 0); 4 is the oracle's subsample
+# the optional ad content vectors (click.content_dim > 0); 4 is the oracle's subsample
+TAG_CONTENT = 5
 
 SURFACES = ("feed", "video", "messaging")
 FORMATS = ("image", "video", "carousel", "text")
@@ -64,7 +66,8 @@ def rng_for(seed: int, *tags: int) -> np.random.Generator:
 
 
 def structure_for(cfg) -> WorldStructure:
-    """The world's functional form: today's for ``structure_seed`` 0, else drawn (``draw_structure``)."""
+    """The world's functional form: today's for ``structure_seed`` 0, else
+    drawn (``draw_structure``)."""
     if cfg.structure_seed == 0:
         return today_structure(cfg)
     return draw_structure(cfg, rng_for(cfg.structure_seed, TAG_STRUCTURE))
@@ -113,7 +116,8 @@ class LiveAds:
         self.key = key[self.order]
         self.start = np.searchsorted(self.key, np.arange(n_groups, dtype=np.int64) * self.span)
 
-    def sample(self, group: np.ndarray, t: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def sample(self, group: np.ndarray, t: np.ndarray,
+               u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(ad ids, ok); ok is False where the group has no live ad at t (the id is then junk)."""
         start = self.start[group]
         k = np.searchsorted(self.key, group * self.span + (t - self.t_lo), side="right") - start
@@ -137,7 +141,8 @@ class World:
 
     def __init__(self, cfg, structure: WorldStructure | None = None):
         self.cfg = cfg
-        self.structure = st = (structure if structure is not None else structure_for(cfg)).validate()
+        self.structure = st = (structure if structure is not None
+                               else structure_for(cfg)).validate()
         rng = rng_for(cfg.seed, TAG_GLOBAL)
         sizes, beh, click = cfg.sizes, cfg.behaviour, cfg.click
         C = sizes.num_categories
@@ -146,11 +151,15 @@ class World:
         self.window_days = sizes.history_days + sizes.num_days
 
         # Categories: popularity (log weights) and content items with Zipf popularity inside each.
-        self.category_logpop = -beh.category_pop_slope * np.log1p(rng.permutation(C).astype(np.float64))
+        self.category_logpop = -beh.category_pop_slope * np.log1p(
+            rng.permutation(C).astype(np.float64)
+        )
         cat_p = softmax(self.category_logpop)
-        item_cat = np.concatenate([np.arange(C), rng.choice(C, sizes.num_content_items - C, p=cat_p)])
+        item_cat = np.concatenate([np.arange(C),
+                                   rng.choice(C, sizes.num_content_items - C, p=cat_p)])
         self.item_category = item_cat[rng.permutation(sizes.num_content_items)].astype(np.int64)
-        order = np.argsort(self.item_category, kind="stable")  # items grouped by category, random rank
+        # items grouped by category, random rank
+        order = np.argsort(self.item_category, kind="stable")
         cats_sorted = self.item_category[order]
         cat_start = np.searchsorted(cats_sorted, np.arange(C))
         rank = np.arange(len(order)) - cat_start[cats_sorted]
@@ -173,7 +182,8 @@ class World:
         camp_adv = np.concatenate([np.arange(A), rng.integers(0, A, M - A)])[rng.permutation(M)]
         main = rng.random(M) < cfg.impressions.campaign_main_category_prob
         self.campaign_advertiser = camp_adv
-        self.campaign_category = np.where(main, self.advertiser_category[camp_adv], rng.choice(C, M, p=cat_p))
+        self.campaign_category = np.where(main, self.advertiser_category[camp_adv],
+                                          rng.choice(C, M, p=cat_p))
         self.campaign_effect = rng.normal(0, click.campaign_sigma, M)
 
         n_new = sizes.new_ads_per_day * (sizes.num_days - 1)
@@ -182,7 +192,8 @@ class World:
         self.ad_advertiser = camp_adv[self.ad_campaign]
         self.ad_category = self.campaign_category[self.ad_campaign]
         self.ad_format = rng.choice(len(FORMATS), n_ads, p=FORMAT_PROBS)
-        self.ad_quality = (self.advertiser_effect[self.ad_advertiser] + self.campaign_effect[self.ad_campaign]
+        self.ad_quality = (self.advertiser_effect[self.ad_advertiser]
+                           + self.campaign_effect[self.ad_campaign]
                            + rng.normal(0, click.ad_sigma, n_ads))
         noise = rng.normal(0, click.ad_quality_obs_noise, n_ads)
         self.ad_quality_observed = (self.ad_quality + noise).astype(np.float32)
@@ -213,18 +224,23 @@ class World:
             prof[np.arange(S), peak] += beh.segment_peak_height * max(1.0 - 0.2 * j, 0.2)
         self.segment_interest = prof
 
-        # Low-rank interaction factors (inner products have unit variance before the beta scale), click
-        # pairs then conversion pairs, user side then ad side: the last draws, so the rest is shared.
+        # Low-rank interaction factors (inner products have unit variance before the beta scale),
+        # click pairs then conversion pairs, user side then ad side: the last draws, so the rest
+        # is shared.
         self.factors = {}
-        for model, pairs in (("click", st.click.interactions), ("conversion", st.conversion.interactions)):
+        for model, pairs in (("click", st.click.interactions),
+                             ("conversion", st.conversion.interactions)):
             for it in pairs:
-                self.factors[model, it.name] = (_unit_factors(rng, field_size(cfg, it.user), it.rank),
-                                                _unit_factors(rng, field_size(cfg, it.ad), it.rank))
+                self.factors[model, it.name] = (
+                    _unit_factors(rng, field_size(cfg, it.user), it.rank),
+                    _unit_factors(rng, field_size(cfg, it.ad), it.rank),
+                )
 
         # Optional ad content vectors (``click.content_dim`` = k > 0; off by default): an observed
-        # k-dim float vector per ad (as a frozen image/text encoder would give), N(0, I_k), from its own
-        # generator so every other draw is unchanged; the click logit gains content_sigma · ⟨v_ad, ŵ⟩
-        # (ŵ a random unit direction): a linear read of the vector, std content_sigma over ads.
+        # k-dim float vector per ad (as a frozen image/text encoder would give), N(0, I_k), from its
+        # own generator so every other draw is unchanged; the click logit gains content_sigma ·
+        # ⟨v_ad, ŵ⟩ (ŵ a random unit direction): a linear read of the vector, std content_sigma
+        # over ads.
         self.ad_content = self.content_effect = None
         if click.content_dim > 0:
             crng = rng_for(cfg.seed, TAG_CONTENT)
@@ -277,7 +293,8 @@ class UserBlock:
         self.device = rng.choice(NUM_DEVICES, U, p=DEVICE_PROBS)
         self.activity = np.exp(rng.normal(np.log(beh.activity_median), beh.activity_sigma, U))
         rel = np.minimum((self.activity / beh.activity_median) ** imp.impression_activity_exp, 6.0)
-        norm = np.exp((imp.impression_activity_exp * beh.activity_sigma) ** 2 / 2)  # E[rel] without the cap
+        # E[rel] without the cap
+        norm = np.exp((imp.impression_activity_exp * beh.activity_sigma) ** 2 / 2)
         self.impression_rate = imp.impressions_per_day * rel / norm
         pref = rng.dirichlet(imp.surface_concentration * SURFACE_SHARES, U)
         self.surface_cum = np.cumsum(pref, axis=1)[:, :2]
@@ -285,7 +302,9 @@ class UserBlock:
         # Interest over categories, one distribution per (user, window day): segment profile + user
         # noise + a per-day random walk. Row index = local user * W + window day.
         base = world.segment_interest[self.segment] + rng.normal(0, beh.interest_noise, (U, C))
-        walk = np.cumsum(rng.normal(0, world.structure.drift.interest, (U, W, C)).astype(np.float32), axis=1)
+        walk = np.cumsum(
+            rng.normal(0, world.structure.drift.interest, (U, W, C)).astype(np.float32), axis=1
+        )
         theta = base[:, None, :].astype(np.float32) + walk
         del walk
         theta -= theta.max(axis=2, keepdims=True)
@@ -294,14 +313,18 @@ class UserBlock:
 
         n_org = np.minimum(rng.poisson(self.activity * W), beh.max_events)
         self.org_key, self.org_off, org_user, org_ts = self._times(rng, n_org)
-        cat = self.interest.sample(org_user * W + (org_ts - self.ws) // DAY, rng.random(len(org_ts)))
+        cat = self.interest.sample(org_user * W + (org_ts - self.ws) // DAY,
+                                   rng.random(len(org_ts)))
         self.org_item = world.sample_items(cat, rng.random(len(org_ts)))
-        self.org_event = np.searchsorted(np.cumsum(ORGANIC_EVENT_PROBS)[:-1], rng.random(len(org_ts)), side="right")
+        self.org_event = np.searchsorted(np.cumsum(ORGANIC_EVENT_PROBS)[:-1],
+                                         rng.random(len(org_ts)), side="right")
         self.org_ts = org_ts
 
-        n_ads = np.minimum(rng.poisson(self.activity * W * beh.ads_events_per_organic), beh.ads_max_events)
+        n_ads = np.minimum(rng.poisson(self.activity * W * beh.ads_events_per_organic),
+                           beh.ads_max_events)
         self.ads_key, self.ads_off, ads_user, ads_ts = self._times(rng, n_ads)
-        cat = self.interest.sample(ads_user * W + (ads_ts - self.ws) // DAY, rng.random(len(ads_ts)))
+        cat = self.interest.sample(ads_user * W + (ads_ts - self.ws) // DAY,
+                                   rng.random(len(ads_ts)))
         self.ads_item = world.sample_live_ads(cat, ads_ts, rng.random(len(ads_ts)))
         self.ads_event = (rng.random(len(ads_ts)) < beh.conversion_event_prob).astype(np.int64)
         self.ads_ts = ads_ts
@@ -316,8 +339,11 @@ class UserBlock:
 
     def history(self, stream: str, user: np.ndarray, t: np.ndarray, max_len: int):
         """(count before t, stored start index, stored length) for local users at rel times t."""
-        key, off = (self.org_key, self.org_off) if stream == "organic" else (self.ads_key, self.ads_off)
-        end = np.searchsorted(key, user * self.span + (t - self.ws), side="left")  # strictly before t
+        key, off = (
+            (self.org_key, self.org_off) if stream == "organic" else (self.ads_key, self.ads_off)
+        )
+        # strictly before t
+        end = np.searchsorted(key, user * self.span + (t - self.ws), side="left")
         count = end - off[user]
         length = np.minimum(count, max_len)
         return count, end - length, length
@@ -327,9 +353,11 @@ class UserBlock:
 def field_size(cfg, name: str) -> int:
     """How many values an interaction field has (fields: ``world_structure``'s module docstring)."""
     s = cfg.sizes
-    return {"segment": s.num_segments, "age": NUM_AGES, "gender": NUM_GENDERS, "country": NUM_COUNTRIES,
-            "device": NUM_DEVICES, "domain": len(SURFACES), "hour_bucket": NUM_HOURS // HOUR_BUCKET,
-            "category": s.num_categories, "format": len(FORMATS), "advertiser_cluster": s.num_advertiser_clusters,
+    return {"segment": s.num_segments, "age": NUM_AGES, "gender": NUM_GENDERS,
+            "country": NUM_COUNTRIES, "device": NUM_DEVICES, "domain": len(SURFACES),
+            "hour_bucket": NUM_HOURS // HOUR_BUCKET,
+            "category": s.num_categories, "format": len(FORMATS),
+            "advertiser_cluster": s.num_advertiser_clusters,
             "advertiser_id": s.num_advertisers}[name]
 
 
@@ -370,7 +398,8 @@ def _share(w, match, row, n) -> np.ndarray:
     return np.bincount(row, w * match, minlength=n) / (1.0 + np.bincount(row, w, minlength=n))
 
 
-def sequence_match(world: World, items, events, ts, lengths, request_ts, ad_category, tau_hours=None) -> np.ndarray:
+def sequence_match(world: World, items, events, ts, lengths, request_ts, ad_category,
+                   tau_hours=None) -> np.ndarray:
     """m = Σ w·decay·[cat(item) = cat(ad)] / (1 + Σ w·decay) over the row's stored organic events,
     with w = ORGANIC_EVENT_WEIGHTS[event] and decay = exp(−(request_ts − ts) / τ); τ defaults to
     ``click.seq_tau_hours`` (structure seed 0's organic history)."""
@@ -381,14 +410,21 @@ def sequence_match(world: World, items, events, ts, lengths, request_ts, ad_cate
 
 
 def history_statistic(world: World, c: dict, h: HistoryEffect) -> np.ndarray:
-    """The statistic s of ``h`` (see ``HistoryEffect``) over the rows' stored ``h.stream`` events."""
+    """The statistic s of ``h`` (see ``HistoryEffect``) over the rows' stored
+    ``h.stream`` events."""
     items, lengths = c[f"{h.stream}.item"]
     events, ts, t = c[f"{h.stream}.event"][0], c[f"{h.stream}.ts"][0], c["request_ts"]
     row, n = _row_of(lengths), len(lengths)
     if h.stream == "organic":
-        match, type_weights = world.item_category[items] == c["category"][row], ORGANIC_EVENT_WEIGHTS
+        match, type_weights = (
+            world.item_category[items] == c["category"][row],
+            ORGANIC_EVENT_WEIGHTS,
+        )
     elif h.key == "advertiser":
-        match, type_weights = world.ad_advertiser[items] == c["advertiser_id"][row], ADS_EVENT_WEIGHTS
+        match, type_weights = (
+            world.ad_advertiser[items] == c["advertiser_id"][row],
+            ADS_EVENT_WEIGHTS,
+        )
     else:
         match, type_weights = world.ad_category[items] == c["category"][row], ADS_EVENT_WEIGHTS
     if h.form == "recency":  # stored events are in time order: a row's last match is its newest
@@ -407,7 +443,8 @@ def history_statistic(world: World, c: dict, h: HistoryEffect) -> np.ndarray:
 
 
 def history_stats(world: World, c: dict) -> dict[tuple, np.ndarray]:
-    """Every history statistic both true models use, by ``HistoryEffect.spec()`` (each computed once)."""
+    """Every history statistic both true models use, by ``HistoryEffect.spec()`` (each
+    computed once)."""
     st = world.structure
     out = {}
     for h in [*st.click.history, *st.conversion.history]:
@@ -421,7 +458,8 @@ def history_signals(world: World, c: dict) -> tuple[np.ndarray, ...]:
     ``none``): m and log1p(A) on structure seed 0."""
     stats = history_stats(world, c)
     n = len(c["request_ts"])
-    return tuple(stats[h.spec()] if h.form != "none" else np.zeros(n) for h in world.structure.click.history)
+    return tuple(stats[h.spec()] if h.form != "none" else np.zeros(n)
+                 for h in world.structure.click.history)
 
 
 def history_term_name(h: HistoryEffect) -> str:
@@ -431,7 +469,8 @@ def history_term_name(h: HistoryEffect) -> str:
 def interaction_dot(world: World, model: str, it: Interaction, c: dict) -> np.ndarray:
     """⟨u[user value], a[ad value]⟩ of one interaction of ``model`` (click | conversion)."""
     uf, af = world.factors[model, it.name]
-    return np.einsum("ij,ij->i", uf[field_values(world, c, it.user)], af[field_values(world, c, it.ad)])
+    return np.einsum("ij,ij->i", uf[field_values(world, c, it.user)],
+                     af[field_values(world, c, it.ad)])
 
 
 def position_term(p, position: np.ndarray) -> np.ndarray:
@@ -471,7 +510,8 @@ def click_terms(world: World, c: dict, stats: dict) -> dict[str, np.ndarray]:
     device = model.beta_device * DEVICE_BIAS[c["device"]]
     terms["user"] = (device if activity.shape == "none"
                      else activity.beta * numeric_transform(activity, c[activity.feature]) + device)
-    if world.content_effect is not None:  # last: without content vectors the sum is the one it always was
+    # last: without content vectors the sum is the one it always was
+    if world.content_effect is not None:
         terms["content"] = world.content_effect[ad]
     return terms
 
@@ -519,7 +559,8 @@ SURFACE_TASK = "engage"  # the task, label column; its true probability is ``p_e
 
 @dataclass
 class SurfaceTask:
-    """A surface-specific objective the FM does not train on (mismatched objectives); off by default.
+    """A surface-specific objective the FM does not train on (mismatched objectives); off
+    by default.
 
     On the rows of surface ``surface`` (an index into ``SURFACES``; NaN elsewhere: only that surface
     logs it) a label ``engage`` ~ Bernoulli(p_engage) is drawn, with
@@ -527,10 +568,10 @@ class SurfaceTask:
         logit = e0 + click_share · (click logit − b0) + beta_own · own,
         own   = (⟨segment, category⟩ own factors + advertiser own effect + format own effect) / √3
 
-    the own factors drawn once from ``rng_for(seed, TAG_SURFACE_TASK)`` (no draw of the default world
-    moves) and e0 solved on block 0's rows of the surface so its mean is ``target_rate``. The label's
-    uniforms come from ``rng_for(seed, TAG_SURFACE_TASK, block, day)``. ``click_share`` is how much of
-    click's drivers it shares: what a click FM's head can transfer."""
+    the own factors drawn once from ``rng_for(seed, TAG_SURFACE_TASK)`` (no draw of the default
+    world moves) and e0 solved on block 0's rows of the surface so its mean is ``target_rate``. The
+    label's uniforms come from ``rng_for(seed, TAG_SURFACE_TASK, block, day)``. ``click_share`` is
+    how much of click's drivers it shares: what a click FM's head can transfer."""
 
     enabled: bool = False
     surface: int = 1  # video
@@ -553,7 +594,8 @@ def _surface_factors(world) -> dict:
 
 
 def surface_task_logit(world, c: dict, click_terms: dict) -> np.ndarray:
-    """The surface task's logit without its intercept e0, for every row of ``c`` (module docstring)."""
+    """The surface task's logit without its intercept e0, for every row of ``c``
+    (module docstring)."""
     st = world.cfg.surface_task
     f = _surface_factors(world)
     own = (f["seg_cat"][c["segment"], c["category"]] + f["advertiser"][c["advertiser_id"]]
@@ -567,12 +609,15 @@ def solve_surface_intercept(world, rows: list[tuple[dict, dict]]) -> float:
     z = [surface_task_logit(world, c, ct)[np.asarray(c["domain"]) == st.surface] for c, ct in rows]
     z = np.concatenate(z) if z else np.zeros(0)
     if len(z) == 0:
-        raise ValueError("block 0 has no rows of surface_task.surface to calibrate the surface task on")
+        raise ValueError("block 0 has no rows of surface_task.surface to calibrate the "
+                         "surface task on")
     return solve_intercept(z, st.target_rate)
 
 
-def surface_task_columns(world, c: dict, click_terms: dict, block: int, day: int) -> dict[str, np.ndarray]:
-    """{``engage``: float32 labels (NaN off the surface), ``p_engage``: float64 (NaN off the surface)}."""
+def surface_task_columns(world, c: dict, click_terms: dict, block: int,
+                         day: int) -> dict[str, np.ndarray]:
+    """{``engage``: float32 labels (NaN off the surface), ``p_engage``: float64 (NaN off
+    the surface)}."""
     st = world.cfg.surface_task
     on = np.asarray(c["domain"]) == st.surface
     p = sigmoid(world.e0 + surface_task_logit(world, c, click_terms))
@@ -592,16 +637,18 @@ class DenseMissing:
     Each of ``MISSING_FEATURES`` is blanked (NaN) in a row with probability
     sigmoid(logit(rate) + label_beta · z), z the row's true click logit standardised over the shard,
     so rows with a missing value click more (``label_beta > 0``) or less: the missing indicator has
-    signal, as in logs where a counter is absent for new or unusual traffic. The schema then declares
-    those features ``missing="indicator"``. Draws come from ``rng_for(seed, TAG_DENSE_MISSING, block,
-    day)``, after the labels: no other draw of the world moves, labels and probabilities are unchanged."""
+    signal, as in logs where a counter is absent for new or unusual traffic. The schema then
+    declares those features ``missing="indicator"``. Draws come from ``rng_for(seed,
+    TAG_DENSE_MISSING, block, day)``, after the labels: no other draw of the world moves, labels and
+    probabilities are unchanged."""
 
     rate: float = 0.0
     label_beta: float = 1.0
 
 
 def blank_dense(world, table, block: int, day: int):
-    """``table`` with ``MISSING_FEATURES`` blanked as ``DenseMissing`` says (the table itself when off)."""
+    """``table`` with ``MISSING_FEATURES`` blanked as ``DenseMissing`` says (the table itself
+    when off)."""
     import pyarrow as pa
 
     dm = world.cfg.dense_missing

@@ -10,30 +10,31 @@ and from the world's id attributes, nothing latent):
   ``position``, ``device``, ``format`` and the cross domain × format; for every interaction pair the
   one-hot cross of its two fields' values (one weight per cell, not the low-rank factors; a field of
   the advertiser's cluster, which no column holds, is crossed as ``advertiser_id``); the exact
-  history statistic of every history effect (true form, τ and match key), the true transform of every
-  numeric effect and ``hour_sin`` / ``hour_cos`` (the hour term is linear in them) as scalar columns;
-  with ad content vectors (``click.content_dim`` = k > 0) the k floats of the row's ``ad_content``
-  (the content term is linear in them);
+  history statistic of every history effect (true form, τ and match key), the true transform of
+  every numeric effect and ``hour_sin`` / ``hour_cos`` (the hour term is linear in them) as scalar
+  columns; with ad content vectors (``click.content_dim`` = k > 0) the k floats of the row's
+  ``ad_content`` (the content term is linear in them);
 * conversion given click: one-hot ``advertiser_id`` and ``domain``, the crosses of its pairs and its
   history statistic, fitted on the clicked train rows; p(conversion) = p_click · p_cvr.
 
-``crosses="all"`` (``refit(..., crosses="all")``; never what ``generate`` stores) is the same model blind
-to which pairs interact: it crosses every user field with every observable ad field (category, format,
-advertiser_id: 7 × 3 crosses, each model), still with the exact history statistics and numeric
-transforms. Its captured over the oracle's is what knowing the pairs is worth at a world's size, the
-part of the gap no learner that must find them can close from that many rows.
+``crosses="all"`` (``refit(..., crosses="all")``; never what ``generate`` stores) is the same model
+blind to which pairs interact: it crosses every user field with every observable ad field (category,
+format, advertiser_id: 7 × 3 crosses, each model), still with the exact history statistics and
+numeric transforms. Its captured over the oracle's is what knowing the pairs is worth at a world's
+size, the part of the gap no learner that must find them can close from that many rows.
 
 The drift by day is left out: a future day's drift cannot be known. The model is
 ``logit = b + Σ_groups w_g[index_g] + Σ_c β_c x_c`` with the L2 penalty ``λ/2 (Σ w² + Σ β²)``
 (dense columns standardised on the train rows), fitted full-batch by L-BFGS in float64 with a
-diagonal preconditioner; λ is picked from ``opengem.evaluation.logistic.L2_GRID`` by the valid log loss (``choose_l2`` refuses
-any other split), warm-started from the largest λ down until the valid loss rises. NE and ``captured`` come from evaluation's
-``MetricAccumulator`` with the train split's base rates (``RateCounter``, as the trainer records
-them), so they are the evaluator's numbers to the digit.
+diagonal preconditioner; λ is picked from ``opengem.evaluation.logistic.L2_GRID`` by the valid log
+loss (``choose_l2`` refuses any other split), warm-started from the largest λ down until the valid
+loss rises. NE and ``captured`` come from evaluation's ``MetricAccumulator`` with the train split's
+base rates (``RateCounter``, as the trainer records them), so they are the evaluator's numbers to
+the digit.
 
 The inputs are collected while the shards are written, so the fit adds tens of seconds to a demo
-world's generation, not a second pass over it (timings: docs/experiments.md, 'Figures moved from code
-docstrings').
+world's generation, not a second pass over it (timings: docs/experiments.md, 'Figures moved from
+code docstrings').
 """
 
 from __future__ import annotations
@@ -69,14 +70,15 @@ log = logging.getLogger(__name__)
 MAX_TRAIN_ROWS = 4_000_000  # beyond, fit on a subsample of users (demo: 497k rows, small: ~2.1M)
 TAG_ORACLE = 4  # rng tag of that subsample, after synthetic_world's
 REPORTED = ("ne", "ne_bayes", "captured", "auc")
-CROSSES = ("true", "all")  # the world's own interaction pairs | every user field × observable ad field
+# the world's own interaction pairs | every user field × observable ad field
+CROSSES = ("true", "all")
 
 
 def observable_field(name: str) -> str:
     """The field an oracle cross reads for an interaction field: itself, but for the advertiser's
-    cluster, which no column holds (the world draws it per advertiser with the data seed, a parameter,
-    not the form): the oracle crosses with ``advertiser_id`` instead, the finest grouping a learner
-    sees, one weight per (user value, advertiser) cell."""
+    cluster, which no column holds (the world draws it per advertiser with the data seed, a
+    parameter, not the form): the oracle crosses with ``advertiser_id`` instead, the finest grouping
+    a learner sees, one weight per (user value, advertiser) cell."""
     return "advertiser_id" if name == "advertiser_cluster" else name
 
 
@@ -90,21 +92,27 @@ class Layout:
         cfg, st = world.cfg, world.structure
         self.world, self.model = world, model
         sizes = cfg.sizes
-        groups: list[tuple[str, int, object]] = []  # (name, cells, column or (user field, ad field))
+        # (name, cells, column or (user field, ad field))
+        groups: list[tuple[str, int, object]] = []
         if model == "click":
             s = st.click
-            groups += [("ad_id", world.num_ads, "ad_id"), ("advertiser_id", sizes.num_advertisers, "advertiser_id"),
-                       ("campaign_id", sizes.num_campaigns, "campaign_id"), ("domain", len(SURFACES), "domain"),
+            groups += [("ad_id", world.num_ads, "ad_id"),
+                       ("advertiser_id", sizes.num_advertisers, "advertiser_id"),
+                       ("campaign_id", sizes.num_campaigns, "campaign_id"),
+                       ("domain", len(SURFACES), "domain"),
                        ("position", NUM_POSITIONS, "position"), ("device", NUM_DEVICES, "device"),
-                       ("format", len(FORMATS), "format"), ("domain_format", len(SURFACES) * len(FORMATS),
+                       ("format", len(FORMATS), "format"),
+                       ("domain_format", len(SURFACES) * len(FORMATS),
                                                            ("domain", "format"))]
             self.numeric = [e for e in s.numeric if e.shape != "none"]
         else:
             s = st.conversion
-            groups += [("advertiser_id", sizes.num_advertisers, "advertiser_id"), ("domain", len(SURFACES), "domain")]
+            groups += [("advertiser_id", sizes.num_advertisers, "advertiser_id"),
+                       ("domain", len(SURFACES), "domain")]
             self.numeric = []
         if crosses == "true":
-            pairs = [(f"cross_{it.name}", it.user, observable_field(it.ad)) for it in s.interactions]
+            pairs = [(f"cross_{it.name}", it.user, observable_field(it.ad))
+                     for it in s.interactions]
         else:  # domain x format is a group of the click model already
             ads = dict.fromkeys(observable_field(a) for a in AD_FIELDS)
             pairs = [(f"cross_{u}_{a}", u, a) for u in USER_FIELDS for a in ads
@@ -127,7 +135,9 @@ class Layout:
         for j, (_, _, src) in enumerate(self.groups):
             if isinstance(src, tuple):
                 u, a = src
-                v = field_values(self.world, c, u) * field_size(self.world.cfg, a) + field_values(self.world, c, a)
+                v = field_values(self.world, c, u) * field_size(self.world.cfg, a) + field_values(
+                    self.world, c, a
+                )
             else:
                 v = c[src]
             idx[j] = self.offsets[j] + v
@@ -137,7 +147,11 @@ class Layout:
         if self.content:  # the row's ad_content column: the ad's vector, row-major k floats per row
             vals, lens = c["ad_content"]
             cols += list(np.asarray(vals, dtype=np.float64).reshape(n, -1).T)
-        x = np.stack([np.asarray(v, dtype=np.float64) for v in cols], 1) if cols else np.zeros((n, 0))
+        x = (
+            np.stack([np.asarray(v, dtype=np.float64) for v in cols], 1)
+            if cols
+            else np.zeros((n, 0))
+        )
         return idx, x
 
 
@@ -171,8 +185,10 @@ class OracleCollector:
         for m, layout in self.layouts.items():
             part[f"{m}_idx"], part[f"{m}_x"] = layout.rows(c, stats)
         split = self.split_of[day]
-        if split == "train":  # NE's normaliser: the rates of every train row, as the trainer counts them
-            self.rates.update(np.stack([c["click"], c["conversion"]], 1).astype(np.float64), None, c["domain"])
+        # NE's normaliser: the rates of every train row, as the trainer counts them
+        if split == "train":
+            self.rates.update(np.stack([c["click"], c["conversion"]], 1).astype(np.float64), None,
+                              c["domain"])
         if split == "train" and self.keep is not None:
             rows = self.keep[c["user_id"]]
             part = {k: v[:, rows] if k.endswith("_idx") else v[rows] for k, v in part.items()}
@@ -196,15 +212,19 @@ class OracleCollector:
         click_fit, losses["click"] = choose_l2(designs["train"]["click"], designs["valid"]["click"],
                                                self.layouts["click"].num_weights)
         clicked = {s: np.flatnonzero(data[s]["click"] == 1) for s in data}
-        cvr_fit, losses["conversion"] = choose_l2(designs["train"]["conversion"].subset(clicked["train"]),
-                                                  designs["valid"]["conversion"].subset(clicked["valid"]),
-                                                  self.layouts["conversion"].num_weights)
+        cvr_fit, losses["conversion"] = choose_l2(
+            designs["train"]["conversion"].subset(clicked["train"]),
+            designs["valid"]["conversion"].subset(clicked["valid"]),
+            self.layouts["conversion"].num_weights,
+        )
         rates = self.rates.rates()
         out = {"l2": {"click": click_fit.l2, "conversion": cvr_fit.l2},
                "valid_logloss": {m: {str(k): v for k, v in ls.items()} for m, ls in losses.items()},
-               "train_rows": {"click": len(data["train"]["click"]), "conversion": len(clicked["train"])},
+               "train_rows": {"click": len(data["train"]["click"]),
+                              "conversion": len(clicked["train"])},
                "train_user_share": self.user_share,
-               "parameters": {m: lay.num_weights + len(lay.dense_names) + 1 for m, lay in self.layouts.items()}}
+               "parameters": {m: lay.num_weights + len(lay.dense_names) + 1 for m,
+                              lay in self.layouts.items()}}
         probs = {}
         for s in ("valid", "test"):
             pc = sigmoid(click_fit.logits(designs[s]["click"]))
@@ -214,7 +234,8 @@ class OracleCollector:
         out.update(click)
         # the same after a Platt fit per task on valid (``evaluation.platt``): what a model's
         # recalibrated figures are set beside, so both sides get the same correction
-        platt = TaskPlatt.fit(probs["valid"], np.stack([data["valid"]["click"], data["valid"]["conversion"]], 1))
+        platt = TaskPlatt.fit(probs["valid"],
+                              np.stack([data["valid"]["click"], data["valid"]["conversion"]], 1))
         fitted = platt(probs["test"])
         out["platt"] = {"test": _slices(data["test"], fitted[:, 0], fitted[:, 1], rates),
                         "params": platt.as_dict(["click", "conversion"])}
@@ -230,7 +251,8 @@ def _slices(d: dict, p_click: np.ndarray, p_conv: np.ndarray, rates: dict) -> di
     where a small slice's ``ne`` can fall below ``ne_bayes`` by chance)."""
     acc = MetricAccumulator(list(SURFACES), ["click", "conversion"], rates)
     probs, truth = np.stack([p_click, p_conv], 1), np.stack([d["p_click"], d["p_conversion"]], 1)
-    acc.update(probs, np.stack([d["click"], d["conversion"]], 1), None, d["domain"], true_probs=truth)
+    acc.update(probs, np.stack([d["click"], d["conversion"]], 1), None, d["domain"],
+               true_probs=truth)
     out = {}
     for key, m in acc.compute().items():
         domain, task = key.split("/")
@@ -251,9 +273,9 @@ def _xent(q, p) -> np.ndarray:
 
 
 def refit(data_dir, crosses: str = "true") -> dict:
-    """The oracle of a written synthetic dataset, from its shards and manifest alone (what ``generate``
-    stores in ``source.stats.oracle``, before rounding); ``crosses="all"``: the pair-blind form (module
-    docstring)."""
+    """The oracle of a written synthetic dataset, from its shards and manifest alone (what
+    ``generate`` stores in ``source.stats.oracle``, before rounding); ``crosses="all"``: the
+    pair-blind form (module docstring)."""
     from opengem.data.events import ShardReader
     from opengem.features.schema import FeatureSchema
     from opengem.world.generate import columns_from_table, world_from_manifest

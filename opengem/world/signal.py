@@ -30,15 +30,21 @@ from opengem.world.latent import probabilities
 
 
 def term_slopes(z_model: np.ndarray, terms: dict[str, np.ndarray]) -> dict:
-    """Least-squares slopes of ``z_model`` on every centred term, their variances and corr(z_model, Σ terms)."""
+    """Least-squares slopes of ``z_model`` on every centred term, their variances and corr(z_model,
+    Σ terms)."""
     names = list(terms)
     x = np.stack([terms[k] - terms[k].mean() for k in names], 1)
     coef, *_ = np.linalg.lstsq(np.c_[np.ones(len(z_model)), x], z_model, rcond=None)
     z_true = x.sum(1)
-    corr = float(np.corrcoef(z_model, z_true)[0, 1]) if z_model.std() > 0 and z_true.std() > 0 else float("nan")
+    corr = (
+        float(np.corrcoef(z_model, z_true)[0, 1])
+        if z_model.std() > 0 and z_true.std() > 0
+        else float("nan")
+    )
     return {"slopes": {k: round(float(c), 4) for k, c in zip(names, coef[1:])},
             "term_var": {k: round(float(terms[k].var()), 4) for k in names},
-            "corr": round(corr, 4), "var_model": round(float(z_model.var()), 4), "var_true": round(float(z_true.var()), 4)}
+            "corr": round(corr, 4), "var_model": round(float(z_model.var()), 4),
+            "var_true": round(float(z_true.var()), 4)}
 
 
 def _logit(p: np.ndarray) -> np.ndarray:
@@ -51,7 +57,8 @@ def signal_decomposition(model, schema: FeatureSchema, data_dir: str | Path, spl
                          batch_size: int = EVAL_BATCH) -> dict:
     """Slopes of the model's click logit and conditional conversion logit on the world's terms.
 
-    ``model(batch)`` returns logits [B, T] in schema task order (click, then conversion chained on it).
+    ``model(batch)`` returns logits [B, T] in schema task order (click, then conversion chained
+    on it).
     """
     manifest = DatasetManifest.load(data_dir)
     world = world_from_manifest(manifest)  # raises on non-synthetic data
@@ -59,7 +66,8 @@ def signal_decomposition(model, schema: FeatureSchema, data_dir: str | Path, spl
                          max_seq_len=model.max_seq_len(), prefetch=0)
     logits = np.concatenate([model(b).double().numpy() for b in loader])
     if loader.quarantined:
-        raise ValueError(f"{data_dir}: {dict(loader.quarantined)} rows were quarantined; the decomposition "
+        raise ValueError(f"{data_dir}: {dict(loader.quarantined)} rows were quarantined; "
+                         f"the decomposition "
                          "needs every row of the split")
     # Every column, histories joined in v2: the world's terms need the rows the loader scored.
     reader = ShardReader(data_dir, manifest, schema)

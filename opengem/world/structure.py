@@ -1,4 +1,5 @@
-"""The functional form of a synthetic world, drawn from a structure seed: a family of worlds, not one.
+"""The functional form of a synthetic world, drawn from a structure seed: a family of worlds,
+not one.
 
 A world is ``(structure_seed, seed)``. The structure seed fixes *which* terms the true click and
 conversion models have and *how* each acts (which user × ad fields interact and at what rank, how
@@ -6,8 +7,8 @@ a history acts and with which decay, the shape of each numeric effect, the posit
 surface tables, the drift scales); the sampling seed then draws the entities, factors and rows.
 ``WorldStructure`` is that form as plain data: it is stored in the manifest beside the config
 (``source.structure``) and a world reloads with it. Structure seed 0 is today's demo world, built
-from the ``ClickModel`` / ``ConversionModel`` knobs (``today_structure``); any other seed is drawn by
-``draw_structure``, whose docstring is the distribution. Develop on structure seeds 0–99; report
+from the ``ClickModel`` / ``ConversionModel`` knobs (``today_structure``); any other seed is drawn
+by ``draw_structure``, whose docstring is the distribution. Develop on structure seeds 0–99; report
 on seeds ≥ 1000 that no choice was made on.
 
 Fields an interaction may cross (values read from the row by ``synthetic_world.field_values``):
@@ -44,7 +45,8 @@ CVR_SURFACE = np.array([0.0, -0.4, 0.4])
 
 @dataclass
 class Interaction:
-    """``beta · ⟨u[user value], a[ad value]⟩`` with rank-``rank`` factors of unit-variance products."""
+    """``beta · ⟨u[user value], a[ad value]⟩`` with rank-``rank`` factors of
+    unit-variance products."""
 
     user: str
     ad: str
@@ -60,8 +62,9 @@ class Interaction:
 class HistoryEffect:
     """``beta · s`` with ``s`` a statistic of the row's stored ``stream`` events that match its ad.
 
-    An event matches when its ``key`` equals the ad's (organic: the item's category; ads: the engaged
-    ad's advertiser or category); ``w`` = event-type weight × exp(−Δt/τ), Δt = request − event time:
+    An event matches when its ``key`` equals the ad's (organic: the item's category; ads: the
+    engaged ad's advertiser or category); ``w`` = event-type weight × exp(−Δt/τ), Δt = request −
+    event time:
     ``share`` s = Σ w·match / (1 + Σ w); ``log_count`` s = log1p(Σ w·match);
     ``recency`` s = exp(−Δt_last_match / τ) (0 without a match); ``none``: no term.
     """
@@ -111,7 +114,8 @@ class ClickStructure:
 
     interactions: list[Interaction]
     history: list[HistoryEffect]  # one per stream: organic, ads
-    numeric: list[NumericEffect]  # user_activity (in the "user" term with the device), ad_age, ad_quality
+    # user_activity (in the "user" term with the device), ad_age, ad_quality
+    numeric: list[NumericEffect]
     position: PositionEffect
     surface_bias: list[float]  # per surface
     surface_format: list[list[float]]  # surface × format
@@ -129,7 +133,8 @@ class ConversionStructure:
 
 @dataclass
 class Drift:
-    """Daily random-walk steps: user interest logits, each ad's and each advertiser's click effect."""
+    """Daily random-walk steps: user interest logits, each ad's and each advertiser's
+    click effect."""
 
     interest: float
     ad: float
@@ -138,7 +143,8 @@ class Drift:
 
 @dataclass
 class WorldStructure:
-    """A world's functional form (module docstring): ``seed`` is the structure seed it was drawn from."""
+    """A world's functional form (module docstring): ``seed`` is the structure seed it was
+    drawn from."""
 
     seed: int
     click: ClickStructure
@@ -168,7 +174,8 @@ class WorldStructure:
         return cls(
             seed=d["seed"],
             click=ClickStructure(
-                [Interaction(**x) for x in c["interactions"]], [HistoryEffect(**x) for x in c["history"]],
+                [Interaction(**x) for x in c["interactions"]],
+                [HistoryEffect(**x) for x in c["history"]],
                 [NumericEffect(**x) for x in c["numeric"]], PositionEffect(**c["position"]),
                 c["surface_bias"], c["surface_format"]),
             conversion=ConversionStructure(
@@ -187,9 +194,12 @@ def today_structure(cfg) -> WorldStructure:
         click=ClickStructure(
             interactions=[Interaction("segment", "category", r, click.beta_segment_category),
                           Interaction("age", "format", r, click.beta_age_format),
-                          Interaction("country", "advertiser_cluster", r, click.beta_country_cluster,
+                          Interaction("country", "advertiser_cluster", r,
+                                      click.beta_country_cluster,
                                       "country_cluster")],
-            history=[organic, HistoryEffect("ads", "log_count", click.ads_tau_hours, "advertiser", click.beta_ads)],
+            history=[organic,
+                     HistoryEffect("ads", "log_count", click.ads_tau_hours, "advertiser",
+                                   click.beta_ads)],
             numeric=[NumericEffect("user_activity", "linear", click.beta_activity),
                      NumericEffect("ad_age", "exp_neg", click.beta_novelty, name="ad_novelty"),
                      NumericEffect("ad_quality", "none", 0.0)],
@@ -222,7 +232,8 @@ def _history(rng, stream: str) -> HistoryEffect:
     form = HISTORY_FORMS[rng.choice(4, p=[0.3, 0.3, 0.3, 0.1])]
     tau = _log_u(rng, 1.0, 720.0)
     key = "category" if stream == "organic" else ("advertiser", "category")[int(rng.integers(2))]
-    beta = {"share": (1.5, 4.0), "log_count": (0.5, 2.0), "recency": (0.5, 2.0), "none": (0.0, 0.0)}[form]
+    beta = {"share": (1.5, 4.0), "log_count": (0.5, 2.0), "recency": (0.5, 2.0),
+            "none": (0.0, 0.0)}[form]
     return HistoryEffect(stream, form, tau, key, _u(rng, *beta))
 
 
@@ -275,15 +286,19 @@ def draw_structure(cfg, rng: np.random.Generator) -> WorldStructure:
     cvr_sigma = _u(rng, 0.3, 0.9)
     cvr_inter = _interactions(rng, int(rng.integers(0, 3)), (0.2, 0.7))
     cvr_beta = _u(rng, 0.5, 2.0)
-    cvr_history = [] if history[0].form == "none" else [dataclasses.replace(history[0], beta=cvr_beta)]
+    cvr_history = (
+        [] if history[0].form == "none" else [dataclasses.replace(history[0], beta=cvr_beta)]
+    )
     cvr_surface = np.round(rng.normal(0, 0.4, 3), 3).tolist()
     drift = Drift(*(round(base * _log_u(rng, 0.5, 2.0), 4) for base in (
         cfg.behaviour.interest_drift, cfg.click.ad_drift, cfg.click.advertiser_drift)))
     return WorldStructure(
         seed=int(cfg.structure_seed),
-        click=ClickStructure(interactions, history, numeric, position, surface_bias, surface_format),
+        click=ClickStructure(interactions, history, numeric, position, surface_bias,
+                             surface_format),
         conversion=ConversionStructure(cvr_sigma, cvr_inter, cvr_history, cvr_surface), drift=drift)
 
 
-__all__ = ["AD_FIELDS", "USER_FIELDS", "ClickStructure", "ConversionStructure", "Drift", "HistoryEffect",
-           "Interaction", "NumericEffect", "PositionEffect", "WorldStructure", "draw_structure", "today_structure"]
+__all__ = ["AD_FIELDS", "USER_FIELDS", "ClickStructure", "ConversionStructure", "Drift",
+           "HistoryEffect", "Interaction", "NumericEffect", "PositionEffect", "WorldStructure",
+           "draw_structure", "today_structure"]

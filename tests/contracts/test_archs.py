@@ -27,16 +27,20 @@ def _batch(schema, n=12, lengths=None, seed=0):
 
 def _check_all_params_learn(module, loss):
     loss.backward()
-    dead = [n for n, p in module.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()
+    dead = [n for n,
+            p in module.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()
             or p.grad.abs().sum() == 0]
     assert not dead, f"parameters without gradient: {dead}"
 
 
 def _gem(cfg=None, schema=None, seed=0):
     schema = schema or tiny_schema()
-    cfg = cfg or GEMConfig(embedding_dim=D, wukong=WukongConfig(num_layers=3, num_fm=4, num_lc=4, fm_rank=4),
-                           sequence=SequenceConfig(num_heads=2, recent_len=8, min_recent=2, num_pooled=2))
-    return materialize(build_gem(schema, cfg), seed=seed, base_rates=[0.1, 0.01][: len(schema.tasks)])
+    cfg = cfg or GEMConfig(embedding_dim=D,
+                           wukong=WukongConfig(num_layers=3, num_fm=4, num_lc=4, fm_rank=4),
+                           sequence=SequenceConfig(num_heads=2, recent_len=8, min_recent=2,
+                                                   num_pooled=2))
+    return materialize(build_gem(schema, cfg), seed=seed,
+                       base_rates=[0.1, 0.01][: len(schema.tasks)])
 
 
 # ------------------------------------------------------------------------------- parts
@@ -65,8 +69,8 @@ def test_sparse_arch_hashes_into_capped_tables():
 @pytest.mark.parametrize("cross_layer", ["attention", "dense", "none"])
 @pytest.mark.parametrize("attentive", [False, True])
 def test_wukong_stack(cross_layer, attentive):
-    cfg = WukongConfig(num_layers=3, num_fm=3, num_lc=2, fm_rank=4, mlp_dims=(16,), cross_layer=cross_layer,
-                       attentive_fm=attentive)
+    cfg = WukongConfig(num_layers=3, num_fm=3, num_lc=2, fm_rank=4, mlp_dims=(16,),
+                       cross_layer=cross_layer, attentive_fm=attentive)
     arch = InteractionArch(7, 0, D, cfg)
     x = torch.randn(5, 7, D)
     y = arch(x)
@@ -91,7 +95,8 @@ def test_interformer_both_directions():
     sq = SequenceConfig(num_heads=2, recent_len=8, min_recent=2, num_pooled=2)
     arch = InterFormer(5, D, 2, wk, sq, cfg)
     lengths = torch.tensor([3, 0, 9])
-    seqs = [(torch.randn(12, D, requires_grad=True), lengths), (torch.randn(12, D, requires_grad=True), lengths)]
+    seqs = [(torch.randn(12, D, requires_grad=True), lengths),
+            (torch.randn(12, D, requires_grad=True), lengths)]
     x = torch.randn(3, 5, D, requires_grad=True)
     x_sum, s_sum, x_last = arch(x, seqs)
     assert x_sum.shape == (3, cfg.num_sum, D) and s_sum.shape == (3, 2 * cfg.tokens_per_stream, D)
@@ -128,11 +133,13 @@ def test_heads_chain_conversion_below_click():
 
 
 # ------------------------------------------------------------------------------- whole model
-@pytest.mark.parametrize("variant", ["default", "no_sequences", "one_domain_one_task", "shared_heads"])
+@pytest.mark.parametrize("variant",
+                         ["default", "no_sequences", "one_domain_one_task", "shared_heads"])
 def test_gem_contract(variant):
     schema, cfg = tiny_schema(), None
     if variant == "no_sequences":
-        cfg = GEMConfig(embedding_dim=D, use_sequences=False, wukong=WukongConfig(num_layers=2, num_fm=2, num_lc=2))
+        cfg = GEMConfig(embedding_dim=D, use_sequences=False,
+                        wukong=WukongConfig(num_layers=2, num_fm=2, num_lc=2))
     if variant == "one_domain_one_task":
         from dataclasses import replace
         schema = replace(tiny_schema(num_domains=1), tasks=tiny_schema().tasks[:1])
@@ -146,7 +153,8 @@ def test_gem_contract(variant):
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, b.labels)
     loss.backward()
     dead = [n for n, p in model.named_parameters()
-            if not any(n.startswith(i) for i in ignore) and (p.grad is None or p.grad.abs().sum() == 0)]
+            if not any(n.startswith(i) for i in ignore)
+                     and (p.grad is None or p.grad.abs().sum() == 0)]
     if variant == "shared_heads" or variant == "one_domain_one_task" or variant == "default":
         assert not dead, dead
 
@@ -158,7 +166,9 @@ def test_gem_handles_empty_and_very_long_sequences():
     from dataclasses import replace
 
     from opengem.features.schema import SequenceStream
-    schema = replace(schema, sequences=tuple(SequenceStream(s.name, s.item_vocab_size, s.num_event_types, 4096)
+    schema = replace(schema,
+                     sequences=tuple(SequenceStream(s.name, s.item_vocab_size, s.num_event_types,
+                                                    4096)
                                              for s in schema.sequences))
     model = _gem(schema=schema)
     b = _batch(schema, 4, lengths=lens)
@@ -196,7 +206,8 @@ def test_recipes_build_on_meta(name):
 
 
 def test_target_match_flags_events_equal_to_the_candidate():
-    """An event attribute named after a sparse feature is flagged where it equals the row's id; OOV never matches."""
+    """An event attribute named after a sparse feature is flagged where it equals the row's id; OOV
+    never matches."""
     from opengem.model.foundation import match_attributes
 
     schema = tiny_schema()
@@ -217,18 +228,21 @@ def test_history_counts_are_decayed_counts_per_event_type_all_and_matched():
     """HistoryCounts: per row, Σ e^(−age/τ) over events of each type, over all events and over those
     whose attribute equals the candidate's (OOV never matches), against a loop over the rows."""
     schema = tiny_schema()
-    cfg = GEMConfig(embedding_dim=D, count_decay_hours=(0.5, 24.0), wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2),
+    cfg = GEMConfig(embedding_dim=D, count_decay_hours=(0.5, 24.0),
+                    wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2),
                     sequence=SequenceConfig(num_heads=2, recent_len=4, min_recent=2, num_pooled=1))
     model = _gem(cfg, schema)
     hc = model.history_counts
-    b = _batch(schema, n=5, lengths={"s0": np.array([3, 0, 6, 1, 4]), "s1": np.array([2, 2, 0, 5, 1])})
+    b = _batch(schema, n=5,
+               lengths={"s0": np.array([3, 0, 6, 1, 4]), "s1": np.array([2, 2, 0, 5, 1])})
     seq, sp, ages = b.sequences.to_dict(), b.sparse.to_dict(), b.seq_age.to_dict()
     taus = np.array([0.5, 24.0]) * 3600.0
     for stream, attrs in (("s0", [("s0.category", "category", 5)]), ("s1", [])):
         assert model.match_pairs[stream] == attrs
         lengths = seq[f"{stream}.item"].lengths()
         flags = model._match_flags(b, stream, lengths) if attrs else None
-        got = hc.stream_counts(stream, seq[f"{stream}.event"].values(), ages[stream].values(), flags, lengths)
+        got = hc.stream_counts(stream, seq[f"{stream}.event"].values(), ages[stream].values(),
+                               flags, lengths)
         E = schema.stream(stream).num_event_types + 1
         assert got.shape == (5, (1 + len(attrs)) * E * 2)
         ev, age = seq[f"{stream}.event"].values().numpy(), ages[stream].values().double().numpy()
@@ -246,7 +260,8 @@ def test_history_counts_are_decayed_counts_per_event_type_all_and_matched():
         if attrs:
             assert 0 < want[:, 1].sum() < want[:, 0].sum()  # some events match, not all
     token = hc([hc.stream_counts(s, seq[f"{s}.event"].values(), ages[s].values(),
-                                 model._match_flags(b, s, seq[f"{s}.item"].lengths()) if model.match_pairs[s] else None,
+                                 model._match_flags(b, s, seq[f"{s}.item"].lengths())
+                                 if model.match_pairs[s] else None,
                                  seq[f"{s}.item"].lengths()) for s in model.streams])
     assert token.shape == (5, D) and torch.isfinite(token).all()
     off = _gem(GEMConfig(embedding_dim=D, count_decay_hours=()), schema)
@@ -256,7 +271,10 @@ def test_history_counts_are_decayed_counts_per_event_type_all_and_matched():
     lengths = seq["s0.item"].lengths()
     flags = model._match_flags(b, "s0", lengths)
     got = rec.stream_counts("s0", seq["s0.event"].values(), ages["s0"].values(), flags, lengths)
-    E, n = schema.stream("s0").num_event_types + 1, 2 * (schema.stream("s0").num_event_types + 1) * 2
+    E, n = (
+        schema.stream("s0").num_event_types + 1,
+        2 * (schema.stream("s0").num_event_types + 1) * 2,
+    )
     sums = hc.stream_counts("s0", seq["s0.event"].values(), ages["s0"].values(), flags, lengths)
     assert got.shape == (5, 2 * n) and torch.equal(got[:, :n], sums)
     ev, age = seq["s0.event"].values().numpy(), ages["s0"].values().double().numpy()
@@ -307,7 +325,8 @@ def test_fvfm_shortcut_weights_each_pair_per_dimension():
 
 
 def test_unit_pairs_and_unit_fm_read_directions_not_scales():
-    """shortcut_pairs=unit and wukong.fm_input=unit: rescaling a token leaves the pairs / the FM block unchanged."""
+    """shortcut_pairs=unit and wukong.fm_input=unit: rescaling a token leaves the pairs / the FM
+    block unchanged."""
     from opengem.model.heads import LowOrderShortcut
     from opengem.model.interaction_arch import FactorizationMachineBlock
 
@@ -321,7 +340,9 @@ def test_unit_pairs_and_unit_fm_read_directions_not_scales():
     raw = LowOrderShortcut(4, 3, 2, "fwfm")
     raw.load_state_dict(sc.state_dict())
     assert not torch.allclose(raw(x), raw(x2), atol=1e-3)
-    fm = FactorizationMachineBlock(4, 3, WukongConfig(num_fm=2, fm_rank=2, mlp_dims=(8,), fm_input="unit"))
+    fm = FactorizationMachineBlock(4, 3,
+                                   WukongConfig(num_fm=2, fm_rank=2, mlp_dims=(8,),
+                                                fm_input="unit"))
     assert torch.allclose(fm(x), fm(x2), atol=1e-4)
     with pytest.raises(ValueError, match="fm_input"):
         WukongConfig(fm_input="cosine").validate()
@@ -336,14 +357,16 @@ def test_input_norm_puts_every_x0_token_on_unit_rms():
     x_on, _ = on.inputs(b)
     rms_off = x_off.pow(2).mean(-1).sqrt()
     present = rms_off > 0  # an empty multi-hot bag is a zero token and stays zero
-    assert rms_off[present].max() / rms_off[present].min() > 5  # the problem: ids ~0.05, the domain token ~1
+    # the problem: ids ~0.05, the domain token ~1
+    assert rms_off[present].max() / rms_off[present].min() > 5
     rms_on = x_on.pow(2).mean(-1).sqrt()
     assert torch.allclose(rms_on[present], torch.ones_like(rms_on[present]), atol=1e-3)
     assert torch.equal(rms_on[~present], torch.zeros_like(rms_on[~present]))
     with torch.no_grad():
         on.input_norm.gain[0].mul_(3.0)  # the gains re-weight a field
     x_gain, _ = on.inputs(b)
-    assert torch.allclose(x_gain.pow(2).mean(-1).sqrt()[present[:, 0], 0], torch.tensor(3.0), atol=1e-2)
+    assert torch.allclose(x_gain.pow(2).mean(-1).sqrt()[present[:, 0], 0], torch.tensor(3.0),
+                          atol=1e-2)
     with pytest.raises(ValueError, match="input_norm"):
         GEMConfig(input_norm="layer").validate()
     with pytest.raises(ValueError, match="input_norm_gain"):
@@ -356,7 +379,9 @@ def test_a_rows_score_does_not_depend_on_its_batch():
 
     schema = tiny_schema()
     model = _gem(schema=schema).eval()
-    table = random_table(schema, 5, seed=3, lengths={"s0": np.array([1, 60, 0, 2, 40]), "s1": np.array([0, 1, 30, 2, 3])})
+    table = random_table(schema, 5, seed=3,
+                         lengths={"s0": np.array([1, 60, 0, 2, 40]),
+                                  "s1": np.array([0, 1, 30, 2, 3])})
     with torch.no_grad():
         together = model(collate(table, schema))
         for i in range(5):

@@ -1,5 +1,6 @@
 """The house reads in data-flow order: no module of ``opengem`` imports one that the README's
-layout lists below it (lazy imports inside functions included), and nothing imports the instruments."""
+layout lists below it (lazy imports inside functions included), and nothing imports
+the instruments."""
 
 import ast
 import re
@@ -40,8 +41,11 @@ def imports_of(path: Path) -> set[str]:
 def test_layout_lists_every_room():
     order = layout_order()
     rooms = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
-             if (p.suffix == ".py" and p.stem != "__init__") or (p.is_dir() and (p / "__init__.py").exists())}
-    assert rooms - {"__main__"} <= set(order), f"rooms missing from the README's layout: {rooms - set(order)}"
+             if (p.suffix == ".py" and p.stem != "__init__")
+             or (p.is_dir() and (p / "__init__.py").exists())}
+    assert rooms - {"__main__"} <= set(order), (
+        f"rooms missing from the README's layout: {rooms - set(order)}"
+    )
 
 
 def test_no_module_imports_one_listed_below_it():
@@ -56,5 +60,6 @@ def test_no_module_imports_one_listed_below_it():
                 continue
             there = unit_of(mod)
             if there != here and there in rank and here in rank and rank[there] > rank[here]:
-                upward.append(f"{path.relative_to(ROOT)} ({here}) imports {mod} ({there}, listed below it)")
+                upward.append(f"{path.relative_to(ROOT)} ({here}) imports {mod} ({there}, "
+                              f"listed below it)")
     assert not upward, "\n".join(upward)

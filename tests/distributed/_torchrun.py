@@ -1,4 +1,5 @@
-"""Launching ``torchrun … -m opengem`` from tests: one thread per process, output kept for errors."""
+"""Launching ``torchrun … -m opengem`` from tests: one thread per process, output kept
+for errors."""
 
 from __future__ import annotations
 
@@ -17,21 +18,25 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT"):
         env.pop(key, None)
     return env
 
 
 def command(nproc: int, *args: str) -> list[str]:
-    """``torchrun --standalone --nproc-per-node N -m opengem --quiet ARGS`` with this interpreter."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "opengem", "--quiet", *args]
+    """``torchrun --standalone --nproc-per-node N -m opengem --quiet ARGS`` with
+    this interpreter."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", "-m", "opengem", "--quiet", *args]
 
 
 def start(nproc: int, *args: str, log: Path) -> subprocess.Popen:
-    """Start without waiting (own session, so ``stop`` can end the whole tree); output goes to ``log``."""
+    """Start without waiting (own session, so ``stop`` can end the whole tree); output goes
+    to ``log``."""
     out = open(log, "w")
-    return subprocess.Popen(command(nproc, *args), cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+    return subprocess.Popen(command(nproc, *args), cwd=REPO, env=_env(), stdout=out,
+                            stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
@@ -71,14 +76,16 @@ def worker_pid(proc: subprocess.Popen, rank: int) -> int | None:
     return None
 
 
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen, log: Path, every: float = 0.02):
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen, log: Path,
+             every: float = 0.02):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         value = predicate()
         if value:
             return value
         if proc.poll() is not None:
-            raise AssertionError(f"torchrun ended (rc {proc.returncode}) before {what}:\n{tail(log)}")
+            raise AssertionError(f"torchrun ended (rc {proc.returncode}) "
+                                 f"before {what}:\n{tail(log)}")
         time.sleep(every)
     raise AssertionError(f"timed out waiting for {what}:\n{tail(log)}")
 
@@ -88,4 +95,5 @@ def final(run: Path) -> dict:
 
 
 def losses(run: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (run / METRICS_FILE).read_text().splitlines())]
+    return [(r["step"], r["loss"])
+            for r in map(json.loads, (run / METRICS_FILE).read_text().splitlines())]

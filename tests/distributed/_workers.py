@@ -35,7 +35,8 @@ def tiny_model_cfg():
     return GEMConfig(
         embedding_dim=8,
         wukong=WukongConfig(num_layers=2, num_fm=2, num_lc=2, fm_rank=2, mlp_dims=(16,)),
-        sequence=SequenceConfig(num_heads=2, recent_len=8, min_recent=2, num_pooled=2, time_buckets=8),
+        sequence=SequenceConfig(num_heads=2, recent_len=8, min_recent=2, num_pooled=2,
+                                time_buckets=8),
         interformer=InterFormerConfig(num_sum=2, num_pma=1, num_recent=1),
         heads=HeadsConfig(trunk_dims=(16,), task_dims=(8,)),
     )
@@ -47,12 +48,13 @@ def optim_cfg():
     # The warm-up changes the lr every step (the fused kernels must get each step's lr);
     # clipping is active (dense gradient norms are 0.06-0.13 here: the norm must be reduced over
     # the DTensor shards before clipping).
-    return OptimConfig(lr=1e-2, weight_decay=0.01, warmup_steps=2, schedule="cosine", grad_clip=0.05,
-                       sparse_lr=0.05, sparse_eps=1e-8)
+    return OptimConfig(lr=1e-2, weight_decay=0.01, warmup_steps=2, schedule="cosine",
+                       grad_clip=0.05, sparse_lr=0.05, sparse_eps=1e-8)
 
 
 def adamw(params, ocfg):
-    """The trainer's AdamW (``build_optimizers``) with eps 1e-6 instead of 1e-8, for the equivalence runs.
+    """The trainer's AdamW (``build_optimizers``) with eps 1e-6 instead of 1e-8, for the
+    equivalence runs.
 
     Some gradients are analytically zero and numerically rounding noise (~1e-10): the key biases
     of every attention (softmax is shift-invariant) and sums that cancel. With eps = 1e-8 Adam
@@ -60,12 +62,14 @@ def adamw(params, ocfg):
     reduce-scatter instead of one process's sum) moves those entries by up to ~1e-3 relative
     (measured); eps = 1e-6 keeps the comparison about the distributed math, not amplified noise.
     """
-    return torch.optim.AdamW(list(params), lr=ocfg.lr, betas=tuple(ocfg.betas), weight_decay=ocfg.weight_decay,
+    return torch.optim.AdamW(list(params), lr=ocfg.lr, betas=tuple(ocfg.betas),
+                             weight_decay=ocfg.weight_decay,
                              eps=ADAM_EPS)
 
 
 def well_conditioned_adam(opt) -> None:
-    """Set AdamW's eps to ``ADAM_EPS`` after loading a checkpoint of the trainer's AdamW (see ``adamw``)."""
+    """Set AdamW's eps to ``ADAM_EPS`` after loading a checkpoint of the trainer's AdamW
+    (see ``adamw``)."""
     for g in opt.param_groups:
         g["eps"] = ADAM_EPS
 
@@ -120,8 +124,8 @@ def run_steps(schema, model, opts, schedule, steps, distributed: bool) -> list[f
         else:
             b = global_batch(schema, step)
             loss_fn, clip = masked_bce, torch.nn.utils.clip_grad_norm_
-        loss, _ = loss_fn(model(b), b.labels, b.label_mask, b.weights, task_weights(schema), b.domain,
-                          schema.num_domains)
+        loss, _ = loss_fn(model(b), b.labels, b.label_mask, b.weights, task_weights(schema),
+                          b.domain, schema.num_domains)
         for o in opts:
             o.zero_grad(set_to_none=True)
         loss.backward()
@@ -175,7 +179,8 @@ def reference_run(steps: int, sparse_kind: str = "rowwise_adagrad"):
     with one_thread():
         model = plain_model()
         opts = plain_optimizers(model, sparse_kind)
-        losses = run_steps(tiny_schema(), model, opts, Schedule(opts, TOTAL_STEPS, optim_cfg()), range(steps), False)
+        losses = run_steps(tiny_schema(), model, opts, Schedule(opts, TOTAL_STEPS, optim_cfg()),
+                           range(steps), False)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -191,7 +196,8 @@ def build_parallel(pcfg, sparse_kind: str = "rowwise_adagrad", trainer_adam: boo
     schema, ocfg = tiny_schema(), optim_cfg()
     dims = ParallelDims.from_config(pcfg, dist.get_world_size())
     spec = SparseOptimizerSpec(sparse_kind, ocfg.sparse_lr, ocfg.sparse_eps)
-    model, sparse = build_parallel_gem(schema, tiny_model_cfg(), dims, pcfg, spec, "cpu", SEED, BASE_RATES)
+    model, sparse = build_parallel_gem(schema, tiny_model_cfg(), dims, pcfg, spec, "cpu", SEED,
+                                       BASE_RATES)
     params = model.dense_parameters()
     dense = build_optimizers(params, [], ocfg)[0] if trainer_adam else adamw(params, ocfg)
     return schema, model, sparse, [dense, sparse.optimizer]
@@ -203,12 +209,14 @@ def full_state(model, opts, sparse=None) -> dict[str, object]:
 
     pg = sparse.sharding_pg if sparse is not None else None
     out = {f"model.{k}": v for k, v in train_step.gather_full_state_dict(model, pg).items()}
-    out.update({f"optim.{k}": v for k, v in train_step.gather_full_optim_state(model, opts, pg).items()})
+    out.update({f"optim.{k}": v for k,
+                v in train_step.gather_full_optim_state(model, opts, pg).items()})
     return out
 
 
 def replica_gap(sparse) -> float:
-    """Largest difference between this rank's table shards and the same shards of the other copies."""
+    """Largest difference between this rank's table shards and the same shards of the
+    other copies."""
     import torch.distributed as dist
 
     if not sparse.dims.sparse_2d:
@@ -256,7 +264,8 @@ def job_checkpoint(rank: int, world: int, out: Path, args: dict) -> None:
     from opengem.parallel import ParallelConfig
     from opengem.train.optim import Schedule
 
-    schema, model, sparse, opts = build_parallel(ParallelConfig(**args["parallel"]), trainer_adam=True)
+    schema, model, sparse, opts = build_parallel(ParallelConfig(**args["parallel"]),
+                                                 trainer_adam=True)
     schedule = Schedule(opts, TOTAL_STEPS, optim_cfg())  # before loading: base lrs from the config
     if args.get("load"):
         step = load_checkpoint(args["load"], model, opts)["step"]
@@ -299,7 +308,8 @@ def run_job(rank: int, world: int, store: str, out: str, job: str, args: dict) -
 # workers skip ~3 s of imports each (4 of them share 2 cores). The server never touches
 # torch.distributed or threads, so forking it is safe; "spawn" works too, only slower.
 START_METHOD = "forkserver"
-_PRELOAD = ["torch", "torchrec", "torchrec.distributed", "opengem.parallel", "opengem.model.build", "_workers"]
+_PRELOAD = ["torch", "torchrec", "torchrec.distributed", "opengem.parallel", "opengem.model.build",
+            "_workers"]
 
 
 def _set_preload() -> None:
@@ -310,7 +320,8 @@ def _set_preload() -> None:
 
 
 def spawn(job: str, world: int, out: Path, args: dict) -> float:
-    """Run ``job`` on ``world`` gloo processes; re-raise a worker's traceback. Returns wall seconds."""
+    """Run ``job`` on ``world`` gloo processes; re-raise a worker's traceback. Returns
+    wall seconds."""
     import torch.multiprocessing as mp
 
     _set_preload()
@@ -320,17 +331,19 @@ def spawn(job: str, world: int, out: Path, args: dict) -> float:
     store = out / f"store-{job}-{world}-{time.monotonic_ns()}"
     t0 = time.perf_counter()
     try:
-        mp.start_processes(run_job, args=(world, str(store), str(out), job, args), nprocs=world, join=True,
-                           start_method=START_METHOD)
+        mp.start_processes(run_job, args=(world, str(store), str(out), job, args), nprocs=world,
+                           join=True, start_method=START_METHOD)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         errs = sorted(out.glob("error-rank*.txt"))
-        raise AssertionError(f"{job} on {world} processes failed:\n{errs[0].read_text() if errs else e}") from None
+        raise AssertionError(f"{job} on {world} processes "
+                             f"failed:\n{errs[0].read_text() if errs else e}") from None
     return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------- comparing
 def rel_diff(got: dict, ref: dict) -> dict[str, float]:
-    """key → max |got − ref| / max |ref| (per tensor; the keys of ``ref`` must all be in ``got``)."""
+    """key → max |got − ref| / max |ref| (per tensor; the keys of ``ref`` must all be
+    in ``got``)."""
     missing = sorted(set(ref) - set(got))
     assert not missing, f"missing keys: {missing}"
     return {k: (got[k].double() - r.double()).abs().max().item() / max(r.abs().max().item(), 1e-12)
@@ -347,7 +360,8 @@ def mismatches(got: dict, ref: dict) -> dict[str, object]:
         if isinstance(r, torch.Tensor):
             if g.shape != r.shape or g.dtype != r.dtype or not torch.equal(g, r):
                 bad[k] = (tuple(g.shape), tuple(r.shape),
-                          (g.double() - r.double()).abs().max().item() if g.shape == r.shape else None)
+                          (g.double() - r.double()).abs().max().item() if g.shape == r.shape
+                          else None)
         elif g != r:
             bad[k] = (g, r)
     return bad

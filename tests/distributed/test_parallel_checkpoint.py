@@ -20,13 +20,14 @@ A = {"sparse_group": 2, "dp_replicate": 2, "default_sharding": "table_wise", "co
      "sharding": {"t_user_id": "row_wise", "t_category": "column_wise", "t_tags": "table_row_wise",
                   "t_s0_item": "row_wise"}}
 B = {"default_sharding": "row_wise"}
-D = {"default_sharding": "table_wise", "sharding": {"t_user_id": "column_wise"}, "column_wise_dim": 4,
-     "activation_checkpoint": "full"}
+D = {"default_sharding": "table_wise", "sharding": {"t_user_id": "column_wise"},
+     "column_wise_dim": 4, "activation_checkpoint": "full"}
 TRAIN_STEPS = 3
 
 
 def _plain_stage(load_from, save_to):
-    """Stage C: the trainer's single-process model and optimizers, loaded with the trainer's loader."""
+    """Stage C: the trainer's single-process model and optimizers, loaded with the
+    trainer's loader."""
     from opengem.checkpoint import load_checkpoint, save_checkpoint
     from opengem.testing import tiny_schema
     from opengem.train.optim import Schedule
@@ -46,7 +47,8 @@ def test_checkpoint_reshards_4_2_1_4(tmp_path):
     from opengem.checkpoint import latest_checkpoint
 
     walls = {}
-    walls["A"] = W.spawn("checkpoint", 4, tmp_path, {"parallel": A, "steps": TRAIN_STEPS, "save": str(tmp_path / "A"),
+    walls["A"] = W.spawn("checkpoint", 4, tmp_path,
+                         {"parallel": A, "steps": TRAIN_STEPS, "save": str(tmp_path / "A"),
                                                      "record": "A.pt", "local_world_size": 2})
     a = torch.load(tmp_path / "A.pt", weights_only=False)
     with W.one_thread():
@@ -56,8 +58,10 @@ def test_checkpoint_reshards_4_2_1_4(tmp_path):
     sums = [k for k in a["state"] if k.endswith(".sum")]
     assert len(sums) == 9 and all(a["state"][k].abs().sum() > 0 for k in sums), sums
 
-    walls["B"] = W.spawn("checkpoint", 2, tmp_path, {"parallel": B, "load": str(latest_checkpoint(tmp_path / "A")),
-                                                     "save": str(tmp_path / "B"), "record": "B.pt", "resume_step": True})
+    walls["B"] = W.spawn("checkpoint", 2, tmp_path,
+                         {"parallel": B, "load": str(latest_checkpoint(tmp_path / "A")),
+                                                     "save": str(tmp_path / "B"), "record": "B.pt",
+                          "resume_step": True})
     b = torch.load(tmp_path / "B.pt", weights_only=False)
     assert b["step"] == TRAIN_STEPS
     assert W.mismatches(b["state"], a["state"]) == {}
@@ -67,15 +71,18 @@ def test_checkpoint_reshards_4_2_1_4(tmp_path):
     assert W.mismatches(c_state, a["state"]) == {}
     # the resumed step continues exactly like one process (within the equivalence tolerances)
     assert abs(b["resume_loss"] - c_loss) <= 1e-6 * abs(c_loss)
-    tensors = {k: v for k, v in c_resumed.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    tensors = {k: v for k,
+               v in c_resumed.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
     rel = W.rel_diff(b["resumed"], tensors)
     worst = max(rel, key=rel.get)
     assert rel[worst] <= 1e-4, f"{worst}: {rel[worst]:.2e}"
 
-    walls["D"] = W.spawn("checkpoint", 4, tmp_path, {"parallel": D, "load": str(latest_checkpoint(tmp_path / "C")),
+    walls["D"] = W.spawn("checkpoint", 4, tmp_path,
+                         {"parallel": D, "load": str(latest_checkpoint(tmp_path / "C")),
                                                      "save": str(tmp_path / "D"), "record": "D.pt"})
     d = torch.load(tmp_path / "D.pt", weights_only=False)
     assert W.mismatches(d["state"], a["state"]) == {}
     assert "column_wise" in d["plan"] and "2 table copies" in a["plan"]
     print(f"\nstage walls: {', '.join(f'{k} {v:.1f} s' for k, v in walls.items())}; "
-          f"resumed step: loss rel {abs(b['resume_loss'] - c_loss) / c_loss:.1e}, params rel {rel[worst]:.1e}")
+          f"resumed step: loss rel {abs(b['resume_loss'] - c_loss) / c_loss:.1e}, params "
+          f"rel {rel[worst]:.1e}")

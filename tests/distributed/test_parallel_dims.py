@@ -1,8 +1,15 @@
-"""ParallelConfig / ParallelDims validation and the sparse-plan errors a user can cause (no processes)."""
+"""ParallelConfig / ParallelDims validation and the sparse-plan errors a user can cause
+(no processes)."""
 
 import pytest
 
-from opengem.parallel import ParallelConfig, ParallelConfigError, ParallelDims, SparseOptimizerSpec, SparseShardingError
+from opengem.parallel import (
+    ParallelConfig,
+    ParallelConfigError,
+    ParallelDims,
+    SparseOptimizerSpec,
+    SparseShardingError,
+)
 from opengem.parallel.sparse import apply_sparse_sharding, find_tables
 
 pytestmark = pytest.mark.distributed
@@ -10,15 +17,26 @@ pytestmark = pytest.mark.distributed
 
 def test_fill_and_groups():
     dims = ParallelDims.from_config(ParallelConfig(dp_replicate=2, sparse_group=2), world_size=8)
-    assert (dims.dp_replicate, dims.dp_shard, dims.sparse_group, dims.sparse_replicas) == (2, 4, 2, 4)
+    assert (dims.dp_replicate, dims.dp_shard, dims.sparse_group, dims.sparse_replicas) == (
+        2,
+        4,
+        2,
+        4,
+    )
     assert dims.sparse_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert dims.hsdp and dims.sparse_2d
     one_d = ParallelDims.from_config(ParallelConfig(), world_size=4)
-    assert (one_d.dp_replicate, one_d.dp_shard, one_d.sparse_group, one_d.sparse_2d) == (1, 4, 4, False)
+    assert (one_d.dp_replicate, one_d.dp_shard, one_d.sparse_group, one_d.sparse_2d) == (
+        1,
+        4,
+        4,
+        False,
+    )
 
 
 @pytest.mark.parametrize("kwargs, world, words", [
-    ({"dp_replicate": 2, "dp_shard": 3}, 4, ["dp_replicate (2)", "dp_shard (3)", "= 6", "world size is 4"]),
+    ({"dp_replicate": 2, "dp_shard": 3}, 4,
+     ["dp_replicate (2)", "dp_shard (3)", "= 6", "world size is 4"]),
     ({"dp_replicate": 3}, 4, ["dp_replicate (3)", "world size (4)"]),
     ({"sparse_group": 3}, 4, ["sparse_group (3)", "world size (4)"]),
 ])
@@ -30,7 +48,8 @@ def test_degrees_must_fit_the_world(kwargs, world, words):
 
 
 def test_direct_construction_checks_the_product():
-    with pytest.raises(ParallelConfigError, match=r"dp_replicate \(1\) × dp_shard \(2\) = 2, but the world size is 4"):
+    with pytest.raises(ParallelConfigError,
+                       match=r"dp_replicate \(1\) × dp_shard \(2\) = 2, but the world size is 4"):
         ParallelDims(dp_replicate=1, dp_shard=2, sparse_group=4, world_size=4)
 
 
@@ -71,7 +90,8 @@ def test_find_tables_names_every_table():
     (ParallelConfig(sharding={"t_nope": "row_wise"}), ["unknown tables ['t_nope']", "t_user_id"]),
     (ParallelConfig(sharding={"t_s0_item": "table_row_wise"}), ["table t_s0_item", "table_row_wise",
                                                                 "sequence tables"]),
-    (ParallelConfig(sharding={"t_ad_id": "column_wise"}, column_wise_dim=3), ["table t_ad_id", "column_wise_dim 3",
+    (ParallelConfig(sharding={"t_ad_id": "column_wise"}, column_wise_dim=3),
+     ["table t_ad_id", "column_wise_dim 3",
                                                                               "dim 8"]),
 ])
 def test_unplaceable_tables_are_named(cfg, words):

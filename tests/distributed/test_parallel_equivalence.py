@@ -1,4 +1,5 @@
-"""Parallel training equals single-process training on the same global batches (gloo, 2 and 4 processes).
+"""Parallel training equals single-process training on the same global batches (gloo, 2 and
+4 processes).
 
 Per case the workers build the model the production way (meta → parallelize → materialise → init),
 train 3 steps on their slices of each global batch, and record the initial and final full
@@ -28,29 +29,36 @@ CASES_2 = {
     "table_wise": ({"default_sharding": "table_wise"}, "rowwise_adagrad", EXACT),
     "row_wise": ({"default_sharding": "row_wise"}, "rowwise_adagrad", EXACT),
     "column_wise": ({"default_sharding": "column_wise", "column_wise_dim": 4}, "sgd", EXACT),
-    "column_wise_adagrad": ({"default_sharding": "column_wise", "column_wise_dim": 4}, "rowwise_adagrad",
-                            "per-shard accumulators"),
+    "column_wise_adagrad": ({"default_sharding": "column_wise", "column_wise_dim": 4},
+                            "rowwise_adagrad", "per-shard accumulators"),
     "table_row_wise": ({"default_sharding": "table_row_wise"}, "rowwise_adagrad", EXACT),
-    "auto_with_activation_checkpoint": ({"activation_checkpoint": "full"}, "rowwise_adagrad", EXACT),
-    "selective_activation_checkpoint": ({"activation_checkpoint": "selective"}, "rowwise_adagrad", EXACT),
-    "bf16": ({"default_sharding": "row_wise", "mixed_precision": "bf16"}, "rowwise_adagrad", "bf16"),
+    "auto_with_activation_checkpoint": ({"activation_checkpoint": "full"}, "rowwise_adagrad",
+                                        EXACT),
+    "selective_activation_checkpoint": ({"activation_checkpoint": "selective"}, "rowwise_adagrad",
+                                        EXACT),
+    "bf16": ({"default_sharding": "row_wise", "mixed_precision": "bf16"}, "rowwise_adagrad",
+             "bf16"),
 }
 CASES_4 = {
     "table_wise": ({"default_sharding": "table_wise"}, "rowwise_adagrad", EXACT),
-    "row_wise_hsdp": ({"default_sharding": "row_wise", "dp_replicate": 2}, "rowwise_adagrad", EXACT),
+    "row_wise_hsdp": ({"default_sharding": "row_wise", "dp_replicate": 2}, "rowwise_adagrad",
+                      EXACT),
     "column_wise": ({"default_sharding": "column_wise", "column_wise_dim": 4}, "sgd", EXACT),
     # LOCAL_WORLD_SIZE=2 below: two emulated hosts, so table-row-wise keeps each table on one host
     "table_row_wise": ({"default_sharding": "table_row_wise"}, "rowwise_adagrad", EXACT),
     "2d_sgd_hsdp": ({"sparse_group": 2, "dp_replicate": 2, "default_sharding": "row_wise",
-                     "sharding": {"t_ad_id": "table_wise", "t_category": "column_wise"}, "column_wise_dim": 4},
+                     "sharding": {"t_ad_id": "table_wise", "t_category": "column_wise"},
+                     "column_wise_dim": 4},
                     "sgd", EXACT),
-    "2d_adagrad_sync2": ({"sparse_group": 2, "dp_replicate": 2, "default_sharding": "table_row_wise",
+    "2d_adagrad_sync2": ({"sparse_group": 2, "dp_replicate": 2,
+                          "default_sharding": "table_row_wise",
                           "replica_sync_every": 2}, "rowwise_adagrad", "2-D replicas"),
 }
 
 
 def _run(tmp_path, world, cases, **extra):
-    args = {"cases": {k: {"parallel": p, "sparse": s} for k, (p, s, e) in cases.items()}, "steps": STEPS, **extra}
+    args = {"cases": {k: {"parallel": p, "sparse": s} for k, (p, s, e) in cases.items()},
+            "steps": STEPS, **extra}
     wall = W.spawn("equivalence", world, tmp_path, args)
     return torch.load(tmp_path / f"equivalence-w{world}.pt", weights_only=False), wall
 
@@ -66,17 +74,22 @@ def _check(results, cases, world):
             refs[sparse_kind] = W.reference_run(STEPS, sparse_kind)
         ref_losses, ref_final = refs[sparse_kind]
         init = W.rel_diff(r["init"], init_ref)
-        assert max(init.values()) == 0.0, f"{name}: initial parameters differ: {max(init, key=init.get)}"
+        assert max(init.values()) == 0.0, (
+            f"{name}: initial parameters differ: {max(init, key=init.get)}"
+        )
         loss_rel = [abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses)]
         final = W.rel_diff(r["final"], ref_final)
         worst = max(final, key=final.get)
-        report.append(f"w{world} {name}: loss rel {max(loss_rel):.1e}, params rel {final[worst]:.1e} ({worst}), "
+        report.append(f"w{world} {name}: loss rel {max(loss_rel):.1e}, params rel "
+                      f"{final[worst]:.1e} ({worst}), "
                       f"{r['seconds']:.1f} s")
         for table in ("t_user_id", "t_s0_item"):
             assert table in r["plan"], r["plan"]
         if expect == EXACT:
             assert max(loss_rel) <= LOSS_TOL, f"{name}: losses {r['losses']} vs {ref_losses}"
-            assert final[worst] <= PARAM_TOL, f"{name}: {worst} differs by {final[worst]:.2e} (relative)"
+            assert final[worst] <= PARAM_TOL, (
+                f"{name}: {worst} differs by {final[worst]:.2e} (relative)"
+            )
             assert max(r["replica_gaps"]) == 0.0, f"{name}: table copies differ after a synced step"
         elif expect == "bf16":
             assert max(loss_rel) <= 1e-2, f"{name}: bf16 losses {r['losses']} vs {ref_losses}"

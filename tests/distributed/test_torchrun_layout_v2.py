@@ -16,10 +16,11 @@ def test_two_ranks_train_the_same_on_v1_and_v2(tmp_path):
     runs = []
     for layout in ("v1", "v2"):
         data = tmp_path / f"data-{layout}"
-        assert main(["--quiet", "generate", "--preset", "tiny", "--out", str(data), "--seed", "1", "--no-oracle",
-                     "--layout", layout]) == 0
+        assert main(["--quiet", "generate", "--preset", "tiny", "--out", str(data), "--seed", "1",
+                     "--no-oracle", "--layout", layout]) == 0
         run = tmp_path / f"run-{layout}"
-        T.run(2, "train", "--recipe", "tiny", "--data", str(data), "--out", str(run), *TRAIN, log=tmp_path / "log")
+        T.run(2, "train", "--recipe", "tiny", "--data", str(data), "--out", str(run), *TRAIN,
+              log=tmp_path / "log")
         runs.append(run)
     a, b = T.final(runs[0]), T.final(runs[1])
     assert a["world_size"] == b["world_size"] == 2 and a["steps"] == b["steps"] == 8

@@ -27,7 +27,8 @@ from opengem.train.resume import position_after, shared_data_boundary
 pytestmark = pytest.mark.distributed
 
 STEPS, BATCH = 12, 64  # each rank holds about 1,000 training rows: 15 full batches
-TRAIN = (f"train.max_steps={STEPS}", f"data.batch_size={BATCH}", "train.log_every=1", "optim.warmup_steps=2")
+TRAIN = (f"train.max_steps={STEPS}", f"data.batch_size={BATCH}", "train.log_every=1",
+         "optim.warmup_steps=2")
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +40,15 @@ def tiny_data(tmp_path_factory):
 
 def _train_args(data, run, *extra, resume=False):
     flags = ("--resume",) if resume else ()
-    return ("train", "--recipe", "tiny", "--data", str(data), "--out", str(run), *flags, *TRAIN, *extra)
+    return ("train", "--recipe", "tiny", "--data", str(data), "--out", str(run), *flags, *TRAIN,
+            *extra)
 
 
 @pytest.fixture(scope="module")
 def run_a(tiny_data, tmp_path_factory):
     run = tmp_path_factory.mktemp("a") / "run"
-    T.run(2, *_train_args(tiny_data, run, "parallel.default_sharding=table_wise"), log=run.parent / "log")
+    T.run(2, *_train_args(tiny_data, run, "parallel.default_sharding=table_wise"),
+          log=run.parent / "log")
     return run
 
 
@@ -53,10 +56,12 @@ def test_layouts_agree_and_the_checkpoint_loads_in_one_process(tiny_data, run_a,
     from opengem.run import load_run_model
     from opengem.train.trainer import params_sha256
 
-    T.run(2, *_train_args(tiny_data, tmp_path / "b", "parallel.default_sharding=row_wise"), log=tmp_path / "log")
+    T.run(2, *_train_args(tiny_data, tmp_path / "b", "parallel.default_sharding=row_wise"),
+          log=tmp_path / "log")
     a, b = T.final(run_a), T.final(tmp_path / "b")
     assert (a["steps"], a["world_size"], len(a["peak_rss_mb"])) == (STEPS, 2, 2)
-    assert a["examples"] == b["examples"] == STEPS * 2 * BATCH  # every step: both ranks' full batches
+    # every step: both ranks' full batches
+    assert a["examples"] == b["examples"] == STEPS * 2 * BATCH
     assert len(a["params_sha256"]) == 64 and a["parameters"]["total"] > a["parameters"]["dense"] > 0
     assert "table_wise" in "\n".join(a["parallel"]["sparse_plan"])
     assert "row_wise" in "\n".join(b["parallel"]["sparse_plan"])
@@ -66,8 +71,8 @@ def test_layouts_agree_and_the_checkpoint_loads_in_one_process(tiny_data, run_a,
 
     model, _, _ = load_run_model(run_a)  # the plain single-process model from the 2-rank checkpoint
     assert params_sha256(model) == a["params_sha256"]
-    # The tiny recipe's EMA: every rank wrote its shards of the average as the model and of the training
-    # weights beside it; both load into one process, and they differ.
+    # The tiny recipe's EMA: every rank wrote its shards of the average as the model and of the
+    # training weights beside it; both load into one process, and they differ.
     import torch
 
     from opengem.checkpoint import latest_checkpoint, load_tensors
@@ -81,7 +86,21 @@ def test_layouts_agree_and_the_checkpoint_loads_in_one_process(tiny_data, run_a,
     load_tensors(ckpt, {EMA_KEY: dense_ema(trained, 0.9).params})
     assert params_sha256(trained) != a["params_sha256"]
     out = tmp_path / "eval.json"
-    assert main(["--quiet", "evaluate", "--run", str(run_a), "--data", str(tiny_data), "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--quiet",
+                "evaluate",
+                "--run",
+                str(run_a),
+                "--data",
+                str(tiny_data),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     ev = json.loads(out.read_text())
     assert ev["metrics"]["all/click"]["n"] > 0 and 0 < ev["metrics"]["all/click"]["auc"] < 1
 
@@ -91,7 +110,8 @@ def test_killed_rank_then_resume_is_bit_identical(tiny_data, run_a, tmp_path):
     layout = ("parallel.default_sharding=table_wise", "train.ckpt_every=2")
     proc = T.start(2, *_train_args(tiny_data, run, *layout), log=log)
     try:
-        T.wait_for(lambda: (checkpoint_dir(run) / "LATEST").exists(), 240, "the first checkpoint", proc, log)
+        T.wait_for(lambda: (checkpoint_dir(run) / "LATEST").exists(), 240, "the first checkpoint",
+                   proc, log)
         pid = T.wait_for(lambda: T.worker_pid(proc, 1), 10, "rank 1's pid", proc, log)
         os.kill(pid, signal.SIGKILL)
         assert proc.wait(timeout=120) != 0
@@ -101,57 +121,82 @@ def test_killed_rank_then_resume_is_bit_identical(tiny_data, run_a, tmp_path):
     killed_at = (checkpoint_dir(run) / "LATEST").read_text()
     T.run(2, *_train_args(tiny_data, run, *layout, resume=True), log=log)
     a, c = T.final(run_a), T.final(run)
-    assert (c["steps"], c["examples"], c["params_sha256"]) == (a["steps"], a["examples"], a["params_sha256"]), killed_at
+    assert (c["steps"], c["examples"], c["params_sha256"]) == (
+        a["steps"],
+        a["examples"],
+        a["params_sha256"],
+    ), killed_at
     assert T.losses(run) == T.losses(run_a)  # steps redone after the checkpoint are logged once
 
 
 def test_sigterm_to_one_rank_checkpoints_both_and_resumes_bit_identical(tiny_data, run_a, tmp_path):
     run, log = tmp_path / "d", tmp_path / "log"
-    layout = ("parallel.default_sharding=table_wise",)  # no periodic checkpoints: only SIGTERM saves
+    # no periodic checkpoints: only SIGTERM saves
+    layout = ("parallel.default_sharding=table_wise",)
     proc = T.start(2, *_train_args(tiny_data, run, *layout), log=log)
     try:
         metrics = run / METRICS_FILE
-        T.wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240, "two steps", proc, log)
+        T.wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240,
+                   "two steps", proc, log)
         pid = T.wait_for(lambda: T.worker_pid(proc, 1), 10, "rank 1's pid", proc, log)
         os.kill(pid, signal.SIGTERM)
         assert proc.wait(timeout=120) != 0  # preempted, not finished
     finally:
         T.stop(proc)
-    assert not (run / FINAL_FILE).exists(), "the run finished before the SIGTERM; nothing was tested"
+    assert not (run
+                / FINAL_FILE).exists(), "the run finished before the SIGTERM; nothing was tested"
     latest = checkpoint_dir(run) / (checkpoint_dir(run) / "LATEST").read_text().strip()
-    assert sorted(p.name for p in latest.glob("trainer_state-rank*.pt")) == ["trainer_state-rank0.pt",
-                                                                             "trainer_state-rank1.pt"]
+    assert sorted(p.name for p in latest.glob("trainer_state-rank*.pt")) == [
+        "trainer_state-rank0.pt",
+        "trainer_state-rank1.pt",
+    ]
     assert "exiting with code 75" in log.read_text()
     T.run(2, *_train_args(tiny_data, run, *layout, resume=True), log=log)
     a, d = T.final(run_a), T.final(run)
-    assert (d["steps"], d["examples"], d["params_sha256"]) == (a["steps"], a["examples"], a["params_sha256"]), latest
+    assert (d["steps"], d["examples"], d["params_sha256"]) == (
+        a["steps"],
+        a["examples"],
+        a["params_sha256"],
+    ), latest
     assert T.losses(run) == T.losses(run_a)
 
 
 def test_held_out_evaluation_on_two_ranks_matches_one_process(tiny_data, run_a, tmp_path):
-    """The ranks score their own valid files (2 and 1: different numbers of batches, so the row-wise sharded
-    forward runs in lockstep), the metrics are reduced, every rank takes rank 0's stop decision; the figures
-    are those of one process scoring the saved model, and the best checkpoint loads in one process."""
+    """The ranks score their own valid files (2 and 1: different numbers of batches, so the row-wise
+    sharded forward runs in lockstep), the metrics are reduced, every rank takes rank 0's stop
+    decision; the figures are those of one process scoring the saved model, and the best checkpoint
+    loads in one process."""
     from opengem.evaluation.evaluate import evaluate_model
     from opengem.run import load_run_model
 
     run = tmp_path / "e"
-    T.run(2, *_train_args(tiny_data, run, "parallel.default_sharding=row_wise", "train.eval_every=1",
+    T.run(2,
+          *_train_args(tiny_data, run, "parallel.default_sharding=row_wise", "train.eval_every=1",
                           "train.eval_metric=all/conversion:auc", "train.early_stop_patience=1",
                           "train.keep_best=true"), log=tmp_path / "log")
-    e, lines = T.final(run), [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    e, lines = T.final(run), [json.loads(x)
+                              for x in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [x for x in lines if "eval" in x]
     assert [x["step"] for x in evals] == list(range(1, e["steps"] + 1))
-    assert e["evaluation"]["stopped_early"] and e["steps"] < STEPS  # conversion AUC is noisy at 64 rows a rank
-    train_losses, ref = [(x["step"], x["loss"]) for x in lines if "loss" in x], T.losses(run_a)[:e["steps"]]
-    assert max(abs(x - y) / abs(x) for (_, x), (_, y) in zip(train_losses, ref)) <= 1e-5  # evaluating moved nothing
+    # conversion AUC is noisy at 64 rows a rank
+    assert e["evaluation"]["stopped_early"] and e["steps"] < STEPS
+    train_losses, ref = [(x["step"], x["loss"]) for x in lines
+                         if "loss" in x], T.losses(run_a)[:e["steps"]]
+    # evaluating moved nothing
+    assert max(abs(x - y) / abs(x) for (_, x), (_, y) in zip(train_losses, ref)) <= 1e-5
     rates = json.loads((run / "base_rates.json").read_text())
-    for best, line in ((False, evals[-1]), (True, next(x for x in evals if x["step"] == e["evaluation"]["best_step"]))):
+    for best, line in ((False, evals[-1]),
+                       (True, next(x for x in evals if x["step"] == e["evaluation"]["best_step"]))):
         model, _, schema = load_run_model(run, recalibrated=False, best=best)
         one = evaluate_model(model, schema, tiny_data, "valid", rates, progress=False)["metrics"]
         for key, field in (("all/click", "ne"), ("all/click", "auc"), ("all/conversion", "auc")):
             assert one[key]["n"] == line["eval"][key]["n"] > 0
-            assert abs(one[key][field] / line["eval"][key][field] - 1) < 1e-6, (key, field, one[key], line["eval"][key])
+            assert abs(one[key][field] / line["eval"][key][field] - 1) < 1e-6, (
+                key,
+                field,
+                one[key],
+                line["eval"][key],
+            )
 
 
 def test_resume_on_another_world_size(tiny_data, run_a, tmp_path, capsys):
@@ -169,13 +214,15 @@ def test_resume_on_another_world_size(tiny_data, run_a, tmp_path, capsys):
 
 
 def _read_by(positions, n, epochs):
-    """Units (epoch, global shard) each rank has touched, by the definition in ``shared_data_boundary``."""
+    """Units (epoch, global shard) each rank has touched, by the definition
+    in ``shared_data_boundary``."""
     W, units = len(positions), []
     for r, p in enumerate(positions):
         for e in range(epochs):
             for g in range(r, n, W):
                 j = (g - r) // W
-                if (e, j) < (p["epoch"], p["shard"]) or ((e, j) == (p["epoch"], p["shard"]) and p["row"]):
+                if (e, j) < (p["epoch"], p["shard"]) or ((e, j) == (p["epoch"], p["shard"])
+                                                         and p["row"]):
                     units.append((e, g))
     return units
 
@@ -184,7 +231,8 @@ def _read_by(positions, n, epochs):
 def test_shared_data_boundary(seed):
     rng = np.random.default_rng(seed)
     n, epochs, W = int(rng.integers(1, 9)), int(rng.integers(1, 4)), int(rng.integers(1, 5))
-    positions = [{"epoch": int(rng.integers(0, epochs + 1)), "shard": 0, "row": 0} for _ in range(W)]
+    positions = [{"epoch": int(rng.integers(0, epochs + 1)), "shard": 0, "row": 0}
+                 for _ in range(W)]
     for r, p in enumerate(positions):
         if p["epoch"] < epochs:
             p["shard"] = int(rng.integers(0, len(range(r, n, W)) + 1))
@@ -200,7 +248,8 @@ def test_shared_data_boundary(seed):
         later = []
         for r in range(W2):
             p = position_after(m, n, r, W2)
-            later += [(e, g) for e in range(p["epoch"], epochs) for j, g in enumerate(range(r, n, W2))
+            later += [(e, g) for e in range(p["epoch"], epochs) for j,
+                      g in enumerate(range(r, n, W2))
                       if e > p["epoch"] or j >= p["shard"]]
         assert sorted(later) == [divmod(u, n) for u in range(m, epochs * n)]
 
@@ -209,7 +258,8 @@ def test_parallel_overrides_parse_and_validate():
     from opengem.config import Config, ConfigError, apply_overrides
     from opengem.recipes import recipe
 
-    cfg = apply_overrides(recipe("tiny"), ["parallel.dp_shard=2", "parallel.default_sharding=row_wise",
+    cfg = apply_overrides(recipe("tiny"),
+                          ["parallel.dp_shard=2", "parallel.default_sharding=row_wise",
                                            'parallel.sharding={"t_user_id": "column_wise"}'])
     assert (cfg.parallel.dp_shard, cfg.parallel.default_sharding) == (2, "row_wise")
     assert cfg.parallel.sharding == {"t_user_id": "column_wise"}

@@ -15,8 +15,8 @@ TOL = {"ac": 1e-5, "sac": 1e-5, "bf16": 3e-2, "fp8": 3e-2}
 
 @pytest.fixture(scope="module")
 def bench():
-    return run_bench(recipe("tiny"), levers=("eager", "ac", "sac", "bf16", "fp8"), warmup=1, steps=3,
-                     loader_seconds=1.0)
+    return run_bench(recipe("tiny"), levers=("eager", "ac", "sac", "bf16", "fp8"), warmup=1,
+                     steps=3, loader_seconds=1.0)
 
 
 def test_levers_match_eager_within_tolerance(bench):
@@ -62,4 +62,5 @@ def test_forward_held_bytes_counts_what_outlives_the_call():
         return kept + 0 * tmp.sum()
 
     _, held = forward_held_bytes(f, torch.device("cpu"))
-    assert 2 * 256 * 256 * 4 <= held < 3.2 * 256 * 256 * 4  # ``kept`` and the output (+ a few scalars)
+    # ``kept`` and the output (+ a few scalars)
+    assert 2 * 256 * 256 * 4 <= held < 3.2 * 256 * 256 * 4

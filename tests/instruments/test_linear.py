@@ -18,17 +18,19 @@ from opengem.testing import random_table, tiny_schema, with_events
 
 
 def test_the_columns_are_ids_their_user_by_ad_crosses_and_counters():
-    schema = tiny_schema()  # user_id (user), ad_id, category (ad), tags (multi-hot, left out); 2 domains
+    # user_id (user), ad_id, category (ad), tags (multi-hot, left out); 2 domains
+    schema = tiny_schema()
     cols = LinearColumns(schema)
     names = [g[0] for g in cols.groups]
-    assert names == ["user_id", "ad_id", "category", "domain", "user_id_x_ad_id", "user_id_x_category",
-                     "domain_x_ad_id", "domain_x_category"]
-    assert dict((g[0], g[1]) for g in cols.groups)["user_id_x_ad_id"] == 51 * 31  # OOV rows crossed too
+    assert names == ["user_id", "ad_id", "category", "domain", "user_id_x_ad_id",
+                     "user_id_x_category", "domain_x_ad_id", "domain_x_category"]
+    # OOV rows crossed too
+    assert dict((g[0], g[1]) for g in cols.groups)["user_id_x_ad_id"] == 51 * 31
     assert [g[0] for g in LinearColumns(schema, max_cross_cells=1000).groups][-3:] == [
         "user_id_x_category", "domain_x_ad_id", "domain_x_category"]  # 1,581 cells: left out
     assert cols.categorical == names and cols.names[:len(names)] == names
-    # dense raw and signed-log; s0: (all, category match) x 4 event ids x 5 tau, sums and newest, 5 shares;
-    # s1 (no attribute): 1 x 4 x 5 twice
+    # dense raw and signed-log; s0: (all, category match) x 4 event ids x 5 tau, sums and newest, 5
+    # shares; s1 (no attribute): 1 x 4 x 5 twice
     assert len(cols.names) - len(names) == 2 * 2 + (2 * 4 * 5 * 2 + 5) + 4 * 5 * 2
     table = random_table(schema, 8, seed=3)
     x = cols.batch(collate(table, schema))
@@ -41,28 +43,35 @@ def test_the_columns_are_ids_their_user_by_ad_crosses_and_counters():
 
 def test_history_counters_of_a_drawn_row():
     schema = tiny_schema()
-    table = random_table(schema, 3, seed=0, lengths={"s0": np.array([0, 0, 0]), "s1": np.array([0, 0, 0])})
+    table = random_table(schema, 3, seed=0,
+                         lengths={"s0": np.array([0, 0, 0]), "s1": np.array([0, 0, 0])})
     req, cat = (table.column(c).to_pylist()[1] for c in ("request_ts", "category"))
     table = with_events(table, 1, "s0", [req - 7200, req - 3600], {})
     cats = table.column("s0.category").to_pylist()
-    cats[1] = [(cat + 1) % 5, cat]  # the newest event, an hour old, matches the candidate's category
+    # the newest event, an hour old, matches the candidate's category
+    cats[1] = [(cat + 1) % 5, cat]
     table = table.set_column(table.schema.get_field_index("s0.category"), "s0.category",
-                             list_array(np.array(sum(cats, []), dtype=np.int64), [len(c) for c in cats]))
+                             list_array(np.array(sum(cats, []), dtype=np.int64),
+                                        [len(c) for c in cats]))
     cols = LinearColumns(schema)
     x = dict(zip(cols.names, cols.batch(collate(table, schema))[1]))
     e1, e2 = math.exp(-1), math.exp(-2)  # tau 1 h: the events' decays
     assert x["s0.log1p_sum.all.e0.tau1h"] == pytest.approx(math.log1p(e1 + e2))
     assert x["s0.log1p_sum.s0.category.e0.tau1h"] == pytest.approx(math.log1p(e1))
-    assert x["s0.newest.all.e0.tau1h"] == pytest.approx(e1) and x["s0.newest.s0.category.e0.tau1h"] == pytest.approx(e1)
+    assert x["s0.newest.all.e0.tau1h"] == pytest.approx(e1) and x[
+        "s0.newest.s0.category.e0.tau1h"
+    ] == pytest.approx(e1)
     assert x["s0.share.s0.category.tau1h"] == pytest.approx(e1 / (1 + e1 + e2))
-    assert x["s0.log1p_sum.all.e1.tau1h"] == 0 and x["s1.log1p_sum.all.e0.tau1h"] == 0  # no such events
+    # no such events
+    assert x["s0.log1p_sum.all.e1.tau1h"] == 0 and x["s1.log1p_sum.all.e0.tau1h"] == 0
     assert len(DECAY_HOURS) == 5
 
 
 def test_it_beats_the_base_rate_and_chooses_l2_on_valid(world):
     schema = FeatureSchema.load(world)
     cols = LinearColumns(schema)
-    train, valid, test = (features(world, s, schema, columns=cols) for s in ("train", "valid", "test"))
+    train, valid, test = (features(world, s, schema, columns=cols)
+                          for s in ("train", "valid", "test"))
     fits, paths = fit(train, valid, cols)
     assert all(f.l2 in L2_GRID and f.l2 in p for f, p in zip(fits, paths))
     for f, path in zip(fits, paths):  # the chosen point is the path's lowest valid log loss
@@ -70,12 +79,14 @@ def test_it_beats_the_base_rate_and_chooses_l2_on_valid(world):
     p = predict(fits, test, cols, "test")
     assert (p[:, 1] <= p[:, 0]).all()  # p(conversion) = p(click) · p(conversion | click)
     run = run_linear(world)
-    # Measured at this world (dev world 0 at quality.py --quick's size): valid click NE 0.7775, AUC 0.853
-    # (GEM's tiny recipe 0.7927 over 3 seeds), lambda 30 for click and 100 for conversion
+    # Measured at this world (dev world 0 at quality.py --quick's size): valid click NE 0.7775, AUC
+    # 0.853 (GEM's tiny recipe 0.7927 over 3 seeds), lambda 30 for click and 100 for conversion
     assert run["valid"]["all/click"]["ne"] == pytest.approx(0.7775, abs=0.01)
     assert run["valid"]["all/click"]["auc"] > 0.83 and run["metrics"]["all/click"]["ne"] < 0.85
     assert run["chosen"]["l2"] == {"click": fits[0].l2, "conversion": fits[1].l2}
-    assert run["metrics_platt"]["all/click"]["auc"] == pytest.approx(run["metrics"]["all/click"]["auc"], abs=1e-9)
+    assert run["metrics_platt"]["all/click"]["auc"] == pytest.approx(
+        run["metrics"]["all/click"]["auc"], abs=1e-9
+    )
     with pytest.raises(DisciplineError, match="test"):
         run_linear(world, tune_split="test")
 

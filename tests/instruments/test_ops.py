@@ -26,13 +26,19 @@ def test_padded_tower_equals_gems_jagged_tower(position):
     x_sum = torch.randn(6, 2, 8, requires_grad=True)
     vp, valid = bench_ops.pad_right_aligned(values.detach(), lengths, width)
     ap, _ = bench_ops.pad_right_aligned(ages, lengths, width)
-    assert valid.sum() == n and torch.equal(vp[4], values.detach()[8:19]) and torch.equal(vp[2, -3:], values[1:4])
+    assert (
+        valid.sum() == n
+        and torch.equal(vp[4], values.detach()[8:19])
+        and torch.equal(vp[2, -3:], values[1:4])
+    )
     vp.requires_grad_()
 
     jag = bench_ops.jagged_tower(tower, values, ages, lengths, x_sum)
-    g_j = torch.autograd.grad(jag.pow(2).sum(), [values, x_sum, tower.pool_q, tower.layers[0].qkv.weight])
+    g_j = torch.autograd.grad(jag.pow(2).sum(),
+                              [values, x_sum, tower.pool_q, tower.layers[0].qkv.weight])
     pad = bench_ops.padded_tower(tower, vp, ap, valid, x_sum)
-    g_p = torch.autograd.grad(pad.pow(2).sum(), [vp, x_sum, tower.pool_q, tower.layers[0].qkv.weight])
+    g_p = torch.autograd.grad(pad.pow(2).sum(),
+                              [vp, x_sum, tower.pool_q, tower.layers[0].qkv.weight])
     assert jag.shape == pad.shape == (6, 2 + 3 + 2, 8)  # pyramid: K 4 → 2 after the first layer
     torch.testing.assert_close(pad, jag, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(g_p[0][valid], g_j[0], atol=1e-5, rtol=1e-5)
@@ -45,14 +51,18 @@ def test_sequence_side_case_figures_follow_their_definitions(tmp_path):
     torch.set_num_threads(1)
     generate(world_config("tiny", seed=0), tmp_path, progress=False)
     out = bench_ops.sequence_side_case(tmp_path, "tiny", batches=2, repeats=3, inner=1)
-    assert out["batches"] == 2 and out["rows_per_batch"] == 128 and set(out["lengths"]) == {"organic", "ads"}
+    assert (
+        out["batches"] == 2
+        and out["rows_per_batch"] == 128
+        and set(out["lengths"]) == {"organic", "ads"}
+    )
     for s in out["lengths"].values():
         assert s["max"] <= 256 and s["padded_slots_over_events"] >= 1
     for mode in ("fwd", "fwd_bwd"):
         r = out[mode]["padded_over_jagged_time"]
         assert r["n"] == 3 and r["min"] <= r["q1"] <= r["median"] <= r["q3"] <= r["max"]
-        # the ratio is formed per round, so it is not the ratio of the two medians; timings belong to
-        # ``benchmarks/jagged.py`` and ``opengem bench --quick``, medians of several rounds
+        # the ratio is formed per round, so it is not the ratio of the two medians; timings belong
+        # to ``benchmarks/jagged.py`` and ``opengem bench --quick``, medians of several rounds
         assert out[mode]["jagged_ms"]["n"] == out[mode]["padded_ms"]["n"] == 3
     assert out["saved_bytes"]["padded_over_jagged"] == round(out["saved_bytes"]["padded"]
                                                              / out["saved_bytes"]["jagged"], 2)
@@ -60,7 +70,14 @@ def test_sequence_side_case_figures_follow_their_definitions(tmp_path):
 
 def test_spread_is_median_range_and_quartiles():
     s = bench_ops.spread([5.0, 1.0, 3.0, 2.0, 4.0])
-    assert (s["median"], s["min"], s["max"], s["q1"], s["q3"], s["n"]) == (3.0, 1.0, 5.0, 2.0, 4.0, 5)
+    assert (s["median"], s["min"], s["max"], s["q1"], s["q3"], s["n"]) == (
+        3.0,
+        1.0,
+        5.0,
+        2.0,
+        4.0,
+        5,
+    )
 
 
 def test_trained_tiny_fp8_and_table_compression(tmp_path):
@@ -71,4 +88,5 @@ def test_trained_tiny_fp8_and_table_compression(tmp_path):
     assert 0 < fp8["fp8_grad_rel_l2_err"] < 0.1 and fp8["fp8_grad_min_cosine"] > 0.9
     t = bench_ops.table_ne(model, test, rates)
     assert t["fp16_table_bytes_ratio"] == 2.0 and t["int8_table_bytes_ratio"] > 3
-    assert all(abs(c) < 1.0 for c in t["ne_cost_int8_pct"] + t["ne_cost_fp16_pct"])  # < 1 % NE either way
+    # < 1 % NE either way
+    assert all(abs(c) < 1.0 for c in t["ne_cost_int8_pct"] + t["ne_cost_fp16_pct"])

@@ -15,8 +15,10 @@ def test_layout_bytes_v1_over_v2_is_the_total_ratio(tmp_path):
     out = layout_bytes(world_config("tiny", seed=0), tmp_path)
     assert out["bytes_v2"]["history_columns_in_shards"] == 0 and out["bytes_v1"]["event_logs"] == 0
     assert out["bytes_v2"]["event_logs"] > 0 and out["bytes_v1"]["history_columns_in_shards"] > 0
-    assert out["dataset_bytes_v1_over_v2"] == round(out["bytes_v1"]["total"] / out["bytes_v2"]["total"], 2)
-    assert out["dataset_bytes_v1_over_v2"] > 1.5  # histories copied per row cost more than logs once per user
+    assert out["dataset_bytes_v1_over_v2"] == round(out["bytes_v1"]["total"]
+                                                    / out["bytes_v2"]["total"], 2)
+    # histories copied per row cost more than logs once per user
+    assert out["dataset_bytes_v1_over_v2"] > 1.5
 
 
 def test_loader_over_train_step_is_one_ratio_on_the_same_batches(tmp_path):

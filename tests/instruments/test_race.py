@@ -19,12 +19,21 @@ def test_time_to_quality_interpolates_the_first_crossing():
     gem = {"curve": [(1.0, 100, 0.99), (2.0, 200, 0.95), (3.0, 300, 0.90)], "final_ne": 0.90}
     peer = {"curve": [(0.5, 300, 0.95)], "final_ne": 0.95, "train_s": 4.0}
     ttq = time_to_quality(gem, peer)
-    assert ttq["gem_s_to_target"] == 2.0 and ttq["speedup"] == 2.0 and ttq["gem_pass_fraction_to_target"] == 0.667
-    assert time_to_quality(gem, {**peer, "final_ne": 0.5})["speedup"] is None  # never reached: no figure
-    between = time_to_quality(gem, {**peer, "final_ne": 0.93})  # 40 % of the way from the 2nd to the 3rd eval
+    assert (
+        ttq["gem_s_to_target"] == 2.0
+        and ttq["speedup"] == 2.0
+        and ttq["gem_pass_fraction_to_target"] == 0.667
+    )
+    # never reached: no figure
+    assert time_to_quality(gem, {**peer, "final_ne": 0.5})["speedup"] is None
+    # 40 % of the way from the 2nd to the 3rd eval
+    between = time_to_quality(gem, {**peer, "final_ne": 0.93})
     assert between["gem_s_to_target"] == 2.4 and between["gem_s_at_eval"] == 3.0
-    assert between["gem_pass_fraction_to_target"] == 0.8 and between["speedup"] == round(4.0 / 2.4, 3)
-    first = time_to_quality(gem, {**peer, "final_ne": 0.995})  # reached at the first eval: nothing before it
+    assert between["gem_pass_fraction_to_target"] == 0.8 and between["speedup"] == round(
+        4.0 / 2.4, 3
+    )
+    # reached at the first eval: nothing before it
+    first = time_to_quality(gem, {**peer, "final_ne": 0.995})
     assert first["gem_s_to_target"] == 1.0
     assert ttq["speedup_sustained"] == ttq["speedup"]  # a monotone curve: one crossing
 
@@ -33,11 +42,13 @@ def test_time_to_quality_sustained_crossing_ignores_a_dip():
     from instruments.race import time_to_quality
 
     # Dips below 0.93 at t = 2, spikes back to 0.97 at t = 3, then stays below from t = 4 on.
-    gem = {"curve": [(1.0, 100, 0.99), (2.0, 200, 0.92), (3.0, 300, 0.97), (4.0, 400, 0.91), (5.0, 500, 0.90)],
+    gem = {"curve": [(1.0, 100, 0.99), (2.0, 200, 0.92), (3.0, 300, 0.97), (4.0, 400, 0.91),
+                     (5.0, 500, 0.90)],
            "final_ne": 0.90}
     ttq = time_to_quality(gem, {"final_ne": 0.93, "train_s": 7.0})
     assert abs(ttq["gem_s_to_target"] - (1.0 + 6 / 7)) < 1e-3  # the first dip, interpolated
-    assert ttq["gem_s_to_target_sustained"] == 3.667  # 4/6 of the way from t = 3 (0.97) to t = 4 (0.91)
+    # 4/6 of the way from t = 3 (0.97) to t = 4 (0.91)
+    assert ttq["gem_s_to_target_sustained"] == 3.667
     assert ttq["gem_pass_fraction_to_target_sustained"] == round(366.67 / 500, 3)
     assert ttq["speedup_sustained"] == 1.909  # 7 / 3.667
     ends_above = time_to_quality({**gem, "curve": gem["curve"] + [(6.0, 600, 0.95)]},
@@ -55,11 +66,15 @@ def test_train_with_evals_records_a_learning_curve(tmp_path):
     out = train_with_evals(recipe("tiny"), tmp_path, eval_every=5)
     times, rows, nes = zip(*out["curve"])
     assert len(nes) >= 3 and list(times) == sorted(times) and list(rows) == sorted(rows)
-    assert all(0 < v < 1.5 for v in nes) and out["final_ne"] == nes[-1] and out["examples_per_s"] > 0
-    # The same pass with FP8 saved activations ends near the fp32 NE (the quick bench's fp8_ne_cost_pct).
+    assert (
+        all(0 < v < 1.5 for v in nes) and out["final_ne"] == nes[-1] and out["examples_per_s"] > 0
+    )
+    # The same pass with FP8 saved activations ends near the fp32 NE (the quick
+    # bench's fp8_ne_cost_pct).
     from opengem.config import apply_overrides
 
-    fp8 = train_with_evals(apply_overrides(recipe("tiny"), ["train.fp8_activations=true"]), tmp_path, eval_every=10**6)
+    fp8 = train_with_evals(apply_overrides(recipe("tiny"), ["train.fp8_activations=true"]),
+                           tmp_path, eval_every=10**6)
     assert len(fp8["curve"]) == 1 and abs(fp8["final_ne"] / out["final_ne"] - 1) < FP8_TOL
 
 
@@ -85,7 +100,8 @@ def test_widen_to_params_matches_gems_dense_size(tmp_path):
 def test_eval_schedule_and_reading_a_curve_at_a_time():
     from instruments.race import eval_schedule, ne_at
 
-    assert eval_schedule(100, 40, 10, 25) == [10, 20, 30, 40, 65, 90, 100]  # dense, then sparse, then the end
+    # dense, then sparse, then the end
+    assert eval_schedule(100, 40, 10, 25) == [10, 20, 30, 40, 65, 90, 100]
     assert eval_schedule(30, 100, 20, 20) == [20, 30]
     curve = [(1.0, 10, 0.9), (3.0, 30, 0.8)]
     assert ne_at(curve, 0.5) == 0.9  # before the first evaluation: the first
@@ -98,11 +114,15 @@ def test_budget_crossing_interpolates_in_log_seconds():
 
     points = [(2.0, 0.90), (4.0, 0.86), (8.0, 0.82)]
     halfway = budget_crossing(points, 0.84)  # halfway from 4 s to 8 s in log t
-    assert abs(halfway["gem_s_to_target"] - math.sqrt(4.0 * 8.0)) < 1e-12 and halfway["bound"] == "exact"
+    assert (
+        abs(halfway["gem_s_to_target"] - math.sqrt(4.0 * 8.0)) < 1e-12
+        and halfway["bound"] == "exact"
+    )
     assert budget_crossing(points, 0.86)["gem_s_to_target"] == 4.0  # a budget exactly at the target
     # The smallest budget already reaches it: an upper bound on GEM's time.
     assert budget_crossing(points, 0.95) == {"gem_s_to_target": 2.0, "bound": "upper"}
-    assert budget_crossing(points, 0.80) == {"gem_s_to_target": None, "bound": None}  # none reaches it: no figure
+    # none reaches it: no figure
+    assert budget_crossing(points, 0.80) == {"gem_s_to_target": None, "bound": None}
 
 
 def test_a_budget_run_stops_and_decays_at_its_budget(tmp_path):
@@ -117,13 +137,21 @@ def test_a_budget_run_stops_and_decays_at_its_budget(tmp_path):
     cfg.optim.warmup_steps = 1
     assert race_steps(tmp_path) > 3
     out = train_with_evals(cfg, tmp_path, eval_every=10**6, max_steps=3)
-    assert len(out["curve"]) == 1 and out["curve"][-1][1] == 3 * cfg.data.batch_size  # three batches, one evaluation
-    # The cosine decay is fitted to the budget: the 3rd step of 3 (1 warm-up step) is halfway down it;
-    # sized to the whole pass (14 steps) it would still be near the top.
-    assert out["last_lr_factor"] == lr_factor(2, 3, cfg.optim) == 0.1 + 0.9 * 0.5 < lr_factor(2, 14, cfg.optim)
+    # three batches, one evaluation
+    assert len(out["curve"]) == 1 and out["curve"][-1][1] == 3 * cfg.data.batch_size
+    # The cosine decay is fitted to the budget: the 3rd step of 3 (1 warm-up step) is halfway down
+    # it; sized to the whole pass (14 steps) it would still be near the top.
+    assert (
+        out["last_lr_factor"]
+        == lr_factor(2, 3, cfg.optim)
+        == 0.1 + 0.9 * 0.5
+        < lr_factor(2, 14, cfg.optim)
+    )
 
 
-def test_budget_race_doubles_gems_budget_until_it_reaches_dcns_ne_read_on_test(tmp_path, monkeypatch):
+def test_budget_race_doubles_gems_budget_until_it_reaches_dcns_ne_read_on_test(
+    tmp_path, monkeypatch
+):
     import itertools
 
     from instruments.race import budget_race
@@ -145,10 +173,13 @@ def test_budget_race_doubles_gems_budget_until_it_reaches_dcns_ne_read_on_test(t
     assert ttq["split"] == "test" and splits == ["test"] * (1 + len(gem))
     assert {r["split"] for r in [race["runs"]["dlrm_dcn"], *gem]} == {"test"}
     steps = [b["steps"] for b in ttq["budgets"]]
-    assert steps == sorted(steps) and all(b == 2 * a or b == ttq["steps"] for a, b in itertools.pairwise(steps))
-    assert ttq["sequence"] == [["dlrm_dcn", ttq["steps"]], *(["gem", n] for n in steps)]  # DLRM-DCN first by default
+    assert steps == sorted(steps) and all(b == 2 * a or b == ttq["steps"] for a,
+                                          b in itertools.pairwise(steps))
+    # DLRM-DCN first by default
+    assert ttq["sequence"] == [["dlrm_dcn", ttq["steps"]], *(["gem", n] for n in steps)]
     assert [r["final_ne"] for r in gem] == [b["final_ne"] for b in ttq["budgets"]]
-    assert all(b["final_ne"] > ttq["target_ne"] for b in ttq["budgets"][:-1])  # it stopped at the first crossing
+    # it stopped at the first crossing
+    assert all(b["final_ne"] > ttq["target_ne"] for b in ttq["budgets"][:-1])
     peer = race["runs"]["dlrm_dcn"]
     assert peer["steps"] == ttq["steps"] and ttq["target_ne"] == peer["final_ne"]
     if ttq["speedup"] is not None:
@@ -161,24 +192,30 @@ def test_budget_race_doubles_gems_budget_until_it_reaches_dcns_ne_read_on_test(t
 PASS = 64  # steps of the fake pass below
 
 
-def fake_training(monkeypatch, dcn_ne=(0.90, 0.91, 0.89, 0.90), gem_ne=lambda lr, sparse_lr, steps, seed: 0.0,
-                  steps=PASS):
-    """``train_with_evals`` replaced by a table: DLRM-DCN ends at ``dcn_ne[seed]``; GEM's NE falls by
-    0.02 per doubling of its budget from 0.98 at 2 steps (plus ``gem_ne``). Each step costs 0.1 s for
-    DLRM-DCN, 0.5 s for GEM. Returns the calls: (arch, steps, split, seed, lr, sparse_lr)."""
+def fake_training(monkeypatch, dcn_ne=(0.90, 0.91, 0.89, 0.90), gem_ne=lambda lr, sparse_lr, steps,
+                  seed: 0.0, steps=PASS):
+    """``train_with_evals`` replaced by a table: DLRM-DCN ends at ``dcn_ne[seed]``; GEM's NE falls
+    by 0.02 per doubling of its budget from 0.98 at 2 steps (plus ``gem_ne``). Each step costs 0.1 s
+    for DLRM-DCN, 0.5 s for GEM. Returns the calls: (arch, steps, split, seed, lr, sparse_lr)."""
     calls = []
 
     def fake(cfg, data, eval_every, split="valid", eval_every_kth_file=1, max_steps=None, **kw):
         arch, n, seed, o = cfg.model.arch, max_steps, cfg.train.seed, cfg.optim
         assert cfg.data.seed == seed  # both sides see the same batches
         calls.append((arch, n, split, seed, o.lr, o.sparse_lr))
-        ne = dcn_ne[seed] if arch == "dlrm_dcn" else 0.98 - 0.02 * math.log2(n / 2) + gem_ne(o.lr, o.sparse_lr, n, seed)
-        return {"arch": arch, "split": split, "final_ne": ne, "train_s": n * (0.1 if arch == "dlrm_dcn" else 0.5),
+        ne = (
+            dcn_ne[seed]
+            if arch == "dlrm_dcn"
+            else 0.98 - 0.02 * math.log2(n / 2) + gem_ne(o.lr, o.sparse_lr, n, seed)
+        )
+        return {"arch": arch, "split": split, "final_ne": ne,
+                "train_s": n * (0.1 if arch == "dlrm_dcn" else 0.5),
                 "parameters": {}, "curve": [], "examples_per_s": 1.0}
 
     monkeypatch.setattr(race_mod, "train_with_evals", fake)
     monkeypatch.setattr(race_mod, "race_steps", lambda data: steps)
-    monkeypatch.setattr(race_mod, "FeatureSchema", type("S", (), {"load": staticmethod(lambda d: _Meta(d))}))
+    monkeypatch.setattr(race_mod, "FeatureSchema",
+                        type("S", (), {"load": staticmethod(lambda d: _Meta(d))}))
     return calls
 
 
@@ -213,7 +250,8 @@ def test_tuning_scores_every_point_one_pass_on_valid_and_keeps_each_sides_best(m
     calls = fake_training(monkeypatch, gem_ne=gem_ne)
     grids = {"gem": ((1e-3, 3e-3, 1e-2), (0.3, 0.8)), "dlrm_dcn": ((3e-4, 1e-3, 3e-3), (0.3, 0.8))}
     out = tune_rates("world-7", grids=grids)
-    assert len(calls) == 12 and {(c[1], c[2]) for c in calls} == {(PASS, "valid")}  # one full pass each, on valid
+    # one full pass each, on valid
+    assert len(calls) == 12 and {(c[1], c[2]) for c in calls} == {(PASS, "valid")}
     assert [(c[0], c[4], c[5]) for c in calls[:2]] == [("gem", 1e-3, 0.3), ("gem", 1e-3, 0.8)]
     assert out["best"] == {"gem": ("optim.lr=0.003", "optim.sparse_lr=0.8"),
                            "dlrm_dcn": ("optim.lr=0.0003", "optim.sparse_lr=0.3")}
@@ -237,20 +275,30 @@ def test_the_race_interleaves_its_runs_and_reads_them_on_test(monkeypatch):
     out = race("world-1000", runs=4, smallest=1 / 32, min_steps=2, on_run=seen.append)
     runs = out["runs"]
     assert seen == runs  # each run reported as it ends
-    assert [r["seed"] for r in runs] == [0, 1, 2, 3] and {c[2] for c in calls} == {"test"} and out["split"] == "test"
+    assert (
+        [r["seed"] for r in runs] == [0, 1, 2, 3]
+        and {c[2] for c in calls} == {"test"}
+        and out["split"] == "test"
+    )
     assert [r["sequence"][0][0] for r in runs] == ["gem", "dlrm_dcn", "gem", "dlrm_dcn"]
     # Budgets 2, 4, 8, 16, 32, 64 steps end at NE 0.98, 0.96, 0.94, 0.92, 0.90, 0.88.
-    # Run 1, GEM first with no guess: through 1/8 of the pass (8 steps), then DLRM-DCN (0.90), then on to 32.
-    assert runs[0]["sequence"] == [["gem", 2], ["gem", 4], ["gem", 8], ["dlrm_dcn", PASS], ["gem", 16], ["gem", 32]]
-    # Run 3, GEM first, stops its first climb at run 2's target (0.91: 32 steps); run 3's own is 0.89.
-    assert runs[2]["sequence"] == [*(["gem", n] for n in (2, 4, 8, 16, 32)), ["dlrm_dcn", PASS], ["gem", 64]]
+    # Run 1, GEM first with no guess: through 1/8 of the pass (8 steps), then DLRM-DCN (0.90), then
+    # on to 32.
+    assert runs[0]["sequence"] == [["gem", 2], ["gem", 4], ["gem", 8], ["dlrm_dcn", PASS],
+                                   ["gem", 16], ["gem", 32]]
+    # Run 3, GEM first, stops its first climb at run 2's target (0.91: 32 steps); run 3's own
+    # is 0.89.
+    assert runs[2]["sequence"] == [*(["gem", n] for n in (2, 4, 8, 16, 32)), ["dlrm_dcn", PASS],
+                                   ["gem", 64]]
     assert runs[1]["sequence"] == [["dlrm_dcn", PASS], *(["gem", n] for n in (2, 4, 8, 16, 32))]
-    # GEM's 16 / 32 / 64 steps take 8 / 16 / 32 s, DLRM-DCN's pass 6.4 s. Run 2's target 0.91 is halfway
-    # in NE from 8 s (0.92) to 16 s (0.90): √(8 · 16) s in log-seconds; run 1's 0.90 is the 32-step
-    # budget itself; run 3's 0.89 halfway from 16 s to 32 s.
+    # GEM's 16 / 32 / 64 steps take 8 / 16 / 32 s, DLRM-DCN's pass 6.4 s. Run 2's target 0.91 is
+    # halfway in NE from 8 s (0.92) to 16 s (0.90): √(8 · 16) s in log-seconds; run 1's 0.90 is the
+    # 32-step budget itself; run 3's 0.89 halfway from 16 s to 32 s.
     assert runs[1]["gem_s_to_target"] == pytest.approx(8 * math.sqrt(2), abs=1e-3)
     assert runs[1]["speedup"] == round(6.4 / (8 * math.sqrt(2)), 3)
-    assert runs[0]["speedup"] == round(6.4 / 16, 3) and runs[2]["speedup"] == round(6.4 / (16 * math.sqrt(2)), 3)
+    assert runs[0]["speedup"] == round(6.4 / 16, 3) and runs[2]["speedup"] == round(
+        6.4 / (16 * math.sqrt(2)), 3
+    )
     s = out["speedup"]
     speedups = sorted(r["speedup"] for r in runs)
     assert s["runs"] == 4 and s["min"] == speedups[0] and s["max"] == speedups[-1]
@@ -260,8 +308,10 @@ def test_the_race_interleaves_its_runs_and_reads_them_on_test(monkeypatch):
 def test_a_gem_first_run_without_a_guess_stops_at_the_rounded_eighth(monkeypatch):
     from instruments.race import budget_ladder, budget_race
 
-    fake_training(monkeypatch, dcn_ne=(0.0,), steps=1939)  # a target no budget reaches: GEM climbs the whole ladder
-    assert budget_ladder(1939)[:4] == [61, 121, 242, 485]  # 1/8 of 1,939 steps rounds to 242, not 242.4
+    # a target no budget reaches: GEM climbs the whole ladder
+    fake_training(monkeypatch, dcn_ne=(0.0,), steps=1939)
+    # 1/8 of 1,939 steps rounds to 242, not 242.4
+    assert budget_ladder(1939)[:4] == [61, 121, 242, 485]
     seq = budget_race("world-1000", gem_first=True)["ttq"]["sequence"]
     assert seq[:4] == [["gem", 61], ["gem", 121], ["gem", 242], ["dlrm_dcn", 1939]]
 
@@ -269,9 +319,11 @@ def test_a_gem_first_run_without_a_guess_stops_at_the_rounded_eighth(monkeypatch
 def test_spread_is_the_median_and_min_max_with_missing_runs_ranked_slowest():
     from instruments.race import spread
 
-    assert spread([1.2, 0.9, 1.5]) == {"median": 1.2, "min": 0.9, "max": 1.5, "runs": 3, "missing": 0}
+    assert spread([1.2, 0.9, 1.5]) == {"median": 1.2, "min": 0.9, "max": 1.5, "runs": 3,
+                                       "missing": 0}
     assert spread([1.0, 4.0, 2.0, 3.0])["median"] == 2.5
-    assert spread([None, 1.0, 2.0]) == {"median": 1.0, "min": None, "max": 2.0, "runs": 3, "missing": 1}
+    assert spread([None, 1.0, 2.0]) == {"median": 1.0, "min": None, "max": 2.0, "runs": 3,
+                                        "missing": 1}
     assert spread([None, None, 2.0])["median"] is None
     with pytest.raises(ValueError, match="no runs"):
         spread([])

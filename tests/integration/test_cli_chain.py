@@ -7,7 +7,13 @@ import pytest
 
 from opengem.cli import main
 from opengem.discipline import DisciplineError
-from opengem.run import BASE_RATES_FILE, EVALUATION_FILE, FINAL_FILE, METRICS_FILE, RECALIBRATION_FILE
+from opengem.run import (
+    BASE_RATES_FILE,
+    EVALUATION_FILE,
+    FINAL_FILE,
+    METRICS_FILE,
+    RECALIBRATION_FILE,
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +39,8 @@ def _base_rate_ne(data, split, base_rate):
 
 
 def _train(data, run, *extra):
-    return main(["--quiet", "train", "--recipe", "tiny", "--data", str(data), "--out", str(run), *extra])
+    return main(["--quiet", "train", "--recipe", "tiny", "--data", str(data), "--out", str(run),
+                 *extra])
 
 
 def test_generate_train_evaluate(tiny_data, tmp_path):
@@ -45,10 +52,12 @@ def test_generate_train_evaluate(tiny_data, tmp_path):
     lines = [json.loads(x) for x in (run / METRICS_FILE).read_text().splitlines()]
     assert lines[-1]["step"] == final["steps"] and lines[-1]["loss"] > 0
     out = tmp_path / "eval.json"
-    assert main(["--quiet", "evaluate", "--run", str(run), "--data", str(tiny_data), "--json", str(out),
-                 "--signal"]) == 0
+    assert main(["--quiet", "evaluate", "--run", str(run), "--data", str(tiny_data), "--json",
+                 str(out), "--signal"]) == 0
     ev = json.loads(out.read_text())
-    assert {"surface", "position", "sequence", "segment_category"} <= set(ev["signal"]["click"]["slopes"])
+    assert {"surface", "position", "sequence", "segment_category"} <= set(
+        ev["signal"]["click"]["slopes"]
+    )
     assert all(math.isfinite(v) for v in ev["signal"]["click"]["slopes"].values())
     for key in ("all/click", "all/conversion", "feed/click"):
         m = ev["metrics"][key]
@@ -61,10 +70,10 @@ def test_generate_train_evaluate(tiny_data, tmp_path):
     # NE is normalised by the training base rate recorded by the run
     rates = json.loads((run / BASE_RATES_FILE).read_text())
     assert abs(ev["metrics"]["feed/click"]["base_rate"] - rates["feed/click"]) < 1e-12
-    # The GEM beats the base rate by a stated margin. Measured (2 epochs, world seed 1, test day, 1,040
-    # rows): click NE 1.064, where always predicting the training base rate (0.033; the test day's
-    # click rate is 0.047) scores 1.330, so both NEs exceed 1. Bounds: the measured NE + 0.04, and a
-    # lead of at least 0.2 over the base rate (measured 0.27); training is deterministic, the
+    # The GEM beats the base rate by a stated margin. Measured (2 epochs, world seed 1, test day,
+    # 1,040 rows): click NE 1.064, where always predicting the training base rate (0.033; the test
+    # day's click rate is 0.047) scores 1.330, so both NEs exceed 1. Bounds: the measured NE + 0.04,
+    # and a lead of at least 0.2 over the base rate (measured 0.27); training is deterministic, the
     # allowance covers other CPUs' float arithmetic.
     click = ev["metrics"]["all/click"]
     ne_base = _base_rate_ne(tiny_data, "test", click["base_rate"])
@@ -96,12 +105,27 @@ def test_recalibrate_on_valid_then_every_reader_sees_the_offsets(tiny_data, tmp_
 
     run = tmp_path / "run"
     assert _train(tiny_data, run) == 0
-    assert main(["--quiet", "recalibrate", "--run", str(run), "--data", str(tiny_data), "--split", "test"]) == 2
+    assert (
+        main(
+            [
+                "--quiet",
+                "recalibrate",
+                "--run",
+                str(run),
+                "--data",
+                str(tiny_data),
+                "--split",
+                "test",
+            ]
+        )
+        == 2
+    )
     assert "test split" in capsys.readouterr().err and not (run / RECALIBRATION_FILE).exists()
     assert main(["--quiet", "recalibrate", "--run", str(run), "--data", str(tiny_data)]) == 0
     rec = json.loads((run / RECALIBRATION_FILE).read_text())
     assert rec["split"] == "valid" and rec["rows"] > 0
-    assert set(rec["offsets"]) == {f"{d}/{t}" for d in ("feed", "video", "messaging") for t in ("click", "conversion")}
+    assert set(rec["offsets"]) == {f"{d}/{t}" for d in ("feed", "video", "messaging")
+                                   for t in ("click", "conversion")}
     assert any(abs(v) > 1e-4 for v in rec["offsets"].values())
     assert "recalibrated on valid" in capsys.readouterr().out
     # the recalibrated model's click logit is the raw model's plus its domain's offset
@@ -115,10 +139,30 @@ def test_recalibrate_on_valid_then_every_reader_sees_the_offsets(tiny_data, tmp_
     want = torch.tensor([rec["offsets"][f"{names[d]}/click"] for d in batch.domain.tolist()])
     assert torch.allclose(diff, want, atol=1e-5)
     out = tmp_path / "eval.json"
-    assert main(["--quiet", "evaluate", "--run", str(run), "--data", str(tiny_data), "--json", str(out)]) == 0
+    assert (
+        main(
+            ["--quiet", "evaluate", "--run", str(run), "--data", str(tiny_data), "--json", str(out)]
+        )
+        == 0
+    )
     assert json.loads(out.read_text())["recalibration"]["offsets"] == rec["offsets"]
-    # --form platt: a slope per task as well, folded the same way (a · raw + offset on the own logit)
-    assert main(["--quiet", "recalibrate", "--run", str(run), "--data", str(tiny_data), "--form", "platt"]) == 0
+    # --form platt: a slope per task as well, folded the same way (a · raw + offset on the
+    # own logit)
+    assert (
+        main(
+            [
+                "--quiet",
+                "recalibrate",
+                "--run",
+                str(run),
+                "--data",
+                str(tiny_data),
+                "--form",
+                "platt",
+            ]
+        )
+        == 0
+    )
     rec = json.loads((run / RECALIBRATION_FILE).read_text())
     assert rec["form"] == "platt" and set(rec["slopes"]) == {"click", "conversion"}
     assert all(v > 0 for v in rec["slopes"].values())
@@ -131,7 +175,11 @@ def test_recalibrate_on_valid_then_every_reader_sees_the_offsets(tiny_data, tmp_
     from opengem.evaluation.recalibrate import crossfit_forms
 
     forms = crossfit_forms(run, tiny_data)
-    assert set(forms) == {"click", "conversion"} and set(forms["click"]) == {"raw", "offset", "platt"}
+    assert set(forms) == {"click", "conversion"} and set(forms["click"]) == {
+        "raw",
+        "offset",
+        "platt",
+    }
     assert all(0 < v < 1 for v in forms["click"].values())
     with pytest.raises(DisciplineError):
         crossfit_forms(run, tiny_data, "test")
@@ -150,19 +198,25 @@ def test_cli_errors_are_clear(tiny_data, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_demo_runs_every_stage_and_serves(tmp_path, capsys):
-    """``opengem demo`` on the tiny preset: generate → train → evaluate → distil a VM → export it → serve
-    one request."""
+    """``opengem demo`` on the tiny preset: generate → train → evaluate → distil a VM → export it →
+    serve one request."""
     out = tmp_path / "demo"
     assert main(["--quiet", "demo", "--preset", "tiny", "--out", str(out)]) == 0
     ev = json.loads((out / EVALUATION_FILE).read_text())
     assert ev["metrics"]["all/click"]["n"] > 0 and ev["train"]["steps"] > 0
     assert ev["serving"]["runtime"] and (out / "artifact" / "manifest.json").exists()
-    assert set(ev["times"]) >= {"generate_s", "train_s", "recalibrate_s", "evaluate_s", "distill_s", "serve_s",
-                                "total_s"}
+    assert set(ev["times"]) >= {"generate_s", "train_s", "recalibrate_s", "evaluate_s", "distill_s",
+                                "serve_s", "total_s"}
     assert ev["recalibration"]["split"] == "valid"
     vm = ev["distill"]
-    assert vm["domains"] == ["video"] and vm["metrics"]["all/click"]["n"] > 0 and "click" in vm["transfer_ratio"]
+    assert (
+        vm["domains"] == ["video"]
+        and vm["metrics"]["all/click"]["n"] > 0
+        and "click" in vm["transfer_ratio"]
+    )
     served = json.loads((out / "artifact" / "manifest.json").read_text())
     assert served["model"]["recipe"] == "vm_s"  # the VM is served, not GEM
     printed = capsys.readouterr().out
-    assert "vertical model click on video" in printed and "served" in printed and "p(click)" in printed
+    assert (
+        "vertical model click on video" in printed and "served" in printed and "p(click)" in printed
+    )

@@ -1,4 +1,5 @@
-"""Fault injection on continuous training (tiny preset): ``opengem train --continue`` killed and resumed.
+"""Fault injection on continuous training (tiny preset): ``opengem train --continue`` killed
+and resumed.
 
 A stream over days 0, 1 is continued over days 2, 3 three times interrupted, each followed by the
 same command with ``--resume`` (the machinery of ``test_fault_injection``):
@@ -33,11 +34,14 @@ def _train(data, run, *extra):
 
 
 def _start(data, run, resume: bool, env: dict | None = None):
-    """``opengem train --continue RUN --days 2,3`` in a subprocess (as fi._start does for a plain run)."""
+    """``opengem train --continue RUN --days 2,3`` in a subprocess (as fi._start does for a
+    plain run)."""
     cmd = [fi.sys.executable, "-m", "opengem",
-           *_train(data, run, "--continue", str(run), "--days", "2,3", *(["--resume"] if resume else []))]
+           *_train(data, run, "--continue", str(run), "--days", "2,3",
+                   *(["--resume"] if resume else []))]
     full_env = dict(fi.os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    return fi.subprocess.Popen(cmd, cwd=fi.REPO, env=full_env, stdout=fi.subprocess.PIPE, stderr=fi.subprocess.PIPE,
+    return fi.subprocess.Popen(cmd, cwd=fi.REPO, env=full_env, stdout=fi.subprocess.PIPE,
+                               stderr=fi.subprocess.PIPE,
                                text=True)
 
 
@@ -56,7 +60,22 @@ def stream(tmp_path_factory):
     """The tiny world and a stream trained over days 0, 1 (snapshots day-00000, day-00001)."""
     root = tmp_path_factory.mktemp("stream")
     data, run = root / "data", root / "base"
-    assert main(["--quiet", "generate", "--preset", "tiny", "--out", str(data), "--seed", "1", "--no-oracle"]) == 0
+    assert (
+        main(
+            [
+                "--quiet",
+                "generate",
+                "--preset",
+                "tiny",
+                "--out",
+                str(data),
+                "--seed",
+                "1",
+                "--no-oracle",
+            ]
+        )
+        == 0
+    )
     assert main(_train(data, run, "--recipe", "tiny", "--out", str(run), "--days", "0,1")) == 0
     return data, run
 
@@ -86,7 +105,8 @@ def test_killed_and_preempted_continuation_resumes_bit_identical(stream, tmp_pat
     day1 = newest_snapshot(base)[0]
     assert params_sha256(teacher.model) == params_sha256(load_run_model(base, snapshot=day1)[0])
 
-    # 3. SIGTERM: the step in flight ends, a checkpoint there, exit code 75, day 2 published meanwhile
+    # 3. SIGTERM: the step in flight ends, a checkpoint there, exit code 75, day 2
+    #    published meanwhile
     rc, err = _kill_after(data, run, True, int(rng.integers(20, 30)), signal.SIGTERM)
     assert rc == EXIT_PREEMPTED and "SIGTERM: stopped after step" in err, err
     last = json.loads((run / METRICS_FILE).read_text().splitlines()[-1])["step"]
@@ -96,17 +116,23 @@ def test_killed_and_preempted_continuation_resumes_bit_identical(stream, tmp_pat
     assert main(_train(data, run, "--continue", str(run), "--days", "2,3", "--resume")) == 0
 
     got = json.loads((run / FINAL_FILE).read_text())
-    for key in ("steps", "examples", "params_sha256", "days", "snapshot", "quarantined", "repaired", "checkpoint"):
+    for key in ("steps", "examples", "params_sha256", "days", "snapshot", "quarantined", "repaired",
+                "checkpoint"):
         assert got[key] == want[key], key
     metrics = [json.loads(x) for x in (run / METRICS_FILE).read_text().splitlines()]
     ref_metrics = [json.loads(x) for x in (ref / METRICS_FILE).read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, want["steps"] + 1))
     assert [m["loss"] for m in metrics] == [m["loss"] for m in ref_metrics]
-    a, b = fi._state(latest_checkpoint(ref), tmp_path / "a.pt"), fi._state(latest_checkpoint(run), tmp_path / "b.pt")
+    a, b = fi._state(latest_checkpoint(ref),
+                     tmp_path / "a.pt"), fi._state(latest_checkpoint(run), tmp_path / "b.pt")
     assert a["dcp"]["optim"]["state"] and a["trainer"]["loader"]["days"] == [2, 3]
     fi._assert_identical(a, b)
     snaps, ref_snaps = list_snapshots(run), list_snapshots(ref)
-    assert [m for _, m in snaps] == [m for _, m in ref_snaps] and [m["last_day"] for _, m in snaps] == [0, 1, 2, 3]
+    assert [m for _, m in snaps] == [m for _, m in ref_snaps] and [
+        m["last_day"] for _, m in snaps
+    ] == [0, 1, 2, 3]
     assert not list(snapshot_dir(run).glob("*.tmp"))
     for (p, _), (q, _) in zip(snaps[2:], ref_snaps[2:]):
-        assert params_sha256(load_run_model(run, snapshot=p)[0]) == params_sha256(load_run_model(ref, snapshot=q)[0])
+        assert params_sha256(load_run_model(run, snapshot=p)[0]) == params_sha256(
+            load_run_model(ref, snapshot=q)[0]
+        )

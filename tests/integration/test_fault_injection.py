@@ -42,7 +42,8 @@ ARGS = ("data.batch_size=32", "train.log_every=1", "train.ckpt_every=5", "train.
 
 @pytest.fixture(scope="module")
 def bad_data(tmp_path_factory):
-    """The tiny world with 5 bad rows in its first training shard (same row count: the manifest holds)."""
+    """The tiny world with 5 bad rows in its first training shard (same row count: the
+    manifest holds)."""
     out = tmp_path_factory.mktemp("tiny") / "data"
     assert main(["--quiet", "generate", "--preset", "tiny", "--out", str(out), "--seed", "1"]) == 0
     info = DatasetManifest.load(out).split_files("train")[0]
@@ -51,19 +52,22 @@ def bad_data(tmp_path_factory):
     for name, rows, value in (("click", [3, 17, 40], 2), (dense, [5, 6], np.nan)):
         col = t.column(name).to_numpy(zero_copy_only=False).copy()
         col[rows] = value
-        t = t.set_column(t.schema.get_field_index(name), name, pa.array(col, t.schema.field(name).type))
+        t = t.set_column(t.schema.get_field_index(name), name,
+                         pa.array(col, t.schema.field(name).type))
     pq.write_table(t, out / info.path)
     return out
 
 
 def _args(data, run, *extra):
-    return ["--quiet", "train", "--recipe", "tiny", "--data", str(data), "--out", str(run), *ARGS, *extra]
+    return ["--quiet", "train", "--recipe", "tiny", "--data", str(data), "--out", str(run), *ARGS,
+            *extra]
 
 
 def _start(data, run, resume: bool, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "opengem", *_args(data, run, *(["--resume"] if resume else []))]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def _lines(run: Path) -> int:
@@ -78,14 +82,16 @@ def _wait(proc: subprocess.Popen, ready, what: str, timeout: float = 120):
         if value:
             return value
         if proc.poll() is not None:
-            raise AssertionError(f"the run ended (rc {proc.returncode}) before {what}:\n{proc.communicate()[1]}")
+            raise AssertionError(f"the run ended (rc {proc.returncode}) "
+                                 f"before {what}:\n{proc.communicate()[1]}")
         time.sleep(0.005)
     proc.kill()
     raise AssertionError(f"timed out waiting for {what}")
 
 
 def _kill_after(data, run, resume: bool, k: int, sig=signal.SIGKILL) -> tuple[int, str]:
-    """Start (or resume), send ``sig`` once ``k`` more metrics lines appeared; (return code, stderr)."""
+    """Start (or resume), send ``sig`` once ``k`` more metrics lines appeared; (return
+    code, stderr)."""
     start = _lines(run) if resume else 0
     proc = _start(data, run, resume)
     _wait(proc, lambda: _lines(run) >= start + k, f"{k} more metrics lines")
@@ -99,7 +105,8 @@ def _state(ckpt: Path, tmp: Path) -> dict:
     """Every tensor of a checkpoint (model, both optimizers) plus its trainer state."""
     dcp_to_torch_save(ckpt, tmp)
     state = torch.load(tmp, weights_only=False)
-    return {"dcp": state, "trainer": torch.load(ckpt / "trainer_state-rank0.pt", weights_only=False)}
+    return {"dcp": state,
+            "trainer": torch.load(ckpt / "trainer_state-rank0.pt", weights_only=False)}
 
 
 def _assert_identical(a, b, where: str = "") -> None:
@@ -131,7 +138,9 @@ def test_killed_and_preempted_runs_resume_bit_identical(bad_data, tmp_path):
     # 2. SIGKILL inside a save: step-N.tmp is complete, not yet renamed
     proc = _start(bad_data, run, True, {"OPENGEM_FAULT_SLEEP_IN_SAVE": "30"})
     before = latest_checkpoint(run)
-    tmp = _wait(proc, lambda: next((p.parent for p in checkpoint_dir(run).glob("step-*.tmp/trainer_state-*.pt")),
+    tmp = _wait(proc,
+                lambda: next((p.parent
+                              for p in checkpoint_dir(run).glob("step-*.tmp/trainer_state-*.pt")),
                                    None), "a checkpoint save")
     proc.kill()
     proc.communicate(timeout=60)
@@ -154,6 +163,7 @@ def test_killed_and_preempted_runs_resume_bit_identical(bad_data, tmp_path):
     ref_metrics = [json.loads(x) for x in (ref / METRICS_FILE).read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, want["steps"] + 1))
     assert [m["loss"] for m in metrics] == [m["loss"] for m in ref_metrics]
-    a, b = _state(latest_checkpoint(ref), tmp_path / "a.pt"), _state(latest_checkpoint(run), tmp_path / "b.pt")
+    a, b = _state(latest_checkpoint(ref),
+                  tmp_path / "a.pt"), _state(latest_checkpoint(run), tmp_path / "b.pt")
     assert {"model", "optim"} <= set(a["dcp"]) and a["dcp"]["optim"]["state"]
     _assert_identical(a, b)

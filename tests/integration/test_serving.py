@@ -1,5 +1,6 @@
 """Serving on the tiny preset: train → export → Predictor equality, the HTTP server's endpoints,
-every bad-request class, micro-batching, hot reload under traffic, an OpenAPI fuzz, graceful stop."""
+every bad-request class, micro-batching, hot reload under traffic, an OpenAPI fuzz,
+graceful stop."""
 
 import json
 import shutil
@@ -53,8 +54,8 @@ def tiny(tmp_path_factory):
 def artifact_b(tiny):
     """A second model with the same schema (another seed), for hot reload."""
     run = tiny.root / "run_b"
-    assert main(["--quiet", "train", "--recipe", "tiny", "--data", str(tiny.data), "--out", str(run),
-                 "train.max_steps=2", "train.seed=1"]) == 0
+    assert main(["--quiet", "train", "--recipe", "tiny", "--data", str(tiny.data), "--out",
+                 str(run), "train.max_steps=2", "train.seed=1"]) == 0
     assert _export(run, tiny.root / "artifact_b") == 0
     return tiny.root / "artifact_b"
 
@@ -78,7 +79,8 @@ def live_server(app):
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    app = create_app(tiny.artifact, limits=Limits(max_candidates=64), window_ms=5.0, max_body_bytes=4 << 20)
+    app = create_app(tiny.artifact, limits=Limits(max_candidates=64), window_ms=5.0,
+                     max_body_bytes=4 << 20)
     with live_server(app) as url, httpx.Client(base_url=url, timeout=30) as client:
         yield SimpleNamespace(url=url, client=client, app=app)
 
@@ -88,7 +90,8 @@ def _log_requests(schema, data, n_requests=6, per=5):
 
     The users with the longest organic histories come first, so truncation is exercised.
     """
-    manifest = DatasetManifest.load(data)  # either layout: v2 histories are joined from the event logs
+    # either layout: v2 histories are joined from the event logs
+    manifest = DatasetManifest.load(data)
     info = max(manifest.files, key=lambda f: f.path)
     rows = ShardReader(data, manifest, schema).read(info, schema.columns()).to_pylist()
     users = sorted(range(len(rows)), key=lambda i: -len(rows[i]["organic.item"]))
@@ -101,36 +104,42 @@ def _log_requests(schema, data, n_requests=6, per=5):
 
 
 def _reference(model, schema, reqs):
-    """The training model on the requests' rows (one extra row with a long history, as in any training
-    batch: see tests/unit/export/test_program.py::reference)."""
+    """The training model on the requests' rows (one extra row with a long history, as in any
+    training batch: see tests/unit/export/test_program.py::reference)."""
     anchor = synthetic_request(schema, 1, model.cfg.sequence.recent_len, seed=99)
     rows = [r for req in reqs + [anchor] for r in rows_of(schema, req)]
     with torch.no_grad():
-        return torch.sigmoid(model(collate(pa.Table.from_pylist(rows), schema, model.max_seq_len())).double())[:-1]
+        return torch.sigmoid(
+            model(collate(pa.Table.from_pylist(rows), schema, model.max_seq_len())).double()
+        )[:-1]
 
 
 # ------------------------------------------------------------------------------- export + predictor
 def test_round_trip_train_export_predictor_equality(tiny):
     model, _, schema = load_run_model(tiny.run)
     reqs = _log_requests(schema, tiny.data)
-    reqs[0]["candidates"][0]["ad_id"] = 10**9  # unknown ids: scored through the OOV row, as in training
+    # unknown ids: scored through the OOV row, as in training
+    reqs[0]["candidates"][0]["ad_id"] = 10**9
     reqs[1]["organic.item"][-1] = -5
     ref = _reference(model, schema, reqs)
     for runtime in ("exported", "eager"):
         p = Predictor(tiny.artifact, runtime=runtime)
         assert p.runtime == runtime
         out = [p.predict(r) for r in reqs]
-        got = np.concatenate([np.stack([o["predictions"][t] for t in schema.task_names], 1) for o in out])
+        got = np.concatenate([np.stack([o["predictions"][t] for t in schema.task_names], 1)
+                              for o in out])
         assert np.abs(got - ref.numpy()).max() < TOL, runtime
         assert out[0]["oov"] == {"ad_id": 1} and out[1]["oov"] == {"organic.item": 1}
-        assert any(o["truncated"].get("organic") for o in out)  # tiny histories reach 4,096 > the model's 256
+        # tiny histories reach 4,096 > the model's 256
+        assert any(o["truncated"].get("organic") for o in out)
         batched = p.score([p.parse(r) for r in reqs])  # one forward for all: the same answers
         assert all(np.allclose(b["predictions"]["click"], o["predictions"]["click"], atol=1e-6)
                    for b, o in zip(batched, out))
 
 
 def test_manifest_records_hashes_versions_metrics(tiny):
-    m = load_manifest(tiny.artifact, verify=("schema.json", "config.json", "weights.pt", "program.pt2"))
+    m = load_manifest(tiny.artifact,
+                      verify=("schema.json", "config.json", "weights.pt", "program.pt2"))
     assert m["format"] == "opengem-artifact" and len(m["model_version"]) == 16
     assert {"torch", "torchrec", "numpy", "python"} <= set(m["versions"])
     assert m["parity"]["max_abs_diff_exported"] < TOL
@@ -170,8 +179,14 @@ def test_endpoints(server, tiny):
     spec = c.get("/openapi.json").json()
     assert {"/v1/score", "/healthz", "/readyz", "/metrics", "/admin/reload"} <= set(spec["paths"])
     fields = spec["components"]["schemas"]["ScoreRequest"]["properties"]
-    assert {"user_id", "request_ts", "domain", "organic.item", "ads.ts", "candidates"} <= set(fields)
-    assert set(spec["components"]["schemas"]["Candidate"]["required"]) >= {"ad_id", "campaign_id", "ad_quality"}
+    assert {"user_id", "request_ts", "domain", "organic.item", "ads.ts", "candidates"} <= set(
+        fields
+    )
+    assert set(spec["components"]["schemas"]["Candidate"]["required"]) >= {
+        "ad_id",
+        "campaign_id",
+        "ad_quality",
+    }
     c.post("/v1/score", content=b"{")
     text = c.get("/metrics").text
     assert 'opengem_request_duration_seconds_bucket{le="0.005",route="/v1/score"}' in text
@@ -205,7 +220,8 @@ def _bad_requests(schema):
 def test_every_bad_request_is_a_4xx_naming_the_problem(server, tiny):
     schema = Predictor(tiny.artifact).schema
     for name, (body, status, field) in _bad_requests(schema).items():
-        r = server.client.post("/v1/score", content=body, headers={"content-type": "application/json"})
+        r = server.client.post("/v1/score", content=body,
+                               headers={"content-type": "application/json"})
         assert r.status_code == status, (name, r.text)
         err = r.json()["error"]
         assert err["field"].startswith(field) and err["message"], (name, err)
@@ -214,7 +230,8 @@ def test_every_bad_request_is_a_4xx_naming_the_problem(server, tiny):
         for _ in range(6):
             yield b" " * (1 << 20)
 
-    r = server.client.post("/v1/score", content=chunks(), headers={"content-type": "application/json"})
+    r = server.client.post("/v1/score", content=chunks(),
+                           headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["field"] == "body"
     # unknown ids are not errors: scored through the OOV rows and counted
     r = server.client.post("/v1/score", json=synthetic_request(schema, 2, 4, oov=True))
@@ -269,7 +286,8 @@ def test_hot_reload_under_traffic_drops_nothing(tiny, artifact_b):
                     failures.append(r.status_code)
                     continue
                 body = r.json()  # each answer comes whole from one model
-                if not np.allclose(body["predictions"]["click"], expected[body["model_version"]], atol=1e-6):
+                if not np.allclose(body["predictions"]["click"], expected[body["model_version"]],
+                                   atol=1e-6):
                     failures.append("mixed")
                 seen.append(body["model_version"])
 
@@ -293,7 +311,8 @@ def test_hot_reload_under_traffic_drops_nothing(tiny, artifact_b):
 
 
 def test_openapi_fuzz_has_no_server_errors(server):
-    """Schemathesis generates requests from the served OpenAPI spec, valid and invalid: never a 5xx."""
+    """Schemathesis generates requests from the served OpenAPI spec, valid and invalid: never
+    a 5xx."""
     import schemathesis
     from hypothesis import HealthCheck, given, settings
     from hypothesis.errors import Unsatisfiable
@@ -304,7 +323,8 @@ def test_openapi_fuzz_has_no_server_errors(server):
     for result in spec.get_all_operations():
         op = result.ok()
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            @settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+            @settings(max_examples=100, deadline=None, database=None,
+                      suppress_health_check=list(HealthCheck))
             @given(case=op.as_strategy(generation_mode=mode))
             def check(case):
                 r = case.call(base_url=server.url)
@@ -322,7 +342,8 @@ def test_openapi_fuzz_has_no_server_errors(server):
 # ------------------------------------------------------------------------------- the process
 def _raw_post(port: int, body: bytes, sent: threading.Event, out: list, i: int) -> None:
     s = socket.create_connection(("127.0.0.1", port))
-    s.sendall(b"POST /v1/score HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    s.sendall(b"POST /v1/score HTTP/1.1\r\nHost: t\r\nContent-Type: "
+              b"application/json\r\nConnection: close\r\n"
               b"Content-Length: %d\r\n\r\n" % len(body) + body)
     sent.set()
     data = b""
@@ -334,14 +355,17 @@ def _raw_post(port: int, body: bytes, sent: threading.Event, out: list, i: int) 
 
 def test_cli_serve_drains_open_requests_on_sigterm(tiny):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "opengem", "--quiet", "serve", "--artifact", str(tiny.artifact),
-                             "--port", str(port), "--threads", "1"], stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "opengem", "--quiet", "serve", "--artifact",
+                             str(tiny.artifact), "--port", str(port), "--threads", "1"],
+                            stderr=subprocess.DEVNULL)
     try:
         wait_ready(f"http://127.0.0.1:{port}", proc)
-        body = json.dumps(synthetic_request(Predictor(tiny.artifact).schema, 64, 200, seed=2)).encode()
+        body = json.dumps(synthetic_request(Predictor(tiny.artifact).schema, 64, 200,
+                                            seed=2)).encode()
         n = 12
         out, sent = [None] * n, [threading.Event() for _ in range(n)]
-        threads = [threading.Thread(target=_raw_post, args=(port, body, sent[i], out, i)) for i in range(n)]
+        threads = [threading.Thread(target=_raw_post, args=(port, body, sent[i], out, i))
+                   for i in range(n)]
         for t in threads:
             t.start()
         for e in sent:
@@ -374,16 +398,34 @@ def test_aoti_artifact_matches_the_training_model(tiny):
     reqs = _log_requests(schema, tiny.data, n_requests=3)
     p = Predictor(out)
     assert p.runtime == "aoti"
-    got = np.concatenate([np.stack([p.predict(r)["predictions"][t] for t in schema.task_names], 1) for r in reqs])
+    got = np.concatenate([np.stack([p.predict(r)["predictions"][t] for t in schema.task_names], 1)
+                          for r in reqs])
     assert np.abs(got - _reference(model, schema, reqs).numpy()).max() < TOL
 
 
 # ------------------------------------------------------------------------------- history store
 @pytest.fixture(scope="module")
 def history_world(tiny):
-    """The tiny world in layout v2 (same preset and seed: the artifact's schema) and its history store."""
+    """The tiny world in layout v2 (same preset and seed: the artifact's schema) and its
+    history store."""
     data, store = tiny.root / "data_v2", tiny.root / "history"
-    assert main(["--quiet", "generate", "--preset", "tiny", "--layout", "v2", "--out", str(data), "--seed", "1"]) == 0
+    assert (
+        main(
+            [
+                "--quiet",
+                "generate",
+                "--preset",
+                "tiny",
+                "--layout",
+                "v2",
+                "--out",
+                str(data),
+                "--seed",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert main(["--quiet", "history-store", "--data", str(data), "--out", str(store)]) == 0
     return SimpleNamespace(data=data, store=store)
 
@@ -395,20 +437,29 @@ def test_server_reads_histories_by_user_id_from_a_store(tiny, history_world):
 
     schema = Predictor(tiny.artifact, runtime="exported").schema
     m = DatasetManifest.load(history_world.data)
-    rows = ShardReader(history_world.data, m, schema).read(m.split_files("test")[0], schema.columns()).to_pylist()
+    rows = ShardReader(history_world.data, m, schema).read(m.split_files("test")[0],
+                                                           schema.columns()).to_pylist()
     rows = sorted(rows, key=lambda r: -len(r["organic.ts"]))[:6]
     app = create_app(tiny.artifact, runtime="exported", history=history_world.store)
     with live_server(app) as url, httpx.Client(base_url=url, timeout=30) as client:
         for row in rows:
             full, _ = split_row(schema, row)
             full["candidates"] = [split_row(schema, r)[1] for r in rows]
-            bare = {k: v for k, v in full.items() if not any(k in history_columns(s) for s in schema.sequences)}
+            bare = {k: v for k,
+                    v in full.items() if not any(k in history_columns(s) for s in schema.sequences)}
             a, b = client.post("/v1/score", json=full), client.post("/v1/score", json=bare)
             assert a.status_code == b.status_code == 200, b.text
-            assert np.abs(np.array(a.json()["predictions"]["click"]) - b.json()["predictions"]["click"]).max() < 1e-6
+            assert (
+                np.abs(
+                    np.array(a.json()["predictions"]["click"]) - b.json()["predictions"]["click"]
+                ).max()
+                < 1e-6
+            )
             assert b.json()["looked_up"]["organic"] == len(row["organic.ts"]) > 0
-        if schema.user_column not in {f.name for f in schema.sparse}:  # user_id optional: required for a lookup
-            r = client.post("/v1/score", json={k: v for k, v in bare.items() if k != schema.user_column})
+        # user_id optional: required for a lookup
+        if schema.user_column not in {f.name for f in schema.sparse}:
+            r = client.post("/v1/score",
+                            json={k: v for k, v in bare.items() if k != schema.user_column})
             assert r.status_code == 422 and r.json()["error"]["field"] == schema.user_column
         spec = client.get("/openapi.json").json()["components"]["schemas"]["ScoreRequest"]
         assert "organic.item" not in spec.get("required", [])

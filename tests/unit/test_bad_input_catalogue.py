@@ -51,7 +51,8 @@ def _load(data, tmp_path, **kw):
 
 
 def _quarantined(tmp_path, data, reason, rows):
-    """Assert ``rows`` (indices) were quarantined for ``reason``: counted, logged, in the side file."""
+    """Assert ``rows`` (indices) were quarantined for ``reason``: counted, logged, in the
+    side file."""
     loader, n = _load(data, tmp_path)
     assert loader.quarantined == {reason: len(rows)} and n == ROWS - len(rows)
     side = pq.read_table(next((tmp_path / "q").glob("*.parquet")))
@@ -64,7 +65,8 @@ def _quarantined(tmp_path, data, reason, rows):
 def test_missing_column(tmp_path):
     """Error: a model cannot be fed without it. Names the file and the column."""
     data = _write(tmp_path, random_table(tiny_schema(), ROWS))
-    pq.write_table(random_table(tiny_schema(), ROWS).drop_columns(["quality"]), data / "shards" / "s0.parquet")
+    pq.write_table(random_table(tiny_schema(), ROWS).drop_columns(["quality"]),
+                   data / "shards" / "s0.parquet")
     with pytest.raises(DataError, match=r"s0.parquet: missing columns \['quality'\]"):
         _load(data, tmp_path)
 
@@ -72,13 +74,16 @@ def test_missing_column(tmp_path):
 @pytest.mark.parametrize("column, values, words", [
     ("activity", ["x"] * ROWS, "column 'activity' is string, expected a number"),
     ("tags", list(range(ROWS)), "column 'tags' is int64, expected a list of integers"),
-    ("s0.ts", [[1.5]] * ROWS, "column 's0.ts' is list<element: double>, expected a list of integers"),
+    ("s0.ts", [[1.5]] * ROWS,
+     "column 's0.ts' is list<element: double>, expected a list of integers"),
     ("click", ["yes"] * ROWS, "column 'click' is string, expected a number"),
 ])
 def test_wrong_dtype(tmp_path, column, values, words):
-    """Error: a whole column of the wrong type is a producer bug, not a bad row. File + column + types."""
+    """Error: a whole column of the wrong type is a producer bug, not a bad row. File +
+    column + types."""
     data = _write(tmp_path, _set(random_table(tiny_schema(), ROWS), column, values))
-    with pytest.raises(DataError, match=rf"s0.parquet: {words}".replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(DataError,
+                       match=rf"s0.parquet: {words}".replace("[", r"\[").replace("(", r"\(")):
         _load(data, tmp_path)
     if column == "click":  # training reads the labels first (base rates): the same error
         with pytest.raises(DataError, match=column):
@@ -90,8 +95,12 @@ def test_nan_inf_dense(tmp_path):
     t = random_table(tiny_schema(), ROWS)
     v = t.column("activity").to_numpy().copy()
     v[[2, 5]] = [np.nan, -np.inf]
-    side = _quarantined(tmp_path, _write(tmp_path, _set(t, "activity", v)), "dense activity is NaN/inf", [2, 5])
-    assert np.isnan(side.column("activity")[0].as_py()) and side.column("activity")[1].as_py() == -np.inf
+    side = _quarantined(tmp_path, _write(tmp_path, _set(t, "activity", v)),
+                        "dense activity is NaN/inf", [2, 5])
+    assert (
+        np.isnan(side.column("activity")[0].as_py())
+        and side.column("activity")[1].as_py() == -np.inf
+    )
 
 
 @pytest.mark.parametrize("bad, reason", [([0.1, float("nan"), 0.0], "embedding content is NaN/inf"),
@@ -105,7 +114,8 @@ def test_bad_embedding_vector(tmp_path, bad, reason):
     t = random_table(schema, ROWS)
     v = t.column("content").to_pylist()
     v[1] = v[4] = bad
-    _quarantined(tmp_path, _write(tmp_path, _set(t, "content", v, pa.list_(pa.float32())), schema), reason, [1, 4])
+    _quarantined(tmp_path, _write(tmp_path, _set(t, "content", v, pa.list_(pa.float32())), schema),
+                 reason, [1, 4])
 
 
 def test_negative_or_out_of_vocab_ids(tmp_path, caplog):
@@ -119,17 +129,19 @@ def test_negative_or_out_of_vocab_ids(tmp_path, caplog):
 
 
 def test_empty_sequences_are_valid_null_ones_quarantined(tmp_path):
-    """Empty history: valid (new users), kept with length 0. A null list: quarantined (a broken join;
-    an empty history is written ``[]``)."""
+    """Empty history: valid (new users), kept with length 0. A null list: quarantined (a broken
+    join; an empty history is written ``[]``)."""
     schema = tiny_schema()
     lens = np.array([0] * ROWS)
-    loader = ShardLoader(_write(tmp_path, random_table(schema, ROWS, lengths={"s0": lens})), "train", ROWS)
+    loader = ShardLoader(_write(tmp_path, random_table(schema, ROWS, lengths={"s0": lens})),
+                         "train", ROWS)
     b = next(iter(loader))
     assert b.sequences["s0.item"].lengths().tolist() == [0] * ROWS and not loader.quarantined
     t = random_table(schema, ROWS)
     items = t.column("s0.item").to_pylist()
     items[4] = None
-    _quarantined(tmp_path / "n", _write(tmp_path / "n", _set(t, "s0.item", items, pa.list_(pa.int64()))),
+    _quarantined(tmp_path / "n",
+                 _write(tmp_path / "n", _set(t, "s0.item", items, pa.list_(pa.int64()))),
                  "s0.item is null", [4])
 
 
@@ -139,9 +151,16 @@ def test_sequences_longer_than_max(tmp_path, caplog):
     schema = tiny_schema()
     lens = np.array([70, 3] + [1] * (ROWS - 2))  # the schema's max_len is 64
     with caplog.at_level(logging.INFO, "opengem.data.loader"):
-        loader, n = _load(_write(tmp_path, random_table(schema, ROWS, lengths={"s0": lens})), tmp_path)
-    assert n == ROWS and loader.stats.truncated_rows == {"s0": 1} and loader.stats.truncated_events == {"s0": 6}
-    assert [r.levelname for r in caplog.records if "repairing truncated_rows of s0" in r.message] == ["INFO"]
+        loader, n = _load(_write(tmp_path, random_table(schema, ROWS, lengths={"s0": lens})),
+                          tmp_path)
+    assert (
+        n == ROWS
+        and loader.stats.truncated_rows == {"s0": 1}
+        and loader.stats.truncated_events == {"s0": 6}
+    )
+    assert [
+        r.levelname for r in caplog.records if "repairing truncated_rows of s0" in r.message
+    ] == ["INFO"]
 
 
 def test_timestamps_out_of_order(tmp_path):
@@ -183,7 +202,8 @@ def test_conversion_without_click(tmp_path):
 
 @pytest.mark.parametrize("damage", ["empty", "truncated", "fewer_rows"])
 def test_empty_or_truncated_parquet(tmp_path, damage):
-    """Error naming the file: a damaged shard cannot be read around (the manifest promised its rows)."""
+    """Error naming the file: a damaged shard cannot be read around (the manifest promised
+    its rows)."""
     data = _write(tmp_path, random_table(tiny_schema(), ROWS))
     path = data / "shards" / "s0.parquet"
     if damage == "empty":
@@ -192,7 +212,11 @@ def test_empty_or_truncated_parquet(tmp_path, damage):
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     else:  # readable, but not the file the manifest lists
         pq.write_table(random_table(tiny_schema(), ROWS - 2), path)
-    words = "holds 10 rows but the manifest lists 12" if damage == "fewer_rows" else "not a readable Parquet file"
+    words = (
+        "holds 10 rows but the manifest lists 12"
+        if damage == "fewer_rows"
+        else "not a readable Parquet file"
+    )
     with pytest.raises(DataError, match=f"s0.parquet: {words}"):
         _load(data, tmp_path)
 
@@ -227,9 +251,11 @@ def test_config_unknown_key_or_impossible_value(override, words):
 
 
 def test_parallel_degrees_that_do_not_fit_the_world():
-    """Error at launch, naming the degrees and the world size (only then is the world size known)."""
+    """Error at launch, naming the degrees and the world size (only then is the world
+    size known)."""
     cfg = apply_overrides(recipe("tiny"), ["parallel.dp_replicate=1", "parallel.dp_shard=2"])
-    with pytest.raises(ParallelConfigError, match=r"dp_replicate \(1\) × dp_shard \(2\) = 2, but the world size is 4"):
+    with pytest.raises(ParallelConfigError,
+                       match=r"dp_replicate \(1\) × dp_shard \(2\) = 2, but the world size is 4"):
         ParallelDims.from_config(cfg.parallel, 4)
 
 
@@ -239,7 +265,8 @@ def tiny_run(tmp_path_factory):
     """A 2-step run on a small dataset of the tiny schema, and that dataset."""
     tmp = tmp_path_factory.mktemp("run")
     data = _write(tmp, random_table(tiny_schema(), 64))
-    cfg = apply_overrides(recipe("tiny"), ["data.batch_size=32", "train.progress=false", "train.threads=1"])
+    cfg = apply_overrides(recipe("tiny"),
+                          ["data.batch_size=32", "train.progress=false", "train.threads=1"])
     train(cfg, data, tmp / "run")
     return cfg, data, tmp / "run"
 
@@ -247,10 +274,14 @@ def tiny_run(tmp_path_factory):
 def test_checkpoint_from_another_schema_or_model(tiny_run, tmp_path):
     """Error naming both sides: resuming or evaluating with another schema/model cannot be right."""
     cfg, data, run = tiny_run
-    bigger = apply_overrides(recipe("tiny"), ["data.batch_size=32", "train.progress=false", "model.embedding_dim=32"])
-    with pytest.raises(CheckpointError, match=r"from another model: model\.embedding_dim 16 vs 32 \(checkpoint vs"):
+    bigger = apply_overrides(recipe("tiny"),
+                             ["data.batch_size=32", "train.progress=false",
+                              "model.embedding_dim=32"])
+    with pytest.raises(CheckpointError,
+                       match=r"from another model: model\.embedding_dim 16 vs 32 \(checkpoint vs"):
         train(bigger, data, run, resume=True)
-    other = _write(tmp_path, random_table(tiny_schema(num_domains=3), 64), tiny_schema(num_domains=3))
+    other = _write(tmp_path, random_table(tiny_schema(num_domains=3), 64),
+                   tiny_schema(num_domains=3))
     want = f"from another schema: schema '{tiny_schema().fingerprint()}' vs '{tiny_schema(3).fingerprint()}'"
     with pytest.raises(CheckpointError, match=want):
         train(cfg, other, run, resume=True)
@@ -277,9 +308,12 @@ def test_disk_full_while_saving_a_checkpoint(tiny_run, tmp_path, monkeypatch, wh
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(*((dcp_fs, "_write_item", full) if where == "dcp" else (torch, "save", full)))
+    monkeypatch.setattr(*((dcp_fs, "_write_item", full) if where == "dcp"
+                          else (torch, "save", full)))
     more = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=2))
-    with pytest.raises(CheckpointError, match=rf"disk full while saving checkpoint {run}/checkpoints/step-00000004.tmp"
+    with pytest.raises(CheckpointError,
+                       match=rf"disk full while saving "
+                             rf"checkpoint {run}/checkpoints/step-00000004.tmp"
                        r" \(.*No space left on device\); removed it, step-00000002 is intact"):
         train(more, data, run, resume=True)
     monkeypatch.undo()

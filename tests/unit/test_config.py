@@ -5,8 +5,10 @@ from opengem.recipes import recipe, recipe_names
 
 
 def test_overrides_parse_by_declared_type():
-    cfg = apply_overrides(recipe("tiny"), ["optim.lr=0.01", "model.wukong.num_layers=3", "data.shuffle=false",
-                                           "model.wukong.mlp_dims=32,16", "model.wukong.cross_layer=dense"])
+    cfg = apply_overrides(recipe("tiny"),
+                          ["optim.lr=0.01", "model.wukong.num_layers=3", "data.shuffle=false",
+                                           "model.wukong.mlp_dims=32,16",
+                           "model.wukong.cross_layer=dense"])
     assert cfg.optim.lr == 0.01 and cfg.model.wukong.num_layers == 3 and cfg.data.shuffle is False
     assert cfg.model.wukong.mlp_dims == (32, 16) and cfg.model.wukong.cross_layer == "dense"
 
@@ -17,7 +19,10 @@ def test_overrides_leave_the_base_config_alone():
     dcn = apply_overrides(base, ["model.arch=dlrm_dcn", "optim.warmup_steps=7"])
     fp8 = apply_overrides(base, ["train.fp8_activations=true"])
     assert dcn.model.arch == "dlrm_dcn" and dcn.optim.warmup_steps == 7
-    assert fp8.model.arch == base.model.arch == "gem" and fp8.optim.warmup_steps == base.optim.warmup_steps
+    assert (
+        fp8.model.arch == base.model.arch == "gem"
+        and fp8.optim.warmup_steps == base.optim.warmup_steps
+    )
     assert fp8.train.fp8_activations and not base.train.fp8_activations
     assert base == recipe("tiny")
 
@@ -55,13 +60,16 @@ def test_unknown_recipe():
 
 @pytest.mark.parametrize("chooser", ["train.early_stop_patience=2", "train.keep_best=true"])
 def test_the_best_checkpoint_is_never_chosen_on_test(chooser):
-    """Even where the run reports on valid, the checkpoint early stopping or keep_best keeps is a choice:
+    """Even where the run reports on valid, the checkpoint early stopping or keep_best keeps is
+    a choice:
     the discipline refuses to make it on test, and the error names the key."""
     from opengem.discipline import DisciplineError
 
     base = ["data.eval_split=valid", "train.eval_every=5", chooser]
-    with pytest.raises(ConfigError, match=r"train\.eval_split='test'.*split other than 'test'") as e:
+    with pytest.raises(ConfigError,
+                       match=r"train\.eval_split='test'.*split other than 'test'") as e:
         apply_overrides(recipe("tiny"), [*base, "train.eval_split=test"])
     assert isinstance(e.value.__cause__, DisciplineError)
     apply_overrides(recipe("tiny"), [*base, "train.eval_split=valid", "data.eval_split=test"])
-    apply_overrides(recipe("tiny"), ["data.eval_split=valid", "train.eval_every=5", "train.eval_split=test"])
+    apply_overrides(recipe("tiny"),
+                    ["data.eval_split=valid", "train.eval_every=5", "train.eval_split=test"])

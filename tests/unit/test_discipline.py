@@ -36,7 +36,8 @@ def test_the_transfer_sweeps_guard_checks_the_split_it_reads(choose):
     """The guard is handed the split the choice reads, so pointing the choice at test fires it."""
     from opengem.transfer import sweep
 
-    per_seed = [{"cells": {"c": {"valid": {n: {"ne": ne} for n, ne in (("alone", 0.9), ("kd", 0.8))},
+    per_seed = [{"cells": {"c": {"valid": {n: {"ne": ne} for n,
+                                           ne in (("alone", 0.9), ("kd", 0.8))},
                                  "test": {n: {"ne": 0.5} for n in ("alone", "kd")}}}}]
     getattr(sweep, choose)(per_seed, "c", ["kd"])  # valid, the default: allowed
     with pytest.raises(DisciplineError, match="technique set.*test split"):

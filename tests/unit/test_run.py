@@ -1,5 +1,6 @@
 """The run directory: files round-trip, a missing config or checkpoint is an error naming the run,
-``load_run_model`` returns the checkpoint's model and adds the recalibration offsets when present."""
+``load_run_model`` returns the checkpoint's model and adds the recalibration offsets
+when present."""
 
 import re
 
@@ -37,14 +38,16 @@ RATES = {"click": 0.1, "d0/click": 0.12, "conversion": 0.01}
 
 
 def _run(path, checkpoint=True):
-    """A run directory as training leaves it (config, schema, base rates, one checkpoint), no data needed."""
+    """A run directory as training leaves it (config, schema, base rates, one checkpoint), no
+    data needed."""
     cfg, schema = recipe("tiny"), tiny_schema()
     save_config(path, cfg)
     save_schema(path, schema)
     save_base_rates(path, RATES)
     model = materialize(build_gem(schema, cfg.model), "cpu", seed=3, base_rates=[0.1, 0.01])
     if checkpoint:
-        save_checkpoint(path, 1, model, [], {"schema": schema.fingerprint(), "step": 1, "examples": 0})
+        save_checkpoint(path, 1, model, [],
+                        {"schema": schema.fingerprint(), "step": 1, "examples": 0})
     return model, cfg, schema
 
 
@@ -59,18 +62,22 @@ def test_files_round_trip(tmp_path):
     record = {"split": "valid", "offsets": {"d1/click": 0.2, "d0/click": -0.1}}
     save_recalibration(tmp_path, record)
     assert load_recalibration(tmp_path) == record
-    assert list(load_recalibration(tmp_path)["offsets"]) == ["d1/click", "d0/click"]  # written in the fitting's order
+    # written in the fitting's order
+    assert list(load_recalibration(tmp_path)["offsets"]) == ["d1/click", "d0/click"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [BASE_RATES_FILE, CONFIG_FILE, FINAL_FILE, RECALIBRATION_FILE, SCHEMA_FILE])  # no .tmp left
 
 
 def test_missing_config_or_checkpoint_names_the_run(tmp_path):
-    with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path}: no {CONFIG_FILE} (not a training run")):
+    with pytest.raises(CheckpointError,
+                       match=re.escape(f"{tmp_path}: no {CONFIG_FILE} (not a training run")):
         load_run_model(tmp_path)
     _run(tmp_path, checkpoint=False)
-    with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path}: no checkpoint (did training finish?)")):
+    with pytest.raises(CheckpointError,
+                       match=re.escape(f"{tmp_path}: no checkpoint (did training finish?)")):
         load_run_model(tmp_path)
-    with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path / 'elsewhere'}: no {BASE_RATES_FILE}")):
+    with pytest.raises(CheckpointError,
+                       match=re.escape(f"{tmp_path / 'elsewhere'}: no {BASE_RATES_FILE}")):
         load_base_rates(tmp_path / "elsewhere")
 
 
@@ -78,7 +85,9 @@ def test_load_run_model_adds_the_recalibration_when_present(tmp_path):
     trained, cfg, schema = _run(tmp_path)
     assert (checkpoint_dir(tmp_path) / "LATEST").exists()
     model, got_cfg, got_schema = load_run_model(tmp_path)
-    assert not model.training and got_cfg == cfg and got_schema.fingerprint() == schema.fingerprint()
+    assert (
+        not model.training and got_cfg == cfg and got_schema.fingerprint() == schema.fingerprint()
+    )
     want = trained.state_dict()
     assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
 
@@ -86,7 +95,8 @@ def test_load_run_model_adds_the_recalibration_when_present(tmp_path):
     shifted = load_run_model(tmp_path)[0].heads.out_b - trained.heads.out_b
     assert torch.allclose(shifted, torch.tensor([[0.5, 0.0], [0.0, -0.25]]))
     raw = load_run_model(tmp_path, recalibrated=False)[0]
-    assert torch.equal(raw.heads.out_b, trained.heads.out_b)  # the checkpoint itself is never changed
+    # the checkpoint itself is never changed
+    assert torch.equal(raw.heads.out_b, trained.heads.out_b)
 
 
 def test_best_means_the_kept_best_else_the_last(tmp_path, caplog):
@@ -101,7 +111,8 @@ def test_best_means_the_kept_best_else_the_last(tmp_path, caplog):
     assert use_best(tmp_path, "best") and not use_best(tmp_path, "last")
     assert torch.equal(load_run_model(tmp_path, best=True)[0].heads.out_w, kept.heads.out_w)
     assert torch.equal(load_run_model(tmp_path)[0].heads.out_w, trained.heads.out_w)
-    save_recalibration(tmp_path, {"offsets": {"d0/click": 0.5}})  # no "checkpoint": fitted on the last
+    # no "checkpoint": fitted on the last
+    save_recalibration(tmp_path, {"offsets": {"d0/click": 0.5}})
     with caplog.at_level("WARNING", logger="opengem.run"):
         load_run_model(tmp_path)
         assert not [r for r in caplog.records if r.name == "opengem.run"]
@@ -145,10 +156,12 @@ def test_a_platt_record_is_folded_into_heads_and_shortcut(tmp_path):
     save_base_rates(tmp_path, RATES)
     model = materialize(build_gem(schema, cfg.model), "cpu", seed=3, base_rates=[0.1, 0.01])
     assert model.shortcut is not None and model.shortcut.pairs is not None
-    with torch.no_grad():  # a trained shortcut: non-zero weights, or scaling them would test nothing
+    # a trained shortcut: non-zero weights, or scaling them would test nothing
+    with torch.no_grad():
         model.shortcut.linear.weight.normal_(std=0.3)
         model.shortcut.pairs.weight.normal_(std=0.3)
-    save_checkpoint(tmp_path, 1, model, [], {"schema": schema.fingerprint(), "step": 1, "examples": 0})
+    save_checkpoint(tmp_path, 1, model, [],
+                    {"schema": schema.fingerprint(), "step": 1, "examples": 0})
     batch = collate(random_table(schema, 64, seed=5), schema)
     raw_model = load_run_model(tmp_path)[0]
     seen = []
@@ -161,8 +174,10 @@ def test_a_platt_record_is_folded_into_heads_and_shortcut(tmp_path):
         raw = raw_model.heads.raw_logits(feats, domain, shortcut).double()
     a = torch.tensor([0.6, 1.3], dtype=torch.float64)
     add = torch.tensor([[0.2, -0.1], [-0.3, 0.4]], dtype=torch.float64)
-    save_recalibration(tmp_path, {"offsets": {"d0/click": 0.2, "d0/conversion": -0.1, "d1/click": -0.3,
-                                              "d1/conversion": 0.4}, "slopes": {"click": 0.6, "conversion": 1.3}})
+    save_recalibration(tmp_path,
+                       {"offsets": {"d0/click": 0.2, "d0/conversion": -0.1, "d1/click": -0.3,
+                                              "d1/conversion": 0.4},
+                        "slopes": {"click": 0.6, "conversion": 1.3}})
     with torch.no_grad():
         got = load_run_model(tmp_path)[0](batch).double()
         want = raw_model.heads.chain(raw * a + add[raw_model.heads.output_group(batch.domain)])

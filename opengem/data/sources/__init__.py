@@ -13,21 +13,24 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the CLI imports this package to build its parser; numpy/pyarrow load on use
     from opengem.data.parquet import DatasetManifest
 
-SOURCES = ("movielens", "open_bandit", "criteo", "avazu", "taobao", "aliccp", "aliexpress", "generic")
+SOURCES = ("movielens", "open_bandit", "criteo", "avazu", "taobao", "aliccp", "aliexpress",
+           "generic")
 
 
-def convert(source: str, in_path: str | Path, out_dir: str | Path, spec: str | Path | dict | None = None,
+def convert(source: str, in_path: str | Path, out_dir: str | Path,
+            spec: str | Path | dict | None = None,
             seed: int = 0) -> DatasetManifest:
     """Convert ``in_path`` (a ``source`` set) into a dataset directory ``out_dir``.
 
-    ``spec`` (a JSON file or dict) is required by ``generic`` and refused by the others; ``seed`` only
-    matters for random splits.
+    ``spec`` (a JSON file or dict) is required by ``generic`` and refused by the others; ``seed``
+    only matters for random splits.
     """
     if source not in SOURCES:
         raise ValueError(f"unknown source {source!r}; choose from {list(SOURCES)}")
     if (spec is None) == (source == "generic"):
         raise ValueError("--spec is required with --source generic" if spec is None
-                         else f"--spec is only for --source generic (the {source} spec is built in)")
+                         else f"--spec is only for --source generic (the {source} spec is "
+                              f"built in)")
     if source == "movielens":
         from opengem.data.sources import movielens
 

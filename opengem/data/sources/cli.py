@@ -16,12 +16,15 @@ log = logging.getLogger("opengem")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("import", help="convert a real data set (or a table + JSON spec) into Parquet shards")
+    p = subparsers.add_parser("import",
+                              help="convert a real data set (or a table + JSON spec) into "
+                                   "Parquet shards")
     p.add_argument("--source", required=True, choices=SOURCES)
     p.add_argument("--in", dest="in_path", required=True, help="the source's file or directory")
     p.add_argument("--out", required=True, help="the dataset directory to write")
     p.add_argument("--spec", default=None, help="generic only: the JSON spec naming the columns")
-    p.add_argument("--seed", type=int, default=0, help="seed of random splits (sources without time)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of random splits (sources without time)")
     p.set_defaults(handler=run)
     return p
 
@@ -30,8 +33,9 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     manifest = convert(args.source, args.in_path, args.out, spec=args.spec, seed=args.seed)
     rows = manifest.source.get("rows", {})
-    log.info("imported %s: %s rows (%s) in %d shards to %s in %.1f s", args.source, sum(rows.values()),
-             ", ".join(f"{k} {v}" for k, v in rows.items()), len(manifest.files), args.out,
+    log.info("imported %s: %s rows (%s) in %d shards to %s in %.1f s", args.source,
+             sum(rows.values()), ", ".join(f"{k} {v}" for k, v in rows.items()),
+             len(manifest.files), args.out,
              time.perf_counter() - t0)
     return {"rows": rows, "shards": len(manifest.files), "out": args.out, "layout": manifest.layout,
             "storage": manifest.source.get("storage")}

@@ -2,8 +2,9 @@
 
 Ids. Built-in adapters map raw values to contiguous ids with a vocabulary *fitted on the train split
 only*: train values get ``0..n-1`` in sorted order, a value never seen in train gets ``n`` — the
-schema's OOV row (``vocab_size = n``), so a valid/test row with a new ad is a cold start, as it would
-be in production. The generic adapter may also hash (``hash_size``) or pass pre-encoded ids through.
+schema's OOV row (``vocab_size = n``), so a valid/test row with a new ad is a cold start, as it
+would be in production. The generic adapter may also hash (``hash_size``) or pass pre-encoded
+ids through.
 
 Histories. ``history`` gives each row the events of its user with timestamp *strictly before* the
 row's request time, oldest → newest, the most recent ``max_len`` kept. An event at the same second
@@ -38,16 +39,19 @@ TRAIN, VALID, TEST = 0, 1, 2
 
 
 class SpecError(SchemaError):
-    """A source spec (the generic adapter's JSON file or a built-in spec) is invalid; names file and key."""
+    """A source spec (the generic adapter's JSON file or a built-in spec) is invalid; names file
+    and key."""
 
 
 class ColumnError(DataError):
-    """An input column is missing or holds values of the wrong kind; names file, column and value."""
+    """An input column is missing or holds values of the wrong kind; names file, column
+    and value."""
 
 
 # ------------------------------------------------------------------------------------------ ids
 class Vocab:
-    """Contiguous ids for the values seen in ``fit_values``; anything else maps to ``vocab_size`` (OOV)."""
+    """Contiguous ids for the values seen in ``fit_values``; anything else maps to
+    ``vocab_size`` (OOV)."""
 
     def __init__(self, fit_values: np.ndarray):
         self.values = np.unique(np.asarray(fit_values).astype(str))
@@ -68,11 +72,18 @@ class Vocab:
 
 
 def hash_ids(values: np.ndarray, size: int, salt: str = "") -> np.ndarray:
-    """Stable (process- and platform-independent) hash of each value's string form into ``[0, size)``."""
+    """Stable (process- and platform-independent) hash of each value's string form into
+    ``[0, size)``."""
     v = np.asarray(values).astype(str)
     uniq, inv = np.unique(v, return_inverse=True)
-    h = np.array([int.from_bytes(hashlib.blake2b((salt + u).encode(), digest_size=8).digest(), "little") % size
-                  for u in uniq], dtype=np.int64)
+    h = np.array(
+        [
+            int.from_bytes(hashlib.blake2b((salt + u).encode(), digest_size=8).digest(), "little")
+            % size
+            for u in uniq
+        ],
+        dtype=np.int64,
+    )
     return h[inv.reshape(-1)] if len(v) else np.zeros(0, dtype=np.int64)
 
 
@@ -99,7 +110,8 @@ def parse_time(values: np.ndarray, where: str, divisor: int = 1) -> np.ndarray:
         try:
             out[i] = np.datetime64(x.replace(" ", "T"), "s").astype(np.int64) - off
         except ValueError:
-            raise ColumnError(f"{where}: {str(values[i])!r} in row {i} is not a unix time or an ISO-8601 "
+            raise ColumnError(f"{where}: {str(values[i])!r} in row {i} is not a unix time or "
+                              f"an ISO-8601 "
                               "datetime") from None
     return out
 
@@ -110,11 +122,14 @@ def ranges(lo: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     lengths = np.asarray(lengths, dtype=np.int64)
     starts = np.zeros(len(lengths), dtype=np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
-    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(np.asarray(lo, dtype=np.int64) - starts, lengths)
+    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(
+        np.asarray(lo, dtype=np.int64) - starts, lengths
+    )
 
 
-def history(ev_user: np.ndarray, ev_ts: np.ndarray, ev_cols: dict[str, np.ndarray], row_user: np.ndarray,
-            row_ts: np.ndarray, max_len: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def history(ev_user: np.ndarray, ev_ts: np.ndarray, ev_cols: dict[str, np.ndarray],
+            row_user: np.ndarray, row_ts: np.ndarray,
+            max_len: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Each row's strictly-earlier events of the same user, oldest → newest, last ``max_len`` kept.
 
     Returns ``{name: (flat values, lengths)}`` for every event column plus ``"ts"``. Ties in time
@@ -129,8 +144,8 @@ def history(ev_user: np.ndarray, ev_ts: np.ndarray, ev_cols: dict[str, np.ndarra
     return out
 
 
-def prior_stats(ev_group: np.ndarray, ev_ts: np.ndarray, ev_value: np.ndarray, row_group: np.ndarray,
-                row_ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def prior_stats(ev_group: np.ndarray, ev_ts: np.ndarray, ev_value: np.ndarray,
+                row_group: np.ndarray, row_ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(count, sum of ``ev_value``) of each row's group's events strictly before the row's time."""
     order, end, start = _prior(ev_group, ev_ts, row_group, row_ts)
     csum = np.r_[0.0, np.cumsum(np.asarray(ev_value, dtype=np.float64)[order])]
@@ -138,30 +153,38 @@ def prior_stats(ev_group: np.ndarray, ev_ts: np.ndarray, ev_value: np.ndarray, r
 
 
 def _prior(ev_group, ev_ts, row_group, row_ts):
-    """Events sorted by (group, time); per row the [start, end) of its group's strictly-earlier events."""
+    """Events sorted by (group, time); per row the [start, end) of its group's
+    strictly-earlier events."""
     groups = np.unique(np.concatenate([np.asarray(ev_group), np.asarray(row_group)]))
     all_ts = np.concatenate([np.asarray(ev_ts, dtype=np.int64), np.asarray(row_ts, dtype=np.int64)])
     t0 = int(all_ts.min(initial=0))
-    bits = max(int(all_ts.max(initial=0)) - t0, 1).bit_length()  # (group, time) packed into one int64 key
+    # (group, time) packed into one int64 key
+    bits = max(int(all_ts.max(initial=0)) - t0, 1).bit_length()
     if len(groups) >= 1 << (62 - bits):
-        raise ValueError(f"{len(groups)} groups over a time span of 2^{bits} s do not fit a 63-bit key")
+        raise ValueError(f"{len(groups)} groups over a time span of 2^{bits} s do not fit a "
+                         f"63-bit key")
 
     def key(g, t):
-        return (np.searchsorted(groups, g).astype(np.int64) << bits) + (np.asarray(t, dtype=np.int64) - t0)
+        return (np.searchsorted(groups, g).astype(np.int64) << bits) + (
+            np.asarray(t, dtype=np.int64) - t0
+        )
 
     ev_key = key(ev_group, ev_ts)
     order = np.argsort(ev_key, kind="stable")
     ev_key = ev_key[order]
     row_key = key(row_group, row_ts)
-    end = np.searchsorted(ev_key, row_key, side="left")  # the first event not strictly before the row
-    start = np.searchsorted(ev_key, (row_key >> bits) << bits, side="left")  # the group's first event
+    # the first event not strictly before the row
+    end = np.searchsorted(ev_key, row_key, side="left")
+    # the group's first event
+    start = np.searchsorted(ev_key, (row_key >> bits) << bits, side="left")
     return order, end, start
 
 
 # ---------------------------------------------------------------------------------------- splits
 def split_by_time(ts: np.ndarray, valid: float, test: float) -> np.ndarray:
-    """Global time split by rank: the last ``test`` share of rows (by time, then input order) → test,
-    the ``valid`` share before it → valid, the rest → train. Returns the day (0/1/2) per row."""
+    """Global time split by rank: the last ``test`` share of rows (by time, then input order) →
+    test, the ``valid`` share before it → valid, the rest → train. Returns the day (0/1/2)
+    per row."""
     n = len(ts)
     rank = np.empty(n, dtype=np.int64)
     rank[np.argsort(ts, kind="stable")] = np.arange(n)
@@ -210,8 +233,9 @@ def write_dataset(out_dir: str | Path, schema: FeatureSchema, cols: dict, day: n
 
     One or more shards per day, rows in time order inside a day. ``splits`` defaults to day 0/1/2 →
     train/valid/test. The row counts per split go into the manifest's ``source.rows``.
-    Layout v2: one or more shards per (day, user bucket ``user_id % buckets``) and no history columns;
-    ``events(writer)`` writes the event logs (``ShardWriter.write_events``) of the same buckets.
+    Layout v2: one or more shards per (day, user bucket ``user_id % buckets``) and no history
+    columns; ``events(writer)`` writes the event logs (``ShardWriter.write_events``) of the
+    same buckets.
     """
     day = np.asarray(day, dtype=np.int32)
     splits = splits or {s: [d] for d, s in enumerate(SPLITS)}
@@ -221,7 +245,11 @@ def write_dataset(out_dir: str | Path, schema: FeatureSchema, cols: dict, day: n
     writer = ShardWriter(out_dir, schema, layout=layout)
     offsets = {k: np.r_[0, np.cumsum(v[1])] for k, v in cols.items() if isinstance(v, tuple)}
     ts = np.asarray(cols[schema.time_column])
-    bucket = np.asarray(cols[schema.user_column]) % buckets if layout == LAYOUT_V2 else np.zeros(len(day), np.int64)
+    bucket = (
+        np.asarray(cols[schema.user_column]) % buckets
+        if layout == LAYOUT_V2
+        else np.zeros(len(day), np.int64)
+    )
     for d in np.unique(day):
         for b in np.unique(bucket[day == d]):
             rows = np.flatnonzero((day == d) & (bucket == b))
@@ -259,21 +287,23 @@ def read_csv(path: str | Path, sep: str = ",", encoding: str = "utf8",
              numeric: Callable[[str], bool] | None = None) -> dict[str, np.ndarray]:
     """Every column of a CSV/TSV (``.gz`` too) as a numpy ``str`` array, header names as written.
 
-    Columns for which ``numeric(name)`` holds are parsed as float64 (blank → NaN), which is much faster
-    than strings; if one of them holds a non-number the file is read again as strings, so that
-    ``to_float`` can name the bad value.
+    Columns for which ``numeric(name)`` holds are parsed as float64 (blank → NaN), which is much
+    faster than strings; if one of them holds a non-number the file is read again as strings, so
+    that ``to_float`` can name the bad value.
     """
     import pyarrow.csv as pa_csv
 
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: file not found")
-    opts = {"read_options": pa_csv.ReadOptions(encoding=encoding), "parse_options": pa_csv.ParseOptions(delimiter=sep)}
+    opts = {"read_options": pa_csv.ReadOptions(encoding=encoding),
+            "parse_options": pa_csv.ParseOptions(delimiter=sep)}
     try:
         names = pa_csv.open_csv(path, **opts).schema.names
         types = {n: pa.float64() if numeric and numeric(n) else pa.string() for n in names}
         try:
-            table = pa_csv.read_csv(path, convert_options=pa_csv.ConvertOptions(column_types=types), **opts)
+            table = pa_csv.read_csv(path, convert_options=pa_csv.ConvertOptions(column_types=types),
+                                    **opts)
         except pa.ArrowInvalid:
             if not numeric:
                 raise
@@ -296,9 +326,11 @@ def need(cols: dict, names: list[str], where: str) -> None:
         raise ColumnError(f"{where}: missing columns {missing}; it has {sorted(cols)}")
 
 
-def to_float(values: np.ndarray, where: str, fill: float | None = None, keep_missing: bool = False) -> np.ndarray:
-    """Strings (or numbers) → float64; empty cells / nulls become ``fill`` (an error if ``fill`` is None),
-    or stay NaN with ``keep_missing`` (a ``missing="indicator"`` feature: the model flags them)."""
+def to_float(values: np.ndarray, where: str, fill: float | None = None,
+             keep_missing: bool = False) -> np.ndarray:
+    """Strings (or numbers) → float64; empty cells / nulls become ``fill`` (an error if ``fill`` is
+    None), or stay NaN with ``keep_missing`` (a ``missing="indicator"`` feature: the model
+    flags them)."""
     v = np.asarray(values)
     if v.dtype.kind not in "iufb":
         v = v.astype(str)
@@ -317,7 +349,8 @@ def to_float(values: np.ndarray, where: str, fill: float | None = None, keep_mis
         return out
     if missing.any():
         if fill is None:
-            raise ColumnError(f"{where}: empty value in row {int(np.flatnonzero(missing)[0])} (no fill given)")
+            raise ColumnError(f"{where}: empty value in row {int(np.flatnonzero(missing)[0])} "
+                              f"(no fill given)")
         out[missing] = fill
     if not np.isfinite(out).all():
         raise ColumnError(f"{where}: {float(out[~np.isfinite(out)][0])!r} is not a finite number")
@@ -325,13 +358,15 @@ def to_float(values: np.ndarray, where: str, fill: float | None = None, keep_mis
 
 
 def to_label(values: np.ndarray, where: str, positive_at: float | None = None) -> np.ndarray:
-    """A 0/1 label as int8 (``positive_at``: label = value >= threshold); other values are an error."""
+    """A 0/1 label as int8 (``positive_at``: label = value >= threshold); other values are
+    an error."""
     v = to_float(values, where)
     if positive_at is not None:
         return (v >= positive_at).astype(np.int8)
     bad = (v != 0) & (v != 1)
     if bad.any():
-        raise ColumnError(f"{where}: label value {float(v[bad][0])!r} in row {int(np.flatnonzero(bad)[0])} "
+        raise ColumnError(f"{where}: label value {float(v[bad][0])!r} in "
+                          f"row {int(np.flatnonzero(bad)[0])} "
                           "is not 0 or 1")
     return v.astype(np.int8)
 

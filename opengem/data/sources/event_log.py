@@ -3,10 +3,10 @@ per-row list columns that turn out to be prefixes of one per-user history.
 
 ``EventTable`` (``sequence.from: events``) never holds the events in memory: DuckDB reads the event
 files (CSV/TSV/Parquet), joins the users to the impressions' user ids and writes the events into
-user buckets (``PARTITION BY``, spilling to disk under ``MEMORY_LIMIT``); then one bucket at a time is
-read back sorted by (user, time) (DuckDB ``ORDER BY``), encoded and written as that bucket's log. Peak
-memory is one bucket (``EVENTS_PER_BUCKET`` events) plus DuckDB's limit, whatever the log's length.
-The input need not be sorted: the importer sorts, and says so.
+user buckets (``PARTITION BY``, spilling to disk under ``MEMORY_LIMIT``); then one bucket at a time
+is read back sorted by (user, time) (DuckDB ``ORDER BY``), encoded and written as that bucket's log.
+Peak memory is one bucket (``EVENTS_PER_BUCKET`` events) plus DuckDB's limit, whatever the log's
+length. The input need not be sorted: the importer sorts, and says so.
 
 ``list_histories`` (``sequence.from: lists``) reads per-row list columns (items, per-event times),
 builds the union per-user history and checks that the v2 join over it gives back every row's list
@@ -33,7 +33,8 @@ log = logging.getLogger("opengem")
 
 EVENTS_PER_BUCKET = 1_000_000  # one bucket's events are in memory at a time (~100 MB encoded)
 MEMORY_LIMIT = "512MB"  # DuckDB's working memory; beyond it its sort and partitioning spill to disk
-UNIT_RATIO = 30.0  # event times this many times larger/smaller than request_ts: another unit (ms vs s)
+# event times this many times larger/smaller than request_ts: another unit (ms vs s)
+UNIT_RATIO = 30.0
 
 
 def _q(s: str) -> str:
@@ -67,15 +68,16 @@ class Storage:
 
 
 class EventTable:
-    """An events table (one row per event) → the v2 event logs of one stream; see the module docstring.
+    """An events table (one row per event) → the v2 event logs of one stream; see the
+    module docstring.
 
     ``user_vocab`` maps the raw user values to the impressions' ``user_id``; events of users with no
     impression are dropped (counted). ``encoders`` are the impression columns' id encoders (the item
     and attribute columns share them); event types get contiguous ids of the values in the log.
     """
 
-    def __init__(self, spec: dict, base: Path, user_vocab: Vocab, row_user: np.ndarray, row_ts: np.ndarray,
-                 encoders: dict, attr_names: list[str], divisor: int):
+    def __init__(self, spec: dict, base: Path, user_vocab: Vocab, row_user: np.ndarray,
+                 row_ts: np.ndarray, encoders: dict, attr_names: list[str], divisor: int):
         import duckdb  # the out-of-core sort and partitioning; only this importer needs it
 
         s = spec["sequence"]
@@ -89,7 +91,8 @@ class EventTable:
         self.con = duckdb.connect(config={"memory_limit": MEMORY_LIMIT, "threads": 1,
                                           "temp_directory": str(Path(self._tmp.name) / "spill")})
         self.duckdb_error = duckdb.Error
-        users = pa.table({"u": pa.array(user_vocab.values.astype(str)), "uid": pa.array(np.arange(len(user_vocab)))})
+        users = pa.table({"u": pa.array(user_vocab.values.astype(str)),
+                          "uid": pa.array(np.arange(len(user_vocab)))})
         self.con.register("users", users)
         self.row_user, self.row_ts = row_user, row_ts
         self.last_ts = np.full(len(user_vocab), np.iinfo(np.int64).min)  # a user's last impression
@@ -99,7 +102,8 @@ class EventTable:
         self._check()
 
     def _events_view(self, divisor: int) -> None:
-        """A view of every event file: raw values as text, time as int64 seconds, file and row number."""
+        """A view of every event file: raw values as text, time as int64 seconds, file and
+        row number."""
         parts = []
         for fi, f in enumerate(self.files):
             if not f.exists():
@@ -112,7 +116,8 @@ class EventTable:
                 src = f"read_csv({_lit(f)}, header=true, all_varchar=true, delim={_lit(sep)})"
                 rn = "row_number() OVER ()"
             try:
-                types = {r[0]: r[1] for r in self.con.sql(f"DESCRIBE SELECT * FROM {src}").fetchall()}
+                types = {r[0]: r[1]
+                         for r in self.con.sql(f"DESCRIBE SELECT * FROM {src}").fetchall()}
             except self.duckdb_error as e:
                 raise ColumnError(f"{f}: not a readable events table ({e})") from e
             missing = [c for c in self.cols.values() if c not in types]
@@ -122,65 +127,82 @@ class EventTable:
             if tt.startswith("TIMESTAMP") or tt == "DATE":
                 ts = f"CAST(floor(epoch({t})) AS BIGINT)"
             elif tt == "VARCHAR":  # numbers in the spec's unit, or ISO-8601 datetimes
-                ts = (f"CASE WHEN TRY_CAST({t} AS DOUBLE) IS NOT NULL THEN CAST(floor(CAST({t} AS DOUBLE) / {divisor})"
-                      f" AS BIGINT) ELSE CAST(floor(epoch(CAST({t} AS TIMESTAMPTZ))) AS BIGINT) END")
+                ts = (f"CASE WHEN TRY_CAST({t} AS DOUBLE) IS NOT NULL THEN CAST(floor(CAST({t} AS "
+                      f"DOUBLE) / {divisor}) AS BIGINT) ELSE CAST(floor(epoch(CAST({t} AS "
+                      f"TIMESTAMPTZ))) AS BIGINT) END")
             else:
                 ts = f"CAST(floor({t} / {divisor}) AS BIGINT)"
-            vals = ", ".join(f"CAST({_q(c)} AS VARCHAR) AS {k}" for k, c in self.cols.items() if k != "time")
+            vals = ", ".join(f"CAST({_q(c)} AS VARCHAR) AS {k}" for k,
+                             c in self.cols.items() if k != "time")
             parts.append(f"SELECT {vals}, {ts} AS ts, {fi} AS fi, {rn} AS rn FROM {src}")
         self.con.sql("CREATE VIEW ev AS " + " UNION ALL ".join(parts))
 
     def _check(self) -> None:
-        """Nulls, unparseable times and times of another unit than ``request_ts``: errors naming the file."""
+        """Nulls, unparseable times and times of another unit than ``request_ts``: errors naming
+        the file."""
         try:
-            rows = self.con.sql("SELECT fi, count(*), count(*) - count(user), count(*) - count(ts), min(ts), max(ts), "
+            rows = self.con.sql("SELECT fi, count(*), count(*) - count(user), count(*) - "
+                                "count(ts), min(ts), max(ts), "
                                 "count(*) - count(item) FROM ev GROUP BY fi ORDER BY fi").fetchall()
         except self.duckdb_error as e:
-            raise ColumnError(f"{[str(f) for f in self.files]}: column {self.cols['time']!r}: a value is not a unix "
-                              f"time or an ISO-8601 datetime ({e})") from e
+            raise ColumnError(f"{[str(f) for f in self.files]}: column {self.cols['time']!r}: a "
+                              f"value is not a unix time or an ISO-8601 datetime ({e})") from e
         req_max = int(self.row_ts.max()) if len(self.row_ts) else 0
         for fi, n, null_user, null_ts, lo, hi, null_item in rows:
             f = self.files[fi]
             for col, k in ((self.cols["user"], null_user), (self.cols["time"], null_ts)):
                 if k:
-                    raise ColumnError(f"{f}: column {col!r} has {k} empty values; every event needs a user and a time")
+                    raise ColumnError(f"{f}: column {col!r} has {k} empty values; every event "
+                                      f"needs a user and a time")
             self.counts["null_items"] = self.counts.get("null_items", 0) + int(null_item)
             if hi is None or req_max <= 1e8:  # not unix-like times: nothing to compare against
                 continue
             if hi > UNIT_RATIO * req_max or (lo > 1e8 and hi > UNIT_RATIO * lo):
-                raise ColumnError(f"{f}: column {self.cols['time']!r}: time {hi} is {hi / req_max:.0f}x the "
-                                  f"impressions' last request_ts {req_max} (values from {lo}): times in mixed units "
+                raise ColumnError(f"{f}: column {self.cols['time']!r}: time {hi} is "
+                                  f"{hi / req_max:.0f}x the "
+                                  f"impressions' last request_ts {req_max} (values from {lo}): "
+                                  f"times in mixed units "
                                   "(ms vs s)? set sequence.time_unit")
             if 0 < hi < req_max / UNIT_RATIO:
-                raise ColumnError(f"{f}: column {self.cols['time']!r}: the latest time {hi} is {req_max / hi:.0f}x "
-                                  f"smaller than the impressions' request_ts {req_max}: times in another unit?")
+                raise ColumnError(f"{f}: column {self.cols['time']!r}: the latest time {hi} is "
+                                  f"{req_max / hi:.0f}x "
+                                  f"smaller than the impressions' request_ts {req_max}: times in "
+                                  f"another unit?")
         self.counts["events_read"] = int(sum(r[1] for r in rows))
 
     def partition(self, wanted: int | None = None) -> int:
-        """Join users, assign buckets (user id mod B) and write the events into per-bucket files on disk."""
-        known = self.con.sql("SELECT count(*) FROM ev JOIN users ON ev.user = users.u").fetchall()[0][0]
-        self.counts["events_of_users_without_impressions_dropped"] = self.counts["events_read"] - int(known)
+        """Join users, assign buckets (user id mod B) and write the events into per-bucket files
+        on disk."""
+        known = self.con.sql("SELECT count(*) FROM ev JOIN users ON ev.user "
+                             "= users.u").fetchall()[0][0]
+        self.counts["events_of_users_without_impressions_dropped"] = self.counts[
+            "events_read"
+        ] - int(known)
         self.buckets = n_buckets(int(known), len(self.last_ts), wanted or self.s.get("buckets"))
         keys = [k for k in self.cols if k not in ("user", "time")]
         self.parts = Path(self._tmp.name) / "parts"
-        self.con.sql(f"COPY (SELECT uid % {self.buckets} AS bucket, uid, ts, {', '.join(keys)}, fi, rn FROM ev "
-                     f"JOIN users ON ev.user = users.u) TO {_lit(self.parts)} (FORMAT parquet, PARTITION_BY (bucket))")
+        self.con.sql(f"COPY (SELECT uid % {self.buckets} AS bucket, uid, ts, {', '.join(keys)}, "
+                     f"fi, rn FROM ev JOIN users ON ev.user = users.u) TO {_lit(self.parts)} "
+                     f"(FORMAT parquet, PARTITION_BY (bucket))")
         self.keys = keys
-        log.info("import: %d events sorted by (user, time) and split into %d buckets by DuckDB (input order is "
-                 "not required)", known, self.buckets)
+        log.info("import: %d events sorted by (user, time) and split into %d buckets by DuckDB "
+                 "(input order is not required)", known, self.buckets)
         return self.buckets
 
     def stream(self, name: str, max_len: int) -> SequenceStream:
         """The stream's schema entry; event types get ids of their sorted values in the log."""
         if "event" in self.cols:
-            values = [r[0] for r in self.con.sql("SELECT DISTINCT event FROM ev WHERE event IS NOT NULL").fetchall()]
+            values = [r[0]
+                      for r in self.con.sql("SELECT DISTINCT event FROM ev WHERE event IS "
+                                            "NOT NULL").fetchall()]
             self.event_vocab = Vocab(np.array(values, dtype=str))
         else:
             self.event_vocab = None
         attrs = tuple(EventAttribute(n, self.encoders[a].vocab_size)
                       for n, a in zip(self.attr_names, self.s["attributes"]))
         n_events = self.event_vocab.vocab_size if self.event_vocab else 1
-        return SequenceStream(name, self.encoders[self.s["item"]].vocab_size, n_events, max_len, attrs)
+        return SequenceStream(name, self.encoders[self.s["item"]].vocab_size, n_events, max_len,
+                              attrs)
 
     def write(self, writer: ShardWriter, stream: SequenceStream) -> None:
         """Each bucket's log, read back sorted by (user, time, then input order) and encoded."""
@@ -202,7 +224,11 @@ class EventTable:
                 return encoder(raw)
 
             cols["item"] = enc("item", self.encoders[self.s["item"]])
-            cols["event"] = enc("event", self.event_vocab) if self.event_vocab else np.zeros(len(uid), dtype=np.int64)
+            cols["event"] = (
+                enc("event", self.event_vocab)
+                if self.event_vocab
+                else np.zeros(len(uid), dtype=np.int64)
+            )
             for i, a in enumerate(stream.attributes):
                 cols[a.name] = enc(f"a{i}", self.encoders[self.s["attributes"][i]])
             oov["item"] += int((cols["item"] == stream.item_vocab_size).sum())
@@ -212,14 +238,17 @@ class EventTable:
                 oov[a.name] += int((cols[a.name] == a.vocab_size).sum())
             same = (uid[1:] == uid[:-1]) & (ts[1:] == ts[:-1])
             dup_time += int(same.sum())
-            order = np.lexsort([cols[k] for k in reversed(list(cols))])  # every column: exact duplicates adjacent
+            # every column: exact duplicates adjacent
+            order = np.lexsort([cols[k] for k in reversed(list(cols))])
             stacked = np.stack([cols[k][order] for k in cols], 1)
             exact += int((stacked[1:] == stacked[:-1]).all(1).sum())
             after += int((ts >= self.last_ts[uid]).sum())
             with_events[uid] = True
-            writer.write_events(stream.name, b, pa.table({k: pa.array(v, pa.int64()) for k, v in cols.items()}))
+            writer.write_events(stream.name, b,
+                                pa.table({k: pa.array(v, pa.int64()) for k, v in cols.items()}))
         self.counts |= {"events_at_or_after_last_impression_kept_unused": after,
-                        "events_sharing_user_and_time": dup_time, "exact_duplicate_events_kept": exact,
+                        "events_sharing_user_and_time": dup_time,
+                        "exact_duplicate_events_kept": exact,
                         "users_without_events": int((~with_events).sum())}
         self.counts |= {f"{k}_out_of_range_to_oov": v for k, v in oov.items() if v}
         if exact:
@@ -228,7 +257,8 @@ class EventTable:
         self._tmp.cleanup()
 
     def storage(self) -> Storage:
-        return Storage(LAYOUT_V2, "an events table: every history is a time-prefix of its user's log",
+        return Storage(LAYOUT_V2,
+                       "an events table: every history is a time-prefix of its user's log",
                        self.buckets, self.counts)
 
 
@@ -238,7 +268,8 @@ def list_times(col: pa.ChunkedArray, where: str, divisor: int) -> np.ndarray:
     if pa.types.is_timestamp(values.type):
         return pc.cast(pc.cast(values, pa.timestamp("s", values.type.tz)), pa.int64()).to_numpy()
     if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
-        raise ColumnError(f"{where}: a list of {values.type}, expected times (list<int64> or list<timestamp>)")
+        raise ColumnError(f"{where}: a list of {values.type}, expected times (list<int64> "
+                          f"or list<timestamp>)")
     v = values.to_numpy(zero_copy_only=False)
     if np.isnan(v.astype(np.float64)).any():
         raise ColumnError(f"{where}: an empty time in a list")
@@ -253,17 +284,20 @@ def read_lists(frames, spec: dict, item_encoder) -> tuple[np.ndarray, np.ndarray
         it, tm = table[s["column"]], table[s["times"]]
         for c, col in ((s["column"], it), (s["times"], tm)):
             if not isinstance(col, (pa.ChunkedArray, pa.Array)) or not pa.types.is_list(col.type):
-                raise ColumnError(f"{name}: column {c!r} is not a Parquet list column (sequence from lists)")
+                raise ColumnError(f"{name}: column {c!r} is not a Parquet list column "
+                                  f"(sequence from lists)")
         li = pc.fill_null(pc.list_value_length(it), 0).to_numpy()
         lt = pc.fill_null(pc.list_value_length(tm), 0).to_numpy()
         bad = np.flatnonzero(li != lt)
         if len(bad):
             i = int(bad[0])
-            raise ColumnError(f"{name}: columns {s['column']!r} and {s['times']!r} differ in length in row {i} "
-                              f"({li[i]} items, {lt[i]} times; {len(bad)} such rows)")
+            raise ColumnError(f"{name}: columns {s['column']!r} and {s['times']!r} differ in "
+                              f"length in row {i} ({li[i]} items, {lt[i]} times; {len(bad)} "
+                              f"such rows)")
         rows.append(n0 + np.repeat(np.arange(len(li)), li))
         raw = pc.list_flatten(it).to_numpy(zero_copy_only=False)
-        items.append(item_encoder(np.asarray(raw).astype(str)) if len(raw) else np.zeros(0, dtype=np.int64))
+        items.append(item_encoder(np.asarray(raw).astype(str)) if len(raw)
+                     else np.zeros(0, dtype=np.int64))
         times.append(list_times(tm, f"{name} column {s['times']!r}", _divisor(s)))
         n0 += len(li)
     return np.concatenate(rows), np.concatenate(items), np.concatenate(times)
@@ -275,7 +309,8 @@ def _divisor(s: dict) -> int:
     return _TIME_UNITS[s.get("time_unit", "s")]
 
 
-def list_histories(frames, spec: dict, c: dict, item_encoder) -> tuple[SequenceStream, Storage, dict | None]:
+def list_histories(frames, spec: dict, c: dict,
+                   item_encoder) -> tuple[SequenceStream, Storage, dict | None]:
     """Rows' own lists → v1 history columns in ``c``, or (if every list is what the v2 join over the
     union per-user history gives back) that history as event tables per bucket. Returns the stream,
     the storage decision and ``{bucket: table}`` for v2 (None for v1)."""
@@ -286,7 +321,8 @@ def list_histories(frames, spec: dict, c: dict, item_encoder) -> tuple[SequenceS
     late = ts >= req[row]
     counts = {"events_at_or_after_the_impression_dropped": int(late.sum())}
     row, item, ts = row[~late], item[~late], ts[~late]
-    order = np.lexsort((item, ts, row))  # a row's events by time (then item: one canonical order of a second)
+    # a row's events by time (then item: one canonical order of a second)
+    order = np.lexsort((item, ts, row))
     row, item, ts = row[order], item[order], ts[order]
     n_rows = len(user)
     length = np.bincount(row, minlength=n_rows)
@@ -295,7 +331,8 @@ def list_histories(frames, spec: dict, c: dict, item_encoder) -> tuple[SequenceS
     length = np.bincount(row, minlength=n_rows)
     counts["events_over_max_len_cut"] = int((~keep).sum())
     stream = SequenceStream(name, item_encoder.vocab_size, 1, max_len)
-    # The union history: every distinct (user, ts, item), sorted; the v2 join over it must give each row back.
+    # The union history: every distinct (user, ts, item), sorted; the v2 join over it must give each
+    # row back.
     eu = user[row]
     o = np.lexsort((item, ts, eu))
     eu, ets, eit = eu[o], ts[o], item[o]
@@ -309,7 +346,8 @@ def list_histories(frames, spec: dict, c: dict, item_encoder) -> tuple[SequenceS
         tables = {}
         for b in range(buckets):
             m = eu % buckets == b
-            tables[b] = pa.table({"user_id": pa.array(eu[m]), "ts": pa.array(ets[m]), "item": pa.array(eit[m]),
+            tables[b] = pa.table({"user_id": pa.array(eu[m]), "ts": pa.array(ets[m]),
+                                  "item": pa.array(eit[m]),
                                   "event": pa.array(np.zeros(int(m.sum()), dtype=np.int64))})
         why = "every row's list is the time-prefix of one per-user history"
         counts["events_stored"] = len(eu)
@@ -322,7 +360,8 @@ def list_histories(frames, spec: dict, c: dict, item_encoder) -> tuple[SequenceS
     differs = (item[a] != joined["item"][0][b]) | (ts[a] != joined["ts"][0][b])
     bad_row[ok[np.unique(np.repeat(np.arange(len(ok)), length[ok])[differs])]] = True
     bad = np.flatnonzero(bad_row)
-    why = (f"{len(bad)} of {n_rows} rows' lists are not the time-prefix of one per-user history (first: row {bad[0]}; "
+    why = (f"{len(bad)} of {n_rows} rows' lists are not the time-prefix of one per-user history "
+           f"(first: row {bad[0]}; "
            "features logged at serving time?): stored per row with their times")
     c[f"{name}.item"], c[f"{name}.ts"] = (item, length), (ts, length)
     c[f"{name}.event"] = (np.zeros(len(item), dtype=np.int64), length)

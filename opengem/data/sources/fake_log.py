@@ -16,8 +16,8 @@ SPAN = 30 * 86400  # 30 days
 
 def spec(max_len: int = 50, **sequence) -> dict:
     """The generic importer's spec of a ``write_log`` directory (``sequence`` overrides)."""
-    seq = {"name": "clicks", "from": "events", "files": ["events.parquet"], "item": "item_id", "event": "action",
-           "attributes": ["cat"], "max_len": max_len} | sequence
+    seq = {"name": "clicks", "from": "events", "files": ["events.parquet"], "item": "item_id",
+           "event": "action", "attributes": ["cat"], "max_len": max_len} | sequence
     return {"files": {"train": ["impressions.parquet"], "test": []}, "user": "user", "time": "ts",
             "tasks": [{"name": "click", "column": "click"}],
             "sparse": [{"column": "item_id", "group": "ad", "vocab_size": 10_000},
@@ -27,15 +27,17 @@ def spec(max_len: int = 50, **sequence) -> dict:
 
 def write_log(out: str | Path, rows: int, users: int, events_per_user: int, seed: int = 0,
               shuffle: bool = True, chunk_users: int = 500) -> Path:
-    """``out/impressions.parquet`` (``rows`` impressions of ``users`` users) and ``out/events.parquet``
-    (``events_per_user`` events each, in shuffled order unless ``shuffle`` is False)."""
+    """``out/impressions.parquet`` (``rows`` impressions of ``users`` users) and
+    ``out/events.parquet`` (``events_per_user`` events each, in shuffled order unless ``shuffle``
+    is False)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     user = rng.integers(0, users, rows)
     item = rng.integers(0, 10_000, rows)
-    pq.write_table(pa.table({"user": user, "ts": T0 + rng.integers(SPAN // 2, SPAN, rows), "item_id": item,
-                             "cat": item % 50, "click": (rng.random(rows) < 0.1).astype(np.int64)}),
+    pq.write_table(pa.table({"user": user, "ts": T0 + rng.integers(SPAN // 2, SPAN, rows),
+                             "item_id": item, "cat": item % 50,
+                             "click": (rng.random(rows) < 0.1).astype(np.int64)}),
                    out / "impressions.parquet")
     schema = pa.schema([("user", pa.int64()), ("ts", pa.int64()), ("item_id", pa.int64()),
                         ("action", pa.string()), ("cat", pa.int64())])
@@ -51,6 +53,7 @@ def write_log(out: str | Path, rows: int, users: int, events_per_user: int, seed
                 u, ts = u[o], ts[o]
             it = rng.integers(0, 10_000, len(u))
             action = np.array(["view", "click"])[(rng.random(len(u)) < 0.2).astype(int)]
-            w.write_table(pa.table({"user": u, "ts": ts, "item_id": it, "action": action, "cat": it % 50},
+            w.write_table(pa.table({"user": u, "ts": ts, "item_id": it, "action": action,
+                                    "cat": it % 50},
                                    schema=schema))
     return out

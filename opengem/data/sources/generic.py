@@ -1,13 +1,14 @@
 """Any CSV/Parquet table + a JSON spec (see ``opengem.data.sources.spec``) → our layout, no code.
 
 ``--in`` is one table file, or a directory: with the spec's ``files`` the names are relative to it,
-without them every ``*.csv``, ``*.csv.gz``, ``*.tsv`` and ``*.parquet`` in it is read, in name order.
-Rows keep their input order as the tie-break of equal times; with no ``time`` column the row number
-(across files, in order) is the time, so "earlier" means "above".
+without them every ``*.csv``, ``*.csv.gz``, ``*.tsv`` and ``*.parquet`` in it is read, in name
+order. Rows keep their input order as the tie-break of equal times; with no ``time`` column the row
+number (across files, in order) is the time, so "earlier" means "above".
 
 Errors: a bad spec is a ``SpecError`` (file and key); a missing column, a cell that is not a number
 where one is needed, a label outside {0, 1}, a domain value not in ``domain.names`` or an embedding
-vector of another length is a ``ColumnError`` (file, column and value or row); both are ``ValueError``s.
+vector of another length is a ``ColumnError`` (file, column and value or row); both
+are ``ValueError``s.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def read_table(path: Path, sep: str = ",", numeric=None, lists: tuple[str, ...] 
                 out[name] = col
                 continue
             if pa.types.is_nested(col.type):
-                raise ColumnError(f"{path}: column {name!r} is a {col.type} column; use a delimited string (multi_hot)")
+                raise ColumnError(f"{path}: column {name!r} is a {col.type} column; use a "
+                                  f"delimited string (multi_hot)")
             v = col.to_numpy(zero_copy_only=False)
             out[name] = v if v.dtype.kind in "iufb" else v.astype(str)
         return out
@@ -81,11 +83,13 @@ def read_table(path: Path, sep: str = ",", numeric=None, lists: tuple[str, ...] 
 
 
 def input_files(in_path: str | Path, spec: dict) -> list[tuple[Path, int | None]]:
-    """(file, day or None) for every input file: the spec's ``files`` (day 0/1/2) or what ``in_path`` holds."""
+    """(file, day or None) for every input file: the spec's ``files`` (day 0/1/2) or what
+    ``in_path`` holds."""
     p = Path(in_path)
     if "files" in spec:
         base = p if p.is_dir() else p.parent
-        return [(base / f, SPLITS.index(split)) for split in SPLITS for f in spec["files"].get(split, [])]
+        return [(base / f, SPLITS.index(split)) for split in SPLITS
+                for f in spec["files"].get(split, [])]
     if p.is_dir():
         files = sorted({f for pat in _TABLES for f in p.glob(pat)})
         if not files:
@@ -94,18 +98,22 @@ def input_files(in_path: str | Path, spec: dict) -> list[tuple[Path, int | None]
     return [(p, None)]
 
 
-def convert(in_path: str | Path, out_dir: str | Path, spec: dict | str | Path, seed: int = 0) -> DatasetManifest:
-    """Write the table(s) at ``in_path`` as a dataset in ``out_dir`` per ``spec`` (a dict or a JSON file)."""
+def convert(in_path: str | Path, out_dir: str | Path, spec: dict | str | Path,
+            seed: int = 0) -> DatasetManifest:
+    """Write the table(s) at ``in_path`` as a dataset in ``out_dir`` per ``spec`` (a dict or a
+    JSON file)."""
     spec = load_spec(spec) if isinstance(spec, (str, Path)) else check_spec(spec)
     dense = {f["column"] for f in spec["dense"]}
     seq = spec.get("sequence", {})
     lists = (seq["column"], seq["times"]) if seq.get("from") == "lists" else ()
-    lists += tuple(f["column"] for f in spec["embeddings"])  # Parquet list<float> columns stay Arrow
+    # Parquet list<float> columns stay Arrow
+    lists += tuple(f["column"] for f in spec["embeddings"])
     only = set(referenced_columns(spec))
     frames = [(str(f), day, read_table(f, spec.get("sep", ","), dense.__contains__, lists, only))
               for f, day in input_files(in_path, spec)]
     base = Path(in_path) if Path(in_path).is_dir() else Path(in_path).parent
-    return convert_frames(frames, spec, out_dir, seed, {"kind": "generic", "in": str(in_path)}, base=base)
+    return convert_frames(frames, spec, out_dir, seed, {"kind": "generic", "in": str(in_path)},
+                          base=base)
 
 
 def referenced_columns(spec: dict) -> list[str]:
@@ -114,13 +122,15 @@ def referenced_columns(spec: dict) -> list[str]:
     cols += [spec[k] for k in ("user", "time") if k in spec]
     cols += [spec["domain"]["column"]] if "domain" in spec else []
     seq = spec.get("sequence", {})
-    keys = {"rows": ("event",), "column": ("column",), "lists": ("column", "times")}.get(seq.get("from"), ())
+    keys = {"rows": ("event",), "column": ("column",),
+            "lists": ("column", "times")}.get(seq.get("from"), ())
     cols += [seq[k] for k in keys if k in seq]  # from events: those columns are the events table's
     return list(dict.fromkeys(cols))
 
 
-def convert_frames(frames: list[tuple[str, int | None, dict]], spec: dict, out_dir: str | Path, seed: int = 0,
-                   source: dict | None = None, base: Path | None = None) -> DatasetManifest:
+def convert_frames(frames: list[tuple[str, int | None, dict]], spec: dict, out_dir: str | Path,
+                   seed: int = 0, source: dict | None = None,
+                   base: Path | None = None) -> DatasetManifest:
     """``frames``: (file name for errors, day or None, columns). The spec must be checked already.
     ``base``: the directory the events files of ``sequence.from: events`` are relative to."""
     c, raw, day = _parse(frames, spec, seed)
@@ -134,7 +144,8 @@ def convert_frames(frames: list[tuple[str, int | None, dict]], spec: dict, out_d
             c[f["name"]] = _multi_hot(raw[f["column"]], f["multi_hot"], enc)
         else:
             c[f["name"]] = enc(raw[f["column"]])
-        sparse.append(SparseFeature(f["name"], enc.vocab_size, f["group"], multi_hot=bool(f.get("multi_hot"))))
+        sparse.append(SparseFeature(f["name"], enc.vocab_size, f["group"],
+                                    multi_hot=bool(f.get("multi_hot"))))
     embeddings = []
     for f in spec.get("embeddings", []):
         c[f["name"]], dim = _vectors(frames, f)
@@ -151,20 +162,25 @@ def convert_frames(frames: list[tuple[str, int | None, dict]], spec: dict, out_d
         stream, write = _event_table(spec, c, raw, encoders, base or Path("."), info)
         seqs = (stream,)
     elif kind == "lists":
-        stream, storage, tables = list_histories(frames, spec, c, encoders[spec["sequence"]["item"]])
+        stream, storage, tables = list_histories(frames, spec, c,
+                                                 encoders[spec["sequence"]["item"]])
         storage.report(stream.name)
         info["storage"] = storage.to_dict()
         seqs = (stream,)
         if tables is not None:
             write = {"layout": LAYOUT_V2, "buckets": storage.buckets,
-                     "events": lambda w: [w.write_events(stream.name, b, t) for b, t in tables.items()]}
+                     "events": lambda w: [w.write_events(stream.name, b, t) for b,
+                                          t in tables.items()]}
     else:
         seqs = (_sequence(spec, c, raw, encoders, train),) if "sequence" in spec else ()
     schema = FeatureSchema(
-        sparse=tuple(sparse), dense=tuple(DenseFeature(f["name"], f["group"], f.get("missing", "quarantine"))
+        sparse=tuple(sparse),
+        dense=tuple(DenseFeature(f["name"], f["group"], f.get("missing", "quarantine"))
                                           for f in spec["dense"]),
-        sequences=seqs, tasks=tuple(Task(t["name"], t["name"], requires=t.get("requires")) for t in spec["tasks"]),
-        domains=Domains(tuple(names)), meta={"source": (source or {}).get("kind", "generic"), "spec": spec},
+        sequences=seqs,
+        tasks=tuple(Task(t["name"], t["name"], requires=t.get("requires")) for t in spec["tasks"]),
+        domains=Domains(tuple(names)),
+        meta={"source": (source or {}).get("kind", "generic"), "spec": spec},
         embeddings=tuple(embeddings))
     if schema.dense_missing:  # the import report: missing values kept per feature
         info["missing"] = {schema.dense[i].name: int(np.isnan(c[schema.dense[i].name]).sum())
@@ -174,9 +190,11 @@ def convert_frames(frames: list[tuple[str, int | None, dict]], spec: dict, out_d
 
 
 def _vectors(frames, f: dict) -> tuple[tuple[np.ndarray, np.ndarray], int]:
-    """((flat float32 values, lengths), dim) of embedding column ``f`` over every frame, in row order:
+    """((flat float32 values, lengths), dim) of embedding column ``f`` over every frame, in
+    row order:
     Parquet list<number> columns as they are, strings split by ``f["sep"]``. Every row must hold
-    ``dim`` finite numbers (``f["dim"]``, else the first row's count); anything else is a ColumnError."""
+    ``dim`` finite numbers (``f["dim"]``, else the first row's count); anything else is
+    a ColumnError."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -186,16 +204,21 @@ def _vectors(frames, f: dict) -> tuple[tuple[np.ndarray, np.ndarray], int]:
         v = table[col]
         if isinstance(v, (pa.ChunkedArray, pa.Array)) and pa.types.is_nested(v.type):
             t = v.type
-            if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)) or not (
-                    pa.types.is_floating(t.value_type) or pa.types.is_integer(t.value_type)):
-                raise ColumnError(f"{where}: an embedding column must be a list of numbers, got {t}")
+            if not (
+                pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+            ) or not (pa.types.is_floating(t.value_type) or pa.types.is_integer(t.value_type)):
+                raise ColumnError(f"{where}: an embedding column must be a list of numbers, "
+                                  f"got {t}")
             if v.null_count:
                 row = int(np.flatnonzero(v.is_null().to_numpy(zero_copy_only=False))[0])
                 raise ColumnError(f"{where}: row {row} is null")
             flat = pc.list_flatten(v)
             if flat.null_count:
-                row = int(pc.list_parent_indices(v).to_numpy()[np.flatnonzero(flat.is_null().to_numpy(
-                    zero_copy_only=False))[0]])
+                row = int(
+                    pc.list_parent_indices(v).to_numpy()[
+                        np.flatnonzero(flat.is_null().to_numpy(zero_copy_only=False))[0]
+                    ]
+                )
                 raise ColumnError(f"{where}: row {row} holds a null value")
             n = pc.list_value_length(v).to_numpy(zero_copy_only=False).astype(np.int64)
             vals = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.float64)
@@ -214,7 +237,8 @@ def _vectors(frames, f: dict) -> tuple[tuple[np.ndarray, np.ndarray], int]:
             dim = int(n[0])
         off = np.flatnonzero(n != dim)
         if len(off):
-            raise ColumnError(f"{where}: row {int(off[0])} has {int(n[off[0]])} values, expected {dim} "
+            raise ColumnError(f"{where}: row {int(off[0])} has {int(n[off[0]])} values, "
+                              f"expected {dim} "
                               "(every vector of an embedding column has one length)")
         if not np.isfinite(vals).all():
             row = int(np.repeat(np.arange(len(n)), n)[np.flatnonzero(~np.isfinite(vals))[0]])
@@ -255,7 +279,8 @@ def _event_table(spec: dict, c: dict, raw: dict, encoders: dict, base: Path,
 
 
 def _parse(frames, spec: dict, seed: int) -> tuple[dict, dict, np.ndarray]:
-    """Typed output columns (labels, dense, time, user) + the raw string columns + the day per row."""
+    """Typed output columns (labels, dense, time, user) + the raw string columns + the day
+    per row."""
     cols = referenced_columns(spec)
     seq = spec.get("sequence", {})
     raw_cols = [f["column"] for f in spec["sparse"]] + [spec[k] for k in ("user",) if k in spec]
@@ -268,14 +293,16 @@ def _parse(frames, spec: dict, seed: int) -> tuple[dict, dict, np.ndarray]:
         n = len(next(iter(table.values()))) if table else 0
         for t in spec["tasks"]:
             where = f"{name} column {t['column']!r}"
-            parts.setdefault(t["name"], []).append(to_label(table[t["column"]], where, t.get("positive_at")))
+            parts.setdefault(t["name"],
+                             []).append(to_label(table[t["column"]], where, t.get("positive_at")))
         for f in spec["dense"]:
             v = to_float(table[f["column"]], f"{name} column {f['column']!r}", f.get("fill"),
                          keep_missing=f.get("missing") == "indicator")
             v = np.log1p(np.maximum(v, 0)) if f["transform"] == "log1p" else v
             parts.setdefault(f["name"], []).append(v.astype(np.float32))
         if "time" in spec:
-            ts = parse_time(table[spec["time"]], f"{name} column {spec['time']!r}", time_divisor(spec))
+            ts = parse_time(table[spec["time"]], f"{name} column {spec['time']!r}",
+                            time_divisor(spec))
             parts.setdefault("request_ts", []).append(ts)
         for col in raw_cols:
             parts.setdefault(("raw", col), []).append(np.asarray(table[col]).astype(str))
@@ -289,7 +316,8 @@ def _parse(frames, spec: dict, seed: int) -> tuple[dict, dict, np.ndarray]:
     c["domain"] = np.zeros(n, dtype=np.int64)
     by = spec["split"]
     if by["by"] == "files":
-        day = np.concatenate([np.full(k, d, dtype=np.int32) for (_, d, _), k in zip(frames, parts["_n"])])
+        day = np.concatenate([np.full(k, d, dtype=np.int32) for (_, d, _),
+                              k in zip(frames, parts["_n"])])
     elif by["by"] == "time":
         day = split_by_time(c["request_ts"], by["valid"], by["test"])
     elif by["by"] == "user_time":
@@ -307,7 +335,8 @@ class _Raw:
 
     def __call__(self, values: np.ndarray) -> np.ndarray:
         v = to_float(values, self.where, fill=-1.0)
-        return np.where((v >= 0) & (v < self.vocab_size) & (v == np.floor(v)), v, self.vocab_size).astype(np.int64)
+        return np.where((v >= 0) & (v < self.vocab_size) & (v == np.floor(v)), v,
+                        self.vocab_size).astype(np.int64)
 
 
 class _Hash:
@@ -343,14 +372,15 @@ def _domains(spec: dict, raw: dict, frames) -> list[str]:
     values = raw[d["column"]]
     names = [str(x) for x in d["names"]] if "names" in d else [str(x) for x in np.unique(values)]
     if "all" in names:  # the evaluation reports every domain pooled under this name
-        raise ColumnError(f"domain column {d['column']!r}: the value 'all' is reserved (the pooled slice); "
+        raise ColumnError(f"domain column {d['column']!r}: the value 'all' is reserved (the "
+                          f"pooled slice); "
                           "rename it in the data or in domain.names")
     if "names" not in d:
         return names
     bad = ~np.isin(values, names)
     if bad.any():
-        raise ColumnError(f"domain column {d['column']!r}: value {str(values[bad][0])!r} is not in domain.names {names} "
-                          f"(files {[f for f, _, _ in frames]})")
+        raise ColumnError(f"domain column {d['column']!r}: value {str(values[bad][0])!r} is not in "
+                          f"domain.names {names} (files {[f for f, _, _ in frames]})")
     return names
 
 
@@ -360,16 +390,20 @@ def _sequence(spec: dict, c: dict, raw: dict, encoders: dict, train: np.ndarray)
     if s["from"] == "column":
         items, lens = _multi_hot(raw[s["column"]], s["sep"], item_enc)
         row = np.repeat(np.arange(len(lens)), lens)
-        k = np.repeat(np.cumsum(lens), lens) - np.arange(len(items))  # 1 for each row's newest event
-        c[f"{name}.item"], c[f"{name}.event"] = (items, lens), (np.zeros(len(items), dtype=np.int64), lens)
+        # 1 for each row's newest event
+        k = np.repeat(np.cumsum(lens), lens) - np.arange(len(items))
+        c[f"{name}.item"], c[f"{name}.event"] = (items,
+                                                 lens), (np.zeros(len(items), dtype=np.int64), lens)
         c[f"{name}.ts"] = (c["request_ts"][row] - k, lens)
         return SequenceStream(name, item_enc.vocab_size, 1, s["max_len"])
     user = raw[spec["user"]]
     ev = np.ones(len(user), dtype=bool) if "only" not in s else c[s["only"]] == 1
     event_vocab = Vocab(raw[s["event"]][train]) if "event" in s else None
     cols = {"item": item_enc(raw[s["item"]])[ev],
-            "event": (event_vocab(raw[s["event"]]) if event_vocab else np.zeros(len(user), dtype=np.int64))[ev]}
-    attrs = tuple(EventAttribute(spec_name(spec, a), encoders[a].vocab_size) for a in s["attributes"])
+            "event": (event_vocab(raw[s["event"]]) if event_vocab
+                      else np.zeros(len(user), dtype=np.int64))[ev]}
+    attrs = tuple(EventAttribute(spec_name(spec, a), encoders[a].vocab_size)
+                  for a in s["attributes"])
     for a, attr in zip(s["attributes"], attrs):
         cols[attr.name] = encoders[a](raw[a])[ev]
     hist = history(user[ev], c["request_ts"][ev], cols, user, c["request_ts"], s["max_len"])

@@ -1,4 +1,5 @@
-"""MovieLens-100K → our layout: one row per rating, a behaviour sequence of the user's earlier ratings.
+"""MovieLens-100K → our layout: one row per rating, a behaviour sequence of the user's
+earlier ratings.
 
 Input (``--in DIR``): RecBole atomic files ``ml-100k.inter`` / ``.user`` / ``.item`` (tab-separated,
 typed ``name:type`` headers), or GroupLens' original ``u.data`` / ``u.user`` / ``u.item``.
@@ -42,11 +43,19 @@ from opengem.data.sources.common import (
     to_float,
     write_dataset,
 )
-from opengem.features.schema import DenseFeature, Domains, FeatureSchema, SequenceStream, SparseFeature, Task
+from opengem.features.schema import (
+    DenseFeature,
+    Domains,
+    FeatureSchema,
+    SequenceStream,
+    SparseFeature,
+    Task,
+)
 
 AGE_EDGES = (18, 25, 35, 45, 50, 56)  # MovieLens-1M age groups: <18, 18-24, …, 56+
-GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime", "Documentary", "Drama",
-          "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery", "Romance", "Sci-Fi", "Thriller", "War", "Western")
+GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",
+          "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery", "Romance",
+          "Sci-Fi", "Thriller", "War", "Western")
 NUM_DECADES = 10  # 0 = unknown, 1 = 1920s or earlier, …, 9 = 2000s
 
 
@@ -59,7 +68,8 @@ def load(in_dir: str | Path) -> tuple[dict, dict, dict]:
         return inter, users, items
     if (d / "u.data").exists():
         return _grouplens(d)
-    raise DataError(f"{d}: no MovieLens-100K files (expected ml-100k.inter/.user/.item or u.data/u.user/u.item)")
+    raise DataError(f"{d}: no MovieLens-100K files (expected ml-100k.inter/.user/.item "
+                    f"or u.data/u.user/u.item)")
 
 
 def _recbole(path: Path) -> dict:
@@ -77,18 +87,24 @@ def _grouplens(d: Path) -> tuple[dict, dict, dict]:
 
     inter, _ = rows("u.data", "\t", ["user_id", "item_id", "rating", "timestamp"])
     users, _ = rows("u.user", "|", ["user_id", "age", "gender", "occupation", "zip_code"])
-    items, lines = rows("u.item", "|", ["item_id", "movie_title", "release_date"], encoding="latin-1")
+    items, lines = rows("u.item", "|", ["item_id", "movie_title", "release_date"],
+                        encoding="latin-1")
     items["release_year"] = np.array([x[-4:] for x in items.pop("release_date")], dtype=str)
-    items["genres"] = np.array(["|".join(g for g, f in zip(GENRES, x[5:24]) if f == "1") for x in lines], dtype=str)
+    items["genres"] = np.array(
+        ["|".join(g for g, f in zip(GENRES, x[5:24]) if f == "1") for x in lines], dtype=str
+    )
     return inter, users, items
 
 
 def build_schema(vocab: dict[str, int], max_len: int) -> FeatureSchema:
-    sparse = (SparseFeature("user_id", vocab["user_id"], "user"), SparseFeature("age", len(AGE_EDGES) + 1, "user"),
-              SparseFeature("gender", vocab["gender"], "user"), SparseFeature("occupation", vocab["occupation"], "user"),
+    sparse = (SparseFeature("user_id", vocab["user_id"], "user"),
+              SparseFeature("age", len(AGE_EDGES) + 1, "user"),
+              SparseFeature("gender", vocab["gender"], "user"),
+              SparseFeature("occupation", vocab["occupation"], "user"),
               SparseFeature("zip_region", vocab["zip_region"], "user"),
               SparseFeature("movie_id", vocab["movie_id"], "ad"),
-              SparseFeature("genres", len(GENRES), "ad", multi_hot=True), SparseFeature("decade", NUM_DECADES, "ad"),
+              SparseFeature("genres", len(GENRES), "ad", multi_hot=True),
+              SparseFeature("decade", NUM_DECADES, "ad"),
               SparseFeature("hour", 24, "context"), SparseFeature("weekday", 7, "context"))
     dense = (DenseFeature("user_prior_ratings", "user"), DenseFeature("movie_prior_ratings", "ad"),
              DenseFeature("movie_prior_like_rate", "ad"))
@@ -102,7 +118,8 @@ def build_schema(vocab: dict[str, int], max_len: int) -> FeatureSchema:
 
 def convert(in_dir: str | Path, out_dir: str | Path, max_len: int = 256, valid: float = 0.1,
             test: float = 0.1) -> DatasetManifest:
-    """Write MovieLens-100K from ``in_dir`` as a dataset in ``out_dir`` (see the module docstring)."""
+    """Write MovieLens-100K from ``in_dir`` as a dataset in ``out_dir`` (see the
+    module docstring)."""
     inter, users, items = load(in_dir)
     need(inter, ["user_id", "item_id", "rating", "timestamp"], f"{in_dir}: ratings")
     need(users, ["user_id", "age", "gender", "occupation", "zip_code"], f"{in_dir}: users")
@@ -126,31 +143,35 @@ def convert(in_dir: str | Path, out_dir: str | Path, max_len: int = 256, valid: 
     irow = _lookup(items["item_id"], item, "items", "item_id")
     c["decade"] = _decade(items["release_year"])[irow]
     c["genres"] = _genres(items["genres"], irow)
-    c["hour"], c["weekday"] = (ts // 3600) % 24, (ts // 86400 + 3) % 7  # Monday = 0; 1970-01-01 was a Thursday
+    # Monday = 0; 1970-01-01 was a Thursday
+    c["hour"], c["weekday"] = (ts // 3600) % 24, (ts // 86400 + 3) % 7
     n_user, _ = prior_stats(user, ts, np.ones(len(ts)), user, ts)
     n_item, likes = prior_stats(item, ts, c["click"], item, ts)
     c["user_prior_ratings"] = np.log1p(n_user).astype(np.float32)
     c["movie_prior_ratings"] = np.log1p(n_item).astype(np.float32)
     c["movie_prior_like_rate"] = ((likes + 1) / (n_item + 2)).astype(np.float32)
-    hist = history(user, ts, {"item": c["movie_id"], "event": rating.astype(np.int64) - 1}, user, ts, max_len)
+    hist = history(user, ts, {"item": c["movie_id"], "event": rating.astype(np.int64) - 1}, user,
+                   ts, max_len)
     for part, v in hist.items():
         c[f"ratings.{part}"] = v
 
     schema = build_schema(vocab, max_len)
-    source = {"kind": "movielens-100k", "in": str(in_dir), "split": f"per-user by time: last {test:.0%} test, "
+    source = {"kind": "movielens-100k", "in": str(in_dir),
+              "split": f"per-user by time: last {test:.0%} test, "
               f"{valid:.0%} before valid", "ids": "contiguous, fitted on train; unseen → OOV",
               "train_users": len(np.unique(user[day == TRAIN]))}
     return write_dataset(out_dir, schema, c, day, source=source)
 
 
 def _lookup(keys: np.ndarray, values: np.ndarray, table: str, column: str) -> np.ndarray:
-    """Row of ``keys`` (a side table's id column) holding each of ``values``; unknown ids are an error."""
+    """Row of ``keys`` (a side table's id column) holding each of ``values``; unknown ids are
+    an error."""
     vocab = Vocab(keys)
     idx = vocab(values)
     if (idx == vocab.vocab_size).any() or len(vocab) != len(keys):
         bad = values[idx == vocab.vocab_size]
-        raise DataError(f"{table}: {column} {bad[0]!r} of the ratings is not in the {table} file" if len(bad)
-                        else f"{table}: duplicate {column} values")
+        raise DataError(f"{table}: {column} {bad[0]!r} of the ratings is not in the {table} file"
+                        if len(bad) else f"{table}: duplicate {column} values")
     order = np.argsort(np.asarray(keys).astype(str), kind="stable")
     return order[idx]
 
@@ -163,7 +184,8 @@ def _decade(years: np.ndarray) -> np.ndarray:
 
 def _genres(genres: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     index = {g: i for i, g in enumerate(GENRES)}
-    per_item = [np.array([index[g] for g in s.split("|") if g in index], dtype=np.int64) for s in genres]
+    per_item = [np.array([index[g] for g in s.split("|") if g in index], dtype=np.int64)
+                for s in genres]
     lens = np.array([len(per_item[r]) for r in rows], dtype=np.int64)
     flat = np.concatenate([per_item[r] for r in rows]) if len(rows) else np.zeros(0, np.int64)
     return flat.astype(np.int64), lens

@@ -6,8 +6,9 @@ whichever of the six folders exist are read (the small version in ``obp`` and th
 share the layout).
 
 Rows and labels. Every logged recommendation is a row; one task, ``click``. Domains: the
-campaigns, named ``all_items``, ``men``, ``women`` (``all`` is the evaluation's pooled slice). The logging policy and its propensity are not features
-(they describe the logger, not the user); the policy is kept in the manifest.
+campaigns, named ``all_items``, ``men``, ``women`` (``all`` is the evaluation's pooled slice). The
+logging policy and its propensity are not features (they describe the logger, not the user); the
+policy is kept in the manifest.
 
 Split (global, by calendar day, UTC): days are numbered from the first day in the data; the last
 day → test, the day before → valid, the rest → train (the small version spans 7 days:
@@ -31,7 +32,16 @@ from pathlib import Path
 import numpy as np
 
 from opengem.data.parquet import DataError, DatasetManifest
-from opengem.data.sources.common import Vocab, fit_ids, need, parse_time, read_csv, to_float, to_label, write_dataset
+from opengem.data.sources.common import (
+    Vocab,
+    fit_ids,
+    need,
+    parse_time,
+    read_csv,
+    to_float,
+    to_label,
+    write_dataset,
+)
 from opengem.features.schema import DenseFeature, Domains, FeatureSchema, SparseFeature, Task
 
 CAMPAIGNS = ("all", "men", "women")  # folder names
@@ -51,7 +61,8 @@ def _files(in_dir: Path) -> list[tuple[str, str, Path, Path]]:
             if log is not None:
                 found.append((policy, camp, log, d / "item_context.csv"))
     if not found:
-        raise DataError(f"{in_dir}: no Open Bandit files (expected {{random,bts}}/{{all,men,women}}/{{campaign}}.csv[.gz])")
+        raise DataError(f"{in_dir}: no Open Bandit files "
+                        f"(expected {{random,bts}}/{{all,men,women}}/{{campaign}}.csv[.gz])")
     return found
 
 
@@ -67,8 +78,13 @@ def _read_campaign(policy: str, camp: str, log_path: Path, ctx_path: Path) -> di
     row[ctx_item] = np.arange(len(ctx_item))
     if (row[item] < 0).any():
         raise DataError(f"{log_path}: item_id {int(item[row[item] < 0][0])} is not in {ctx_path}")
-    aff_cols = sorted((c for c in log if c.startswith("user-item_affinity_")), key=lambda c: int(c.rsplit("_", 1)[1]))
-    aff = np.stack([to_float(log[c], f"{log_path} column {c}", fill=0.0) for c in aff_cols], 1) if aff_cols else None
+    aff_cols = sorted((c for c in log if c.startswith("user-item_affinity_")),
+                      key=lambda c: int(c.rsplit("_", 1)[1]))
+    aff = (
+        np.stack([to_float(log[c], f"{log_path} column {c}", fill=0.0) for c in aff_cols], 1)
+        if aff_cols
+        else None
+    )
     n = len(item)
     out = {
         "ts": parse_time(log["timestamp"], f"{log_path} column timestamp"),
@@ -77,8 +93,10 @@ def _read_campaign(policy: str, camp: str, log_path: Path, ctx_path: Path) -> di
         "item": np.char.add(f"{camp}:", item.astype(str)),
         "domain": np.full(n, CAMPAIGNS.index(camp), dtype=np.int64),
         "policy": np.full(n, policy),
-        "item_feature_0": to_float(ctx["item_feature_0"], f"{ctx_path} column item_feature_0")[row[item]],
-        "affinity_item": aff[np.arange(n), item] if aff is not None and aff.shape[1] > item.max(initial=0)
+        "item_feature_0": to_float(ctx["item_feature_0"],
+                                   f"{ctx_path} column item_feature_0")[row[item]],
+        "affinity_item": aff[np.arange(n), item] if aff is not None
+        and aff.shape[1] > item.max(initial=0)
         else np.zeros(n),
         "affinity_total": aff.sum(1) if aff is not None else np.zeros(n),
     }
@@ -88,7 +106,8 @@ def _read_campaign(policy: str, camp: str, log_path: Path, ctx_path: Path) -> di
 
 
 def convert(in_dir: str | Path, out_dir: str | Path) -> DatasetManifest:
-    """Write the Open Bandit files under ``in_dir`` as a dataset in ``out_dir`` (see the module docstring)."""
+    """Write the Open Bandit files under ``in_dir`` as a dataset in ``out_dir`` (see the
+    module docstring)."""
     parts = [_read_campaign(*f) for f in _files(Path(in_dir))]
     raw = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     ts = raw["ts"]
@@ -99,10 +118,11 @@ def convert(in_dir: str | Path, out_dir: str | Path) -> DatasetManifest:
     splits = {"train": days[:-2], "valid": [days[-2]], "test": [days[-1]]}
     train = np.isin(day, splits["train"])
 
-    c: dict = {"request_ts": ts, "domain": raw["domain"], "click": raw["click"], "position": raw["position"],
-               "hour": (ts // 3600) % 24}
+    c: dict = {"request_ts": ts, "domain": raw["domain"], "click": raw["click"],
+               "position": raw["position"], "hour": (ts // 3600) % 24}
     vocab: dict[str, int] = {}
-    for name, values in [("item_id", raw["item"])] + [(f, raw[f]) for f in USER_FEATURES + ITEM_FEATURES]:
+    for name, values in [("item_id", raw["item"])] + [(f, raw[f])
+                                                      for f in USER_FEATURES + ITEM_FEATURES]:
         c[name], vocab[name] = fit_ids(values, train)
     profile = np.char.add(np.char.add(raw["user_feature_0"], raw["user_feature_1"]),
                           np.char.add(raw["user_feature_2"], raw["user_feature_3"]))
@@ -117,7 +137,8 @@ def convert(in_dir: str | Path, out_dir: str | Path) -> DatasetManifest:
     sparse += (SparseFeature("position", 3, "context"), SparseFeature("hour", 24, "context"))
     dense = (DenseFeature("item_feature_0", "ad"), DenseFeature("affinity_item", "user"),
              DenseFeature("affinity_total", "user"))
-    schema = FeatureSchema(sparse=sparse, dense=dense, sequences=(), tasks=(Task("click", "click"),),
+    schema = FeatureSchema(sparse=sparse, dense=dense, sequences=(),
+                           tasks=(Task("click", "click"),),
                            domains=Domains(DOMAINS), meta={"source": "open-bandit"})
     policies = {p: int((raw["policy"] == p).sum()) for p in POLICIES if (raw["policy"] == p).any()}
     source = {"kind": "open-bandit", "in": str(in_dir), "policies": policies,

@@ -31,17 +31,17 @@ defaults to its column with characters other than letters, digits and ``_`` repl
 
 Dense: ``transform`` none | log1p (of max(x, 0), the Criteo convention); empty cells → ``fill``
 (default: an error), or with ``"missing": "indicator"`` kept as missing (NaN; the schema's
-``DenseFeature.missing``: the model gets a missing indicator; the manifest's ``source.missing`` counts
-them). Domain: a column whose values are the surfaces (``names`` fixes their order and
-makes other values an error; default: the sorted values seen; ``all`` is reserved for the pooled
+``DenseFeature.missing``: the model gets a missing indicator; the manifest's ``source.missing``
+counts them). Domain: a column whose values are the surfaces (``names`` fixes their order and makes
+other values an error; default: the sorted values seen; ``all`` is reserved for the pooled
 evaluation slice); absent → one domain ``default``.
 
-Embeddings: precomputed fixed-width float vectors (``EmbeddingFeature``: one X_0 token each), e.g. an
-ad's image or text encoding. The column is a Parquet ``list<float>`` (or fixed-size list), or in CSV
-(or a Parquet string column) a string of numbers split by ``sep`` (default ``|``). ``dim`` (default:
-the first row's length) must hold for every row: a row of another length, an empty or null cell or a
-value that is not a finite number is a ``ColumnError`` naming the file, column and row. ``group``
-defaults to ``ad`` (serving then takes the vector per candidate).
+Embeddings: precomputed fixed-width float vectors (``EmbeddingFeature``: one X_0 token each), e.g.
+an ad's image or text encoding. The column is a Parquet ``list<float>`` (or fixed-size list), or in
+CSV (or a Parquet string column) a string of numbers split by ``sep`` (default ``|``). ``dim``
+(default: the first row's length) must hold for every row: a row of another length, an empty or null
+cell or a value that is not a finite number is a ``ColumnError`` naming the file, column and row.
+``group`` defaults to ``ad`` (serving then takes the vector per candidate).
 
 Time: unix seconds (``time_unit`` ms / us for numbers in those units) or ISO-8601 datetimes.
 
@@ -78,18 +78,23 @@ from opengem.features.schema import MISSING, read_json
 _GROUPS = ("user", "ad", "context")
 _TIME_UNITS = {"s": 1, "ms": 1000, "us": 1_000_000}
 _KEYS = {
-    "": ({"files": dict, "sep": str, "tasks": list, "sparse": list, "dense": list, "domain": dict, "user": str,
-          "time": str, "time_unit": str, "sequence": dict, "split": dict, "name": str, "embeddings": list}, {"tasks"}),
+    "": ({"files": dict, "sep": str, "tasks": list, "sparse": list, "dense": list, "domain": dict,
+          "user": str, "time": str, "time_unit": str, "sequence": dict, "split": dict, "name": str,
+          "embeddings": list}, {"tasks"}),
     "files": ({"train": list, "valid": list, "test": list}, {"train", "test"}),
-    "tasks": ({"name": str, "column": str, "requires": str, "positive_at": float}, {"name", "column"}),
-    "sparse": ({"column": str, "name": str, "group": str, "hash_size": int, "vocab_size": int, "multi_hot": str},
+    "tasks": ({"name": str, "column": str, "requires": str, "positive_at": float},
+              {"name", "column"}),
+    "sparse": ({"column": str, "name": str, "group": str, "hash_size": int, "vocab_size": int,
+                "multi_hot": str},
                {"column"}),
-    "dense": ({"column": str, "name": str, "group": str, "transform": str, "fill": float, "missing": str},
+    "dense": ({"column": str, "name": str, "group": str, "transform": str, "fill": float,
+               "missing": str},
               {"column"}),
     "embeddings": ({"column": str, "name": str, "group": str, "dim": int, "sep": str}, {"column"}),
     "domain": ({"column": str, "names": list}, {"column"}),
-    "sequence": ({"name": str, "from": str, "item": str, "event": str, "only": str, "max_len": int, "attributes": list,
-                  "column": str, "sep": str, "files": list, "user": str, "time": str, "time_unit": str,
+    "sequence": ({"name": str, "from": str, "item": str, "event": str, "only": str, "max_len": int,
+                  "attributes": list, "column": str, "sep": str, "files": list, "user": str,
+                  "time": str, "time_unit": str,
                   "times": str, "buckets": int}, {"item", "max_len"}),
     "split": ({"by": str, "valid": float, "test": float}, set()),
 }
@@ -125,28 +130,34 @@ def check_spec(d: object, where: str = "spec") -> dict:
         f.setdefault("name", feature_name(f["column"]))
         f.setdefault("group", "user")
         if f["group"] not in _GROUPS:
-            raise SpecError(f"{where}: feature {f['column']!r}: group must be one of {_GROUPS}, got {f['group']!r}")
+            raise SpecError(f"{where}: feature {f['column']!r}: group must be one of {_GROUPS}, "
+                            f"got {f['group']!r}")
     for f in out["sparse"]:
         if "hash_size" in f and "vocab_size" in f:
-            raise SpecError(f"{where}: sparse {f['column']!r}: give hash_size or vocab_size, not both")
+            raise SpecError(f"{where}: sparse {f['column']!r}: give hash_size or vocab_size, "
+                            f"not both")
         for k in ("hash_size", "vocab_size"):
             if k in f and f[k] <= 0:
                 raise SpecError(f"{where}: sparse {f['column']!r}: {k} must be > 0, got {f[k]}")
     for f in out["dense"]:
         f.setdefault("transform", "none")
         if f["transform"] not in ("none", "log1p"):
-            raise SpecError(f"{where}: dense {f['column']!r}: transform must be none or log1p, got {f['transform']!r}")
+            raise SpecError(f"{where}: dense {f['column']!r}: transform must be none or log1p, "
+                            f"got {f['transform']!r}")
         if f.get("missing", "quarantine") not in MISSING:
-            raise SpecError(f"{where}: dense {f['column']!r}: missing must be one of {'/'.join(MISSING)}, "
+            raise SpecError(f"{where}: dense {f['column']!r}: missing must be one "
+                            f"of {'/'.join(MISSING)}, "
                             f"got {f['missing']!r}")
         if f.get("missing") == "indicator" and "fill" in f:
-            raise SpecError(f"{where}: dense {f['column']!r}: give fill or missing=indicator, not both")
+            raise SpecError(f"{where}: dense {f['column']!r}: give fill or missing=indicator, "
+                            f"not both")
     if "domain" in d:
         out["domain"] = _obj(d["domain"], "domain", where)
     if "split" in d:
         out["split"] = _obj(d["split"], "split", where)
     if out.setdefault("time_unit", "s") not in _TIME_UNITS:
-        raise SpecError(f"{where}: time_unit must be one of {sorted(_TIME_UNITS)}, got {out['time_unit']!r}")
+        raise SpecError(f"{where}: time_unit must be one of {sorted(_TIME_UNITS)}, "
+                        f"got {out['time_unit']!r}")
     out["split"] = _split(out, where)
     if "sequence" in d:
         out["sequence"] = _sequence(out, where)
@@ -194,8 +205,8 @@ def _split(d: dict, where: str) -> dict:
     if missing:
         raise SpecError(f"{where}: split.by {s['by']!r} needs the top-level key(s) {missing}")
     if not (0 <= s["valid"] < 1 and 0 < s["test"] < 1 and s["valid"] + s["test"] < 1):
-        raise SpecError(f"{where}: split.valid and split.test must be shares in [0, 1) summing to < 1, "
-                        f"got {s['valid']} and {s['test']}")
+        raise SpecError(f"{where}: split.valid and split.test must be shares in [0, 1) summing "
+                        f"to < 1, got {s['valid']} and {s['test']}")
     return s
 
 
@@ -206,46 +217,56 @@ def _sequence(d: dict, where: str) -> dict:
     s.setdefault("attributes", [])
     sparse = {f["column"]: f for f in d["sparse"]}
     if s["item"] not in sparse or sparse[s["item"]].get("multi_hot"):
-        raise SpecError(f"{where}: sequence.item {s['item']!r} must be a single-valued column listed under sparse")
+        raise SpecError(f"{where}: sequence.item {s['item']!r} must be a single-valued column "
+                        f"listed under sparse")
     if s["max_len"] <= 0:
         raise SpecError(f"{where}: sequence.max_len must be > 0, got {s['max_len']}")
-    extra = {"rows": set(), "column": set(), "events": {"files", "user", "time", "time_unit", "buckets"},
+    extra = {"rows": set(), "column": set(),
+             "events": {"files", "user", "time", "time_unit", "buckets"},
              "lists": {"times", "time_unit", "buckets"}}.get(s["from"], set())
     stray = sorted({"files", "user", "time", "time_unit", "times", "buckets"} & set(s) - extra)
     if stray:
-        raise SpecError(f"{where}: sequence.{stray[0]} is not used with sequence from {s['from']!r}")
+        raise SpecError(f"{where}: sequence.{stray[0]} is not used with sequence "
+                        f"from {s['from']!r}")
     if s.get("time_unit", "s") not in _TIME_UNITS:
-        raise SpecError(f"{where}: sequence.time_unit must be one of {sorted(_TIME_UNITS)}, got {s['time_unit']!r}")
+        raise SpecError(f"{where}: sequence.time_unit must be one of {sorted(_TIME_UNITS)}, "
+                        f"got {s['time_unit']!r}")
     if s.get("buckets", 1) <= 0:
         raise SpecError(f"{where}: sequence.buckets must be > 0, got {s['buckets']}")
     if s["from"] in ("events", "lists"):
         missing = [k for k in ("user", "time") if k not in d]
         if missing:
-            raise SpecError(f"{where}: sequence from {s['from']} needs the top-level key(s) {missing}")
+            raise SpecError(f"{where}: sequence from {s['from']} needs the top-level "
+                            f"key(s) {missing}")
         if s["from"] == "events":
             if not s.get("files") or not all(isinstance(x, str) for x in s["files"]):
-                raise SpecError(f"{where}: sequence from events needs files, a list of event table file names")
+                raise SpecError(f"{where}: sequence from events needs files, a list of event "
+                                f"table file names")
             s.setdefault("user", d["user"])
             s.setdefault("time", d["time"])
         else:
             if "column" not in s or "times" not in s:
-                raise SpecError(f"{where}: sequence from lists needs sequence.column (items) and sequence.times")
+                raise SpecError(f"{where}: sequence from lists needs sequence.column (items) "
+                                f"and sequence.times")
             if s["attributes"] or "event" in s or "only" in s:
                 raise SpecError(f"{where}: sequence from lists takes no attributes/event/only")
         s.setdefault("time_unit", d.get("time_unit", "s"))
         for a in s["attributes"]:
             if a not in sparse or sparse[a].get("multi_hot"):
-                raise SpecError(f"{where}: sequence attribute {a!r} must be a single-valued column listed under sparse")
+                raise SpecError(f"{where}: sequence attribute {a!r} must be a single-valued column "
+                                f"listed under sparse")
     elif s["from"] == "rows":
         missing = [k for k in ("user", "time") if k not in d]
         if missing:
             raise SpecError(f"{where}: sequence from rows needs the top-level key(s) {missing}")
         tasks = [t["name"] for t in d["tasks"]]
         if "only" in s and s["only"] not in tasks:
-            raise SpecError(f"{where}: sequence.only {s['only']!r} is not a task; tasks are {tasks}")
+            raise SpecError(f"{where}: sequence.only {s['only']!r} is not a task; tasks "
+                            f"are {tasks}")
         for a in s["attributes"]:
             if a not in sparse or sparse[a].get("multi_hot"):
-                raise SpecError(f"{where}: sequence attribute {a!r} must be a single-valued column listed under sparse")
+                raise SpecError(f"{where}: sequence attribute {a!r} must be a single-valued column "
+                                f"listed under sparse")
     elif s["from"] == "column":
         if "column" not in s:
             raise SpecError(f"{where}: sequence from column needs sequence.column")
@@ -253,5 +274,6 @@ def _sequence(d: dict, where: str) -> dict:
             raise SpecError(f"{where}: sequence from column takes no attributes/event/only")
         s.setdefault("sep", "|")
     else:
-        raise SpecError(f"{where}: sequence.from must be rows, column, events or lists, got {s['from']!r}")
+        raise SpecError(f"{where}: sequence.from must be rows, column, events or lists, "
+                        f"got {s['from']!r}")
     return s

@@ -15,7 +15,8 @@ def _dataset(tmp_path, n_shards=3, rows=50, days=(0, 0, 1)):
     for i in range(n_shards):
         t = random_table(schema, rows + i, seed=i)
         # a unique row key so tests can follow rows through shuffles
-        t = t.set_column(t.schema.get_field_index("user_id"), "user_id", pa.array(np.arange(rows + i) + 1000 * i))
+        t = t.set_column(t.schema.get_field_index("user_id"), "user_id",
+                         pa.array(np.arange(rows + i) + 1000 * i))
         w.write(t, f"s{i}", days[i])
     w.close({"train": sorted(set(days)), "test": [1]})
     return schema
@@ -78,7 +79,8 @@ def test_validate_rows_quarantines_each_bad_class():
     ts = t.column("s0.ts").to_pylist()
     ts[5] = [ts[5][2], ts[5][0], ts[5][1]]  # out of order
     ts[6] = [ts[6][0], ts[6][1], t.column("request_ts")[6].as_py() + 5]  # after the request
-    for name, arr in [("activity", pa.array(dense)), ("click", pa.array(click)), ("conversion", pa.array(conv)),
+    for name, arr in [("activity", pa.array(dense)), ("click", pa.array(click)),
+                      ("conversion", pa.array(conv)),
                       ("domain", pa.array(dom)), ("s0.ts", pa.array(ts))]:
         t = t.set_column(t.schema.get_field_index(name), name, arr)
     keep, reasons, per_row = validate_rows(t, schema)
@@ -106,7 +108,10 @@ def test_loader_quarantines_to_side_file(tmp_path):
     n = sum(b.batch_size for b in loader)
     assert n == 9 and loader.quarantined == {"label click not in {0,1}": 1}
     side = pq.read_table(next((tmp_path / "q").glob("*.parquet")))
-    assert side.num_rows == 1 and side.column("quarantine_reason")[0].as_py() == "label click not in {0,1}"
+    assert (
+        side.num_rows == 1
+        and side.column("quarantine_reason")[0].as_py() == "label click not in {0,1}"
+    )
 
 
 def _keys(batches):

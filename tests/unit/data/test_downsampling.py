@@ -1,5 +1,6 @@
-"""Negative down-sampling in the loader: kept share ≈ r (binomial), positives never dropped, per-domain
-rates, the same decision on every rank and on resume, rate 1 leaves the loader as it was, bad rates fail."""
+"""Negative down-sampling in the loader: kept share ≈ r (binomial), positives never dropped,
+per-domain rates, the same decision on every rank and on resume, rate 1 leaves the loader as it was,
+bad rates fail."""
 
 import math
 
@@ -23,7 +24,8 @@ def _dataset(tmp_path, n_shards=4, rows=ROWS):
     w = ShardWriter(tmp_path, schema)
     for i in range(n_shards):
         t = random_table(schema, rows, seed=i)
-        t = t.set_column(t.schema.get_field_index("user_id"), "user_id", pa.array(np.arange(rows) + 10_000 * i))
+        t = t.set_column(t.schema.get_field_index("user_id"), "user_id",
+                         pa.array(np.arange(rows) + 10_000 * i))
         w.write(t, f"s{i}", i // 2)
     w.close({"train": [0, 1]})
     return schema
@@ -70,7 +72,8 @@ def test_per_domain_rates(tmp_path):
         neg = {u for u, (dd, c, v) in every.items() if dd == d and c == 0 and v == 0}
         assert _within_binomial(len(neg & set(kept)), len(neg), r)
     # an override to 1 keeps every row of that domain
-    kept, _ = _rows(ShardLoader(tmp_path, "train", 256, negative_rate=0.2, negative_rate_by_domain={"d0": 1.0}))
+    kept, _ = _rows(ShardLoader(tmp_path, "train", 256, negative_rate=0.2,
+                                negative_rate_by_domain={"d0": 1.0}))
     assert {u for u, x in every.items() if x[0] == 0} <= set(kept)
 
 
@@ -79,7 +82,8 @@ def test_same_decision_on_every_rank_and_world_size(tmp_path):
     one, _ = _rows(ShardLoader(tmp_path, "train", 64, seed=3, negative_rate=0.3))
     two = {}
     for rank in (0, 1):
-        two |= _rows(ShardLoader(tmp_path, "train", 64, seed=3, negative_rate=0.3, rank=rank, world_size=2))[0]
+        two |= _rows(ShardLoader(tmp_path, "train", 64, seed=3, negative_rate=0.3, rank=rank,
+                                 world_size=2))[0]
     assert set(one) == set(two)
     # another seed draws other negatives; another epoch too
     assert set(_rows(ShardLoader(tmp_path, "train", 64, seed=4, negative_rate=0.3))[0]) != set(one)
@@ -108,7 +112,8 @@ def test_resume_mid_epoch_yields_exactly_the_rest(tmp_path, prefetch):
 def test_planned_rows_are_the_rows_handed_out(tmp_path):
     _dataset(tmp_path)
     for rank in (0, 1):
-        loader = ShardLoader(tmp_path, "train", 64, seed=7, negative_rate=0.2, epochs=2, rank=rank, world_size=2)
+        loader = ShardLoader(tmp_path, "train", 64, seed=7, negative_rate=0.2, epochs=2, rank=rank,
+                             world_size=2)
         order = _rows(loader)[1]
         planned = loader.planned_rows(2)
         assert sum(planned) == len(order) and planned[0] != planned[1]
@@ -119,7 +124,8 @@ def test_planned_rows_are_the_rows_handed_out(tmp_path):
 def test_rate_one_is_the_loader_without_sampling(tmp_path):
     _dataset(tmp_path, n_shards=2, rows=200)
     plain = ShardLoader(tmp_path, "train", 32, seed=9)
-    off = ShardLoader(tmp_path, "train", 32, seed=9, negative_rate=1.0, negative_rate_by_domain={"d1": 1.0})
+    off = ShardLoader(tmp_path, "train", 32, seed=9, negative_rate=1.0,
+                      negative_rate_by_domain={"d1": 1.0})
     assert off.sampler is None
     assert _rows(plain)[1] == _rows(off)[1]
 
@@ -159,7 +165,8 @@ def test_bad_rates_are_clear_errors(tmp_path, rate, by_domain, match):
 def test_bad_rates_in_the_config(override, match):
     with pytest.raises(ConfigError, match=match):
         apply_overrides(recipe("tiny"), [override])
-    cfg = apply_overrides(recipe("tiny"), ["data.negative_rate=0.1", 'data.negative_rate_by_domain={"feed": 0.5}'])
+    cfg = apply_overrides(recipe("tiny"),
+                          ["data.negative_rate=0.1", 'data.negative_rate_by_domain={"feed": 0.5}'])
     assert cfg.data.negative_rate == 0.1 and cfg.data.negative_rate_by_domain == {"feed": 0.5}
 
 
@@ -172,6 +179,7 @@ def test_layouts_v1_and_v2_keep_the_same_rows(tmp_path):
         generate(world_config("tiny", seed=5), tmp_path / layout, progress=False, layout=layout)
         loader = ShardLoader(tmp_path / layout, "train", 64, seed=1, negative_rate=0.2)
         kept[layout] = [(u, y[0], n) for b in loader for u, y, n in
-                        zip(b.user_id.tolist(), b.labels.tolist(), b.sequences["organic.item"].lengths().tolist())]
+                        zip(b.user_id.tolist(), b.labels.tolist(),
+                            b.sequences["organic.item"].lengths().tolist())]
         assert len(kept[layout]) == sum(loader.planned_rows(1))
     assert kept["v1"] == kept["v2"] and len(kept["v1"]) > 100

@@ -15,7 +15,8 @@ from opengem.data.sources.spec import SpecError, check_spec
 from opengem.features.schema import EmbeddingFeature, FeatureSchema
 
 SPEC = {"tasks": [{"name": "click", "column": "clk"}], "sparse": [{"column": "ad", "group": "ad"}],
-        "embeddings": [{"column": "emb", "name": "ad_content", "sep": " "}], "split": {"by": "random"}}
+        "embeddings": [{"column": "emb", "name": "ad_content", "sep": " "}],
+        "split": {"by": "random"}}
 
 
 def _rows(n=40):
@@ -25,7 +26,8 @@ def _rows(n=40):
 
 def test_parquet_list_column(tmp_path):
     vec, ad, clk = _rows()
-    pq.write_table(pa.table({"ad": ad, "clk": clk, "emb": pa.array(vec.tolist(), pa.list_(pa.float32()))}),
+    pq.write_table(pa.table({"ad": ad, "clk": clk,
+                             "emb": pa.array(vec.tolist(), pa.list_(pa.float32()))}),
                    tmp_path / "t.parquet")
     convert(tmp_path / "t.parquet", tmp_path / "out", SPEC)
     schema = FeatureSchema.load(tmp_path / "out")
@@ -37,9 +39,11 @@ def test_parquet_list_column(tmp_path):
 
 def test_csv_delimited_string(tmp_path):
     vec, ad, clk = _rows(6)
-    lines = ["ad,clk,emb"] + [f"{a},{c},{' '.join(f'{x:.6g}' for x in v)}" for a, c, v in zip(ad, clk, vec)]
+    lines = ["ad,clk,emb"] + [f"{a},{c},{' '.join(f'{x:.6g}' for x in v)}" for a, c,
+                              v in zip(ad, clk, vec)]
     (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
-    convert(tmp_path / "t.csv", tmp_path / "out", {**SPEC, "embeddings": [{**SPEC["embeddings"][0], "dim": 3}]})
+    convert(tmp_path / "t.csv", tmp_path / "out",
+            {**SPEC, "embeddings": [{**SPEC["embeddings"][0], "dim": 3}]})
     schema = FeatureSchema.load(tmp_path / "out")
     b = collate(pq.read_table(next((tmp_path / "out" / "shards").glob("*.parquet"))), schema)
     assert b.embeddings.shape[1] == 3
@@ -62,7 +66,8 @@ def test_ragged_parquet_lists_are_an_error(tmp_path):
     pq.write_table(pa.table({"ad": [1, 2], "clk": [0, 1], "emb": ragged}), tmp_path / "t.parquet")
     with pytest.raises(ColumnError, match="row 1 has 1 values, expected 2"):
         convert(tmp_path / "t.parquet", tmp_path / "out", SPEC)
-    pq.write_table(pa.table({"ad": [1, 2], "clk": [0, 1], "emb": pa.array([["a"], ["b"]])}), tmp_path / "s.parquet")
+    pq.write_table(pa.table({"ad": [1, 2], "clk": [0, 1], "emb": pa.array([["a"], ["b"]])}),
+                   tmp_path / "s.parquet")
     with pytest.raises(ColumnError, match="must be a list of numbers"):
         convert(tmp_path / "s.parquet", tmp_path / "out2", SPEC)
 

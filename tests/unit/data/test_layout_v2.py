@@ -11,7 +11,14 @@ import torch
 from opengem.cli import main
 from opengem.data.events import events_before, join_histories, read_bucket
 from opengem.data.loader import ShardLoader
-from opengem.data.parquet import LAYOUT_V1, LAYOUT_V2, MANIFEST, DataError, DatasetManifest, ShardWriter
+from opengem.data.parquet import (
+    LAYOUT_V1,
+    LAYOUT_V2,
+    MANIFEST,
+    DataError,
+    DatasetManifest,
+    ShardWriter,
+)
 from opengem.features.schema import FeatureSchema
 from opengem.testing import random_table, tiny_schema
 from opengem.world.generate import generate
@@ -37,7 +44,9 @@ def assert_batches_equal(a, b):
             assert (x is None and y is None) or (x.dtype == y.dtype and torch.equal(x, y)), name
         else:  # KeyedJaggedTensor
             assert x.keys() == y.keys(), name
-            assert torch.equal(x.values(), y.values()) and torch.equal(x.lengths(), y.lengths()), name
+            assert torch.equal(x.values(), y.values()) and torch.equal(x.lengths(), y.lengths()), (
+                name
+            )
 
 
 def test_v2_is_smaller_and_records_its_layout(worlds):
@@ -62,7 +71,9 @@ def test_manifest_without_layout_reads_as_v1(worlds, tmp_path):
 
 
 @pytest.mark.parametrize("split, kw", [("train", {}), ("test", {"shuffle": False}),
-                                       ("train", {"max_seq_len": {"organic": 5}, "prefetch": 2, "epochs": 2})])
+                                       ("train",
+                                        {"max_seq_len": {"organic": 5}, "prefetch": 2,
+                                         "epochs": 2})])
 def test_v1_and_v2_yield_equal_batches(worlds, split, kw):
     a = list(ShardLoader(worlds[0], split, 61, **kw))
     b = list(ShardLoader(worlds[1], split, 61, **kw))
@@ -89,7 +100,8 @@ def test_v2_resume_mid_epoch_yields_the_rest_exactly(worlds):
 
 
 def test_ranks_read_disjoint_v2_shards_covering_the_split(worlds):
-    ids = [torch.cat([b.user_id for b in ShardLoader(worlds[1], "train", 64, rank=r, world_size=2)]) for r in (0, 1)]
+    ids = [torch.cat([b.user_id for b in ShardLoader(worlds[1], "train", 64, rank=r, world_size=2)])
+           for r in (0, 1)]
     one = torch.cat([b.user_id for b in ShardLoader(worlds[1], "train", 64)])
     assert sum(len(x) for x in ids) == len(one)
     assert sorted(torch.cat(ids).tolist()) == sorted(one.tolist())
@@ -98,8 +110,8 @@ def test_ranks_read_disjoint_v2_shards_covering_the_split(worlds):
 def test_training_on_v1_and_v2_ends_with_the_same_params(worlds, tmp_path):
     final = []
     for data, run in zip(worlds, ("a", "b")):
-        args = ["--quiet", "train", "--recipe", "tiny", "--data", str(data), "--out", str(tmp_path / run),
-                "train.threads=1", "train.epochs=1", "data.batch_size=64"]
+        args = ["--quiet", "train", "--recipe", "tiny", "--data", str(data), "--out",
+                str(tmp_path / run), "train.threads=1", "train.epochs=1", "data.batch_size=64"]
         assert main(args) == 0
         final.append(json.loads((tmp_path / run / "final.json").read_text()))
     assert final[0]["steps"] == final[1]["steps"] > 20  # a whole epoch: every shard joined
@@ -112,17 +124,22 @@ def _write_v2(tmp_path, schema, impressions, events):
     w = ShardWriter(tmp_path, schema, layout=LAYOUT_V2)
     for s in schema.sequences:
         if s.name in events:
-            w.write_events(s.name, 0, pa.table({k: pa.array(np.asarray(v, dtype=np.int64)) for k, v in
+            w.write_events(s.name, 0,
+                           pa.table({k: pa.array(np.asarray(v, dtype=np.int64)) for k, v in
                                                 events[s.name].items()}))
     w.write(impressions, "s0", 0, bucket=0)
     w.close({"train": [0]})
 
 
 def _impressions(schema, users, times):
-    t = random_table(schema, len(users), seed=1, lengths={s.name: np.zeros(len(users), int) for s in schema.sequences})
-    t = t.set_column(t.schema.get_field_index(schema.user_column), schema.user_column, pa.array(users))
-    t = t.set_column(t.schema.get_field_index(schema.time_column), schema.time_column, pa.array(times))
-    return t.drop_columns([c for s in schema.sequences for c in (s.item_column, s.event_column, s.ts_column)
+    t = random_table(schema, len(users), seed=1,
+                     lengths={s.name: np.zeros(len(users), int) for s in schema.sequences})
+    t = t.set_column(t.schema.get_field_index(schema.user_column), schema.user_column,
+                     pa.array(users))
+    t = t.set_column(t.schema.get_field_index(schema.time_column), schema.time_column,
+                     pa.array(times))
+    return t.drop_columns([c for s in schema.sequences
+                           for c in (s.item_column, s.event_column, s.ts_column)
                            + tuple(s.attribute_column(a) for a in s.attributes)])
 
 
@@ -131,15 +148,18 @@ def test_join_never_reads_an_event_at_or_after_the_request(tmp_path):
     T = 1_700_000_000
     # user 7: events at T-2, T-1, T-1 (two in one second: log order kept), T, T+1; user 9: none
     ev = {"user_id": [3, 7, 7, 7, 7, 7], "ts": [T - 5, T - 2, T - 1, T - 1, T, T + 1],
-          "item": [1, 10, 11, 12, 13, 14], "event": [0, 0, 1, 2, 0, 1], "category": [0, 1, 2, 3, 4, 0]}
-    _write_v2(tmp_path, schema, _impressions(schema, [7, 7, 7, 9, 3], [T, T - 1, T + 5, T, T - 5]), {"s0": ev})
+          "item": [1, 10, 11, 12, 13, 14], "event": [0, 0, 1, 2, 0, 1],
+          "category": [0, 1, 2, 3, 4, 0]}
+    _write_v2(tmp_path, schema, _impressions(schema, [7, 7, 7, 9, 3], [T, T - 1, T + 5, T, T - 5]),
+              {"s0": ev})
     b = next(iter(ShardLoader(tmp_path, "train", 5, shuffle=False)))
     lengths = b.sequences["s0.item"].lengths().tolist()
     items = b.sequences["s0.item"].values().tolist()
     assert lengths == [3, 1, 5, 0, 0]  # at T: not the event at T; at T-1: neither event at T-1
     assert items == [10, 11, 12] + [10] + [10, 11, 12, 13, 14]
     assert b.sequences["s0.category"].values().tolist()[:3] == [1, 2, 3]
-    assert (b.seq_age["s0"].values() > 0).all()  # every joined event is strictly older than its request
+    # every joined event is strictly older than its request
+    assert (b.seq_age["s0"].values() > 0).all()
 
 
 def test_join_matches_a_brute_force_reference():
@@ -147,18 +167,22 @@ def test_join_matches_a_brute_force_reference():
     schema = tiny_schema(streams=1)
     s = schema.sequences[0]
     user = np.sort(rng.integers(0, 30, 2000))
-    ts = np.concatenate([np.sort(rng.integers(0, 500, int((user == u).sum()))) for u in np.unique(user)])
-    cols = {"item": pa.array(np.arange(len(user))), "event": pa.array(rng.integers(0, 3, len(user))),
+    ts = np.concatenate([np.sort(rng.integers(0, 500, int((user == u).sum())))
+                         for u in np.unique(user)])
+    cols = {"item": pa.array(np.arange(len(user))),
+            "event": pa.array(rng.integers(0, 3, len(user))),
             "category": pa.array(rng.integers(0, 5, len(user)))}
     from opengem.data.events import BucketEvents
 
     qu, qt = rng.integers(-2, 33, 400), rng.integers(-5, 510, 400)
-    refs = [[i for i in range(len(user)) if user[i] == u and ts[i] < t][-s.max_len:] for u, t in zip(qu, qt)]
+    refs = [[i for i in range(len(user)) if user[i] == u and ts[i] < t][-s.max_len:] for u,
+            t in zip(qu, qt)]
     for index in (None, ()):  # the bucket's search index, and the general lexsort path
         bucket = BucketEvents(user, ts, cols, index)
         assert join_histories(qu, qt, bucket, s)["s0.item"].to_pylist() == refs
     huge = np.array([0, 2**61])  # keys of this span overflow int64: the lexsort path answers
-    assert BucketEvents(np.array([1, 2]), huge, cols).end_before(np.array([2, 2, 1]), np.array([2**61, 2**62, 5])
+    assert BucketEvents(np.array([1, 2]), huge,
+                        cols).end_before(np.array([2, 2, 1]), np.array([2**61, 2**62, 5])
                                                                   ).tolist() == [1, 2, 1]
     assert events_before(user, ts, np.array([user[0]]), np.array([ts[0]])).tolist() == [0]
 
@@ -169,7 +193,8 @@ def test_loader_refuses_an_unsorted_event_log(tmp_path):
     ev = {"user_id": [7, 7, 3], "ts": [T - 2, T - 1, T - 9], "item": [1, 2, 3], "event": [0, 0, 0],
           "category": [0, 0, 0]}
     _write_v2(tmp_path, schema, _impressions(schema, [7], [T]), {"s0": ev})
-    with pytest.raises(DataError, match=r"bucket=00000/part-0.parquet: event log not sorted .* row 2"):
+    with pytest.raises(DataError,
+                       match=r"bucket=00000/part-0.parquet: event log not sorted .* row 2"):
         list(ShardLoader(tmp_path, "train", 4))
 
 
@@ -178,7 +203,8 @@ def test_read_bucket_names_a_missing_column(tmp_path):
     w = ShardWriter(tmp_path, schema, layout=LAYOUT_V2)
     with pytest.raises(Exception, match="missing columns"):
         w.write_events("s0", 0, pa.table({"user_id": pa.array([1]), "ts": pa.array([1])}))
-    empty = read_bucket(tmp_path, [], schema, schema.sequences[0])  # no files: every history is empty
+    # no files: every history is empty
+    empty = read_bucket(tmp_path, [], schema, schema.sequences[0])
     assert empty.end_before(np.array([1, 2]), np.array([5, 6])).tolist() == [0, 0]
 
 
@@ -207,7 +233,11 @@ def _case(tmp_path, change=None, users=(7, 9, 3), streams=1):
 def test_validate_accepts_a_good_v2_dataset_with_users_without_events(tmp_path, capsys):
     rc, out = _validate(_case(tmp_path), capsys)
     assert rc == 0, out
-    assert "s0.users_without_events=1" in out and "s0.same_user_and_ts_events=1" in out and "0 errors" in out
+    assert (
+        "s0.users_without_events=1" in out
+        and "s0.same_user_and_ts_events=1" in out
+        and "0 errors" in out
+    )
 
 
 def test_validate_accepts_the_generated_worlds(worlds, capsys):
@@ -217,7 +247,8 @@ def test_validate_accepts_the_generated_worlds(worlds, capsys):
 
 
 @pytest.mark.parametrize("change, match", [
-    (lambda e: e.update(ts=[1, 5, 3, 4]), r"part-0.parquet: event log not sorted by \(user_id, ts\) at row 2"),
+    (lambda e: e.update(ts=[1, 5, 3, 4]),
+     r"part-0.parquet: event log not sorted by \(user_id, ts\) at row 2"),
     (lambda e: e.update(ts=[(1_700_000_000 - 5) * 1000] + e["ts"][1:]),
      r"column 'ts' has 1 times of another magnitude than 'request_ts' .*milliseconds"),
     (lambda e: e.pop("event"), r"missing columns \['event'\]"),
@@ -238,8 +269,10 @@ def test_validate_names_each_bad_input(tmp_path, capsys, change, match):
 
 @pytest.mark.parametrize("change, match", [
     (lambda e: e.update(item=[1, 10, 40, 12]),
-     r"part-0.parquet: column 'item' has 1 ids outside \[0, 40\) \(e.g. 40\); the loader maps them to the OOV"),
-    (lambda e: e.update(category=[0, 1, -1, 3]), r"column 'category' has 1 ids outside \[0, 5\) \(e.g. -1\)"),
+     r"part-0.parquet: column 'item' has 1 ids outside \[0, 40\) \(e.g. 40\); the loader maps "
+     r"them to the OOV"),
+    (lambda e: e.update(category=[0, 1, -1, 3]),
+     r"column 'category' has 1 ids outside \[0, 5\) \(e.g. -1\)"),
 ])
 def test_validate_warns_of_ids_out_of_range(tmp_path, capsys, change, match):
     path = _case(tmp_path, change)
@@ -266,12 +299,19 @@ def test_validate_finds_a_user_outside_its_bucket(tmp_path, capsys):
     T = 1_700_000_000
     w = ShardWriter(tmp_path, schema, layout=LAYOUT_V2)
     for b, user in ((0, 7), (1, 8)):
-        w.write_events("s0", b, pa.table({"user_id": pa.array([user]), "ts": pa.array([T - 1]), "item": pa.array([1]),
+        w.write_events("s0", b,
+                       pa.table({"user_id": pa.array([user]), "ts": pa.array([T - 1]),
+                                 "item": pa.array([1]),
                                           "event": pa.array([0]), "category": pa.array([0])}))
-    w.write(_impressions(schema, [7, 8], [T, T]), "s0", 0, bucket=0)  # user 8's events are in bucket 1
+    # user 8's events are in bucket 1
+    w.write(_impressions(schema, [7, 8], [T, T]), "s0", 0, bucket=0)
     w.close({"train": [0]})
     rc, out = _validate(tmp_path, capsys)
-    assert rc == 2 and "1 users of bucket 0's impression shards have their events in another bucket (user 8" in out
+    assert (
+        rc == 2
+        and "1 users of bucket 0's impression shards have their events in another bucket (user 8"
+        in out
+    )
 
 
 def test_validate_v1_reports_quarantine_and_mixed_units(tmp_path, capsys):
@@ -297,21 +337,27 @@ def test_validate_reports_a_missing_manifest(tmp_path, capsys):
 
 def test_generate_cli_writes_v2(tmp_path, capsys):
     out = tmp_path / "d"
-    assert main(["--quiet", "generate", "--preset", "tiny", "--out", str(out), "--layout", "v2", "--no-oracle",
-                 "sizes.num_users=100"]) == 0
+    assert main(["--quiet", "generate", "--preset", "tiny", "--out", str(out), "--layout", "v2",
+                 "--no-oracle", "sizes.num_users=100"]) == 0
     assert DatasetManifest.load(out).layout == LAYOUT_V2
     assert FeatureSchema.load(out).sequences
-    assert not list((out / "shards").glob("*.tmp")) and list((out / "events" / "organic").rglob("*.parquet"))
+    assert not list((out / "shards").glob("*.tmp")) and list(
+        (out / "events" / "organic").rglob("*.parquet")
+    )
 
 
-def test_a_null_event_value_is_a_validate_error_and_quarantines_the_rows_that_would_hold_it(tmp_path, capsys):
+def test_a_null_event_value_is_a_validate_error_and_quarantines_the_rows_that_would_hold_it(
+    tmp_path, capsys
+):
     schema = tiny_schema(streams=1)
     T = 1_700_000_000
     w = ShardWriter(tmp_path, schema, layout=LAYOUT_V2)
     w.write_events("s0", 0, pa.table({"user_id": pa.array([7, 7]), "ts": pa.array([T - 9, T - 1]),
-                                      "item": pa.array([1, None], pa.int64()), "event": pa.array([0, 0]),
+                                      "item": pa.array([1, None], pa.int64()),
+                                      "event": pa.array([0, 0]),
                                       "category": pa.array([0, 0])}))
-    w.write(_impressions(schema, [7, 7], [T - 5, T]), "s0", 0, bucket=0)  # only the second row sees the null
+    # only the second row sees the null
+    w.write(_impressions(schema, [7, 7], [T - 5, T]), "s0", 0, bucket=0)
     w.close({"train": [0]})
     rc, out = _validate(tmp_path, capsys)
     assert rc == 2 and "column 'item' has 1 nulls" in out

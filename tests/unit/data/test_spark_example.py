@@ -43,6 +43,8 @@ def test_spark_writes_a_valid_v2_dataset(tmp_path):
     got = pa.concat_tables([reader.read(f, schema.columns()) for f in m.files]).to_pydict()
     ev = pq.read_table(log / "events.parquet").to_pydict()
     eu, ets = np.array(ev["user"]), np.array(ev["ts"])
-    n = [int(((eu == u) & (ets < t)).sum()) for u, t in zip(got["user_id"], got["request_ts"])]  # users 0..19
+    # users 0..19
+    n = [int(((eu == u) & (ets < t)).sum()) for u, t in zip(got["user_id"], got["request_ts"])]
     assert [len(h) for h in got["clicks.ts"]] == n and sum(n) > 1000
-    assert all(h == sorted(h) and max(h, default=0) < t for h, t in zip(got["clicks.ts"], got["request_ts"]))
+    assert all(h == sorted(h) and max(h, default=0) < t for h,
+               t in zip(got["clicks.ts"], got["request_ts"]))

@@ -242,7 +242,8 @@ def _dist_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> No
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size)
     try:
         acc = MetricAccumulator(DOMAINS, TASKS, base_rates=None)  # eval rates: depend on all ranks
         rc = RateCounter(DOMAINS, TASKS)
@@ -268,7 +269,8 @@ def test_reduce_two_gloo_processes_equals_single_process(tmp_path):
     import torch.multiprocessing as mp
 
     world = 2
-    mp.spawn(_dist_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_dist_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
+             join=True)
 
     acc = MetricAccumulator(DOMAINS, TASKS, base_rates=None)
     rc = RateCounter(DOMAINS, TASKS)

@@ -1,7 +1,7 @@
-"""The down-sampling correction: which heads get log r (the ESMM chain, derived in opengem.model.logit_shift and
-checked here numerically), q = p / (p + (1 − p)/w) with w = r (He et al.'s w is the rate, not the weight
-1/r), the shift on chained logits, evaluation and the
-serving path (biases folded by load_run_model) scoring the same, and a run recording it end to end."""
+"""The down-sampling correction: which heads get log r (the ESMM chain, derived in
+opengem.model.logit_shift and checked here numerically), q = p / (p + (1 − p)/w) with w = r (He et
+al.'s w is the rate, not the weight 1/r), the shift on chained logits, evaluation and the serving
+path (biases folded by load_run_model) scoring the same, and a run recording it end to end."""
 
 import copy
 import json
@@ -16,7 +16,12 @@ from opengem.evaluation.evaluate import evaluate_run, held_out_evaluator
 from opengem.evaluation.recalibrate import fit_offsets, recalibrate_run
 from opengem.model.build import build_gem, materialize
 from opengem.model.heads import Heads, HeadsConfig
-from opengem.model.logit_shift import LogitShift, RecalibrationError, downsampling_offsets, shift_logits
+from opengem.model.logit_shift import (
+    LogitShift,
+    RecalibrationError,
+    downsampling_offsets,
+    shift_logits,
+)
 from opengem.recipes import recipe
 from opengem.run import DOWNSAMPLING_FILE, load_run_model
 from opengem.testing import random_table, tiny_schema
@@ -31,8 +36,10 @@ def test_offsets_go_on_the_base_task_only_when_conversion_is_chained():
     schema = tiny_schema()
     chained = Heads(8, schema, HeadsConfig())
     got = downsampling_offsets(chained, schema, {"d0": 0.5, "d1": 0.1})
-    assert torch.allclose(got, torch.tensor([[LOG(0.5), 0.0], [LOG(0.1), 0.0]], dtype=torch.float64))
-    plain = Heads(8, schema, HeadsConfig(chain_required=False))  # both tasks their own: both shifted
+    assert torch.allclose(got,
+                          torch.tensor([[LOG(0.5), 0.0], [LOG(0.1), 0.0]], dtype=torch.float64))
+    # both tasks their own: both shifted
+    plain = Heads(8, schema, HeadsConfig(chain_required=False))
     assert torch.allclose(downsampling_offsets(plain, schema, {"d0": 0.5, "d1": 0.5}),
                           torch.full((2, 2), LOG(0.5), dtype=torch.float64))
     shared = Heads(8, schema, HeadsConfig(domain_mode="shared"))
@@ -59,12 +66,15 @@ def test_shift_of_chained_logits_is_the_chain_of_shifted_own_logits():
 
 
 def _world(n=200_000, r=0.1, seed=0):
-    """Clicks and chained conversions from known logits; the down-sampled rows (negatives of click at r)."""
+    """Clicks and chained conversions from known logits; the down-sampled rows (negatives of click
+    at r)."""
     g = torch.Generator().manual_seed(seed)
-    own = torch.stack([torch.randn(n, generator=g) * 0.8 - 2.5, torch.randn(n, generator=g) * 0.5 - 2.0], 1)
+    own = torch.stack([torch.randn(n, generator=g) * 0.8 - 2.5,
+                       torch.randn(n, generator=g) * 0.5 - 2.0], 1)
     click = torch.bernoulli(torch.sigmoid(own[:, 0]), generator=g)
     conv = click * torch.bernoulli(torch.sigmoid(own[:, 1]), generator=g)
-    keep = (click == 1) | (torch.rand(n, generator=g) < r)  # a row with conv = 1 has click = 1: never dropped
+    # a row with conv = 1 has click = 1: never dropped
+    keep = (click == 1) | (torch.rand(n, generator=g) < r)
     return click, conv, keep
 
 
@@ -77,9 +87,11 @@ def test_a_model_fitted_on_downsampled_rows_is_calibrated_after_the_correction()
     heads = Heads(8, tiny_schema(num_domains=1), HeadsConfig())
     click, conv, keep = _world(r=r)
     m = int(keep.sum())
-    rows = {"raw": torch.zeros(m, 2, dtype=torch.float64), "group": torch.zeros(m, dtype=torch.long),
+    rows = {"raw": torch.zeros(m, 2, dtype=torch.float64),
+            "group": torch.zeros(m, dtype=torch.long),
             "labels": torch.stack([click[keep], conv[keep]], 1).double(),
-            "mask": torch.ones(m, 2, dtype=torch.bool), "weights": torch.ones(m, dtype=torch.float64)}
+            "mask": torch.ones(m, 2, dtype=torch.bool),
+            "weights": torch.ones(m, dtype=torch.float64)}
     fitted = fit_offsets(heads, rows, 1, prior_std=1e3)  # [1, 2]: the constant model's own logits
     schema = tiny_schema(num_domains=1)
     delta = downsampling_offsets(heads, schema, {"d0": r})
@@ -118,28 +130,38 @@ def world(tmp_path_factory):
 
 def test_a_downsampled_run_is_recorded_and_corrected_everywhere(world, tmp_path):
     steps = 12
-    cfg = apply_overrides(recipe("tiny"), ["data.negative_rate=0.3", f"train.max_steps={steps}", "train.threads=1",
-                                           "train.progress=false", f"train.eval_at={steps}", "optim.warmup_steps=2"])
+    cfg = apply_overrides(recipe("tiny"),
+                          ["data.negative_rate=0.3", f"train.max_steps={steps}", "train.threads=1",
+                                           "train.progress=false", f"train.eval_at={steps}",
+                           "optim.warmup_steps=2"])
     final = train(cfg, world, tmp_path / "run", evaluator=held_out_evaluator(world, "valid"))
     rec = json.loads((tmp_path / "run" / DOWNSAMPLING_FILE).read_text())
     assert final["downsampling"] == rec and rec["rates"] == {d: 0.3 for d in rec["rates"]}
-    assert rec["offsets"]["feed/click"] == pytest.approx(LOG(0.3)) and rec["offsets"]["feed/conversion"] == 0
+    assert (
+        rec["offsets"]["feed/click"] == pytest.approx(LOG(0.3))
+        and rec["offsets"]["feed/conversion"] == 0
+    )
     assert rec["weights"]["feed"] == pytest.approx(1 / 0.3) and rec["exact"] is True
     read, kept = rec["rows_read_per_epoch"], rec["rows_kept_per_epoch"][0]
     assert kept < 0.5 * read and final["examples"] <= kept
     base = json.loads((tmp_path / "run" / "base_rates.json").read_text())
     assert base["click"] == rec["train_base_rates"]["click"] < rec["sampled_base_rates"]["click"]
     # the in-training evaluation (LogitShift) and evaluate_run (biases folded, as served) agree
-    during = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "eval" in x]
+    during = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if "eval" in x]
     after = evaluate_run(tmp_path / "run", world, "valid", progress=False)["metrics"]
     for key in ("all/click", "all/conversion"):
         for m in ("ne", "calibration"):
             assert during[-1]["eval"][key][m] == pytest.approx(after[key][m], abs=1e-5)
-        assert after[key]["base_rate"] == pytest.approx(base[key.split("/")[1]])  # NE keeps the true rate
+        # NE keeps the true rate
+        assert after[key]["base_rate"] == pytest.approx(base[key.split("/")[1]])
     corrected, _, _ = load_run_model(tmp_path / "run", recalibrated=False)
     raw, _, _ = load_run_model(tmp_path / "run", recalibrated=False, corrected=False)
     diff = (corrected.heads.out_b - raw.heads.out_b).detach().double()
-    assert torch.allclose(diff[:, 0], torch.full_like(diff[:, 0], LOG(0.3)), atol=1e-6) and diff[:, 1].abs().max() == 0
+    assert (
+        torch.allclose(diff[:, 0], torch.full_like(diff[:, 0], LOG(0.3)), atol=1e-6)
+        and diff[:, 1].abs().max() == 0
+    )
     # the recalibration is fitted on top of the corrected model, and both reach what is served
     by_domain = evaluate_run(tmp_path / "run", world, "valid", progress=False)
     rec = recalibrate_run(tmp_path / "run", world, "valid", progress=False)
@@ -159,11 +181,15 @@ def rec_domains(evaluation: dict) -> list[str]:
 
 @pytest.mark.parametrize("overrides, match", [
     (["model.arch=dlrm"], "no GEM heads"),
-    (["model.heads.domain_mode=shared", 'data.negative_rate_by_domain={"feed": 0.5}'], "domain_mode=output"),
+    (["model.heads.domain_mode=shared", 'data.negative_rate_by_domain={"feed": 0.5}'],
+     "domain_mode=output"),
     (['data.negative_rate_by_domain={"nowhere": 0.5}'], "unknown domain 'nowhere'"),
 ])
-def test_a_correction_that_cannot_be_made_stops_training_before_it_starts(world, tmp_path, overrides, match):
-    cfg = apply_overrides(recipe("tiny"), ["data.negative_rate=0.3", "train.max_steps=2", "train.progress=false",
+def test_a_correction_that_cannot_be_made_stops_training_before_it_starts(
+    world, tmp_path, overrides, match
+):
+    cfg = apply_overrides(recipe("tiny"),
+                          ["data.negative_rate=0.3", "train.max_steps=2", "train.progress=false",
                                            *overrides])
     with pytest.raises(ConfigError, match=match):
         train(cfg, world, tmp_path / "run")

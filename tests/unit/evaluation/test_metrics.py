@@ -208,7 +208,8 @@ def test_captured():
 def test_summarize_keys_and_types():
     g = np.array([1, 1, 2, 2])
     out = summarize(P4, Y4, 0.25, groups=g)
-    assert set(out) == {"ne", "auc", "gauc", "calibration", "calibration_slope", "logloss", "n", "positives"}
+    assert set(out) == {"ne", "auc", "gauc", "calibration", "calibration_slope", "logloss", "n",
+                        "positives"}
     assert out["n"] == 4 and type(out["n"]) is int
     assert out["positives"] == 2 and type(out["positives"]) is int
     assert out["ne"] == pytest.approx(0.9607640352, abs=1e-9)
@@ -237,13 +238,15 @@ def test_summarize_with_true_probs():
 def test_summarize_empty():
     out = summarize([], [], 0.3, groups=[])
     assert out["n"] == 0 and out["positives"] == 0
-    assert all(math.isnan(out[k]) for k in ("ne", "auc", "gauc", "calibration", "calibration_slope", "logloss"))
+    assert all(math.isnan(out[k])
+               for k in ("ne", "auc", "gauc", "calibration", "calibration_slope", "logloss"))
 
 
 # ---------------------------------------------------------------------------------- errors
 
 
-FUNCS_PY = [logloss, auc, calibration, lambda p, y: ne(p, y, 0.3), lambda p, y: gauc(p, y, np.arange(len(p)))]
+FUNCS_PY = [logloss, auc, calibration, lambda p, y: ne(p, y, 0.3), lambda p,
+            y: gauc(p, y, np.arange(len(p)))]
 
 
 @pytest.mark.parametrize("fn", FUNCS_PY)
@@ -285,8 +288,11 @@ def test_calibration_slope_reads_how_spread_the_logits_are():
     y = rng.random(z.size) < 1 / (1 + np.exp(-z))  # labels drawn from σ(z)
     sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
     assert calibration_slope(sig(z), y) == pytest.approx(1.0, abs=0.04)  # calibrated
-    assert calibration_slope(sig(2 * z), y) == pytest.approx(0.5, abs=0.02)  # logits twice too spread
-    assert calibration_slope(sig(0.5 * z + 1.0), y) == pytest.approx(2.0, abs=0.08)  # an offset does not matter
+    # logits twice too spread
+    assert calibration_slope(sig(2 * z), y) == pytest.approx(0.5, abs=0.02)
+    # an offset does not matter
+    assert calibration_slope(sig(0.5 * z + 1.0), y) == pytest.approx(2.0, abs=0.08)
     assert math.isnan(calibration_slope(sig(z), np.zeros(z.size)))  # one class
     assert math.isnan(calibration_slope(np.full(z.size, 0.1), y))  # constant predictions
-    assert math.isnan(calibration_slope([0.1, 0.2, 0.8, 0.9], [0, 0, 1, 1]))  # separable: no finite fit
+    # separable: no finite fit
+    assert math.isnan(calibration_slope([0.1, 0.2, 0.8, 0.9], [0, 0, 1, 1]))

@@ -35,7 +35,8 @@ def test_task_platt_per_task_keeps_type_and_leaves_a_one_class_task_alone():
     z, y = _draw(0.6, 0.4)
     p = torch.sigmoid(z)
     probs = torch.stack([p, p], 1).numpy()
-    labels = torch.stack([y, torch.zeros_like(y)], 1).numpy()  # task 1 has no positive on this split
+    # task 1 has no positive on this split
+    labels = torch.stack([y, torch.zeros_like(y)], 1).numpy()
     platt = TaskPlatt.fit(probs, labels)
     assert platt.params[1] is None and platt.params[0][0] == pytest.approx(0.6, abs=0.04)
     out = platt(probs)
@@ -43,12 +44,16 @@ def test_task_platt_per_task_keeps_type_and_leaves_a_one_class_task_alone():
     np.testing.assert_allclose(out[:, 1], probs[:, 1])
     expected = torch.sigmoid(platt.params[0][0] * z + platt.params[0][1]).numpy()
     np.testing.assert_allclose(out[:, 0], expected, rtol=1e-6, atol=1e-9)
-    masked = TaskPlatt.fit(probs, labels, np.zeros_like(labels, dtype=bool))  # no labelled rows at all
+    # no labelled rows at all
+    masked = TaskPlatt.fit(probs, labels, np.zeros_like(labels, dtype=bool))
     assert masked.params == [None, None]
     with pytest.raises(ValueError, match="labels in"):
         fit_platt(z, y + 1.0)
     # scores that separate the labels have no finite fit: they are kept as they are
-    assert fit_platt(torch.tensor([-3.0, -2.0, 1.0, 2.0]), torch.tensor([0.0, 0.0, 1.0, 1.0])) == (1.0, 0.0)
+    assert fit_platt(torch.tensor([-3.0, -2.0, 1.0, 2.0]), torch.tensor([0.0, 0.0, 1.0, 1.0])) == (
+        1.0,
+        0.0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +67,10 @@ def tiny_run(tmp_path_factory):
 
     logging.disable(logging.WARNING)
     root = tmp_path_factory.mktemp("platt")
-    generate(world_config("tiny", seed=0, overrides=["sizes.num_users=300"]), root / "data", progress=False,
-             observer=OracleCollector)
-    train(apply_overrides(recipe("tiny"), ["train.threads=1", "train.progress=false", "train.max_steps=30"]),
+    generate(world_config("tiny", seed=0, overrides=["sizes.num_users=300"]), root / "data",
+             progress=False, observer=OracleCollector)
+    train(apply_overrides(recipe("tiny"),
+                          ["train.threads=1", "train.progress=false", "train.max_steps=30"]),
           root / "data", root / "run")
     logging.disable(logging.NOTSET)
     return root / "run", root / "data"
@@ -75,7 +81,8 @@ def test_raw_figures_are_evaluate_runs_and_the_in_sample_fit_is_no_worse(tiny_ru
 
     run, data = tiny_run
     ref = evaluate_run(run, data, "valid", progress=False)["metrics"]
-    got = evaluate_recalibrated(run, data, "valid", best=False)  # fitted and scored on valid: in sample
+    # fitted and scored on valid: in sample
+    got = evaluate_recalibrated(run, data, "valid", best=False)
     for key in ("all/click", "all/conversion"):
         assert got["metrics"][key]["ne"] == pytest.approx(ref[key]["ne"], abs=1e-9)
         assert got["metrics"][key]["auc"] == pytest.approx(ref[key]["auc"], abs=1e-9, nan_ok=True)
@@ -83,7 +90,9 @@ def test_raw_figures_are_evaluate_runs_and_the_in_sample_fit_is_no_worse(tiny_ru
         assert got["metrics_platt"][key]["ne"] <= got["metrics"][key]["ne"] + 1e-9
         # a map increasing in the logits (a > 0): the ranking (AUC) is unchanged
         if got["platt"][key.split("/")[1]]["a"] > 0:
-            assert got["metrics_platt"][key]["auc"] == pytest.approx(got["metrics"][key]["auc"], abs=1e-6, nan_ok=True)
+            assert got["metrics_platt"][key]["auc"] == pytest.approx(
+                got["metrics"][key]["auc"], abs=1e-6, nan_ok=True
+            )
     assert set(got["platt"]) == {"click", "conversion"} and got["platt"]["click"]["a"] > 0
     # the oracle's own fitted figures are what the fitted model is set beside
     assert got["metrics_platt"]["all/click"].get("oracle_captured") is None  # no oracle for valid
@@ -91,8 +100,13 @@ def test_raw_figures_are_evaluate_runs_and_the_in_sample_fit_is_no_worse(tiny_ru
     from opengem.data.parquet import DatasetManifest
 
     oracle = DatasetManifest.load(data).source["stats"]["oracle"]
-    assert test["metrics_platt"]["all/click"]["oracle_captured"] == oracle["platt"]["test"]["all/click"]["captured"]
-    assert test["metrics"]["all/click"]["oracle_captured"] == oracle["test"]["all/click"]["captured"]
+    assert (
+        test["metrics_platt"]["all/click"]["oracle_captured"]
+        == oracle["platt"]["test"]["all/click"]["captured"]
+    )
+    assert (
+        test["metrics"]["all/click"]["oracle_captured"] == oracle["test"]["all/click"]["captured"]
+    )
     assert oracle["platt"]["params"]["click"]["a"] > 0
     with pytest.raises(DisciplineError):
         evaluate_recalibrated(run, data, "test", fit_split="test", best=False)
@@ -102,7 +116,8 @@ def test_crossfit_scores_each_half_with_the_other_halfs_fit(tiny_run):
     run, data = tiny_run
     got = crossfit(run, data, "valid", best=False)
     ref = evaluate_recalibrated(run, data, "valid", best=False)["metrics"]["all/click"]["ne"]
-    # raw: the two halves' NE weighted by their rows is close to the whole split's (normalised alike)
+    # raw: the two halves' NE weighted by their rows is close to the whole split's
+    # (normalised alike)
     assert got["click"]["ne"] == pytest.approx(ref, abs=0.02)
     assert 0 < got["click"]["ne_platt"] < 2
     with pytest.raises(DisciplineError):

@@ -1,5 +1,5 @@
-"""The evaluation readers that open shard files themselves (the signal decomposition, the oracle refit)
-give the same numbers on a v2 world as on the v1 world of the same config."""
+"""The evaluation readers that open shard files themselves (the signal decomposition, the oracle
+refit) give the same numbers on a v2 world as on the v1 world of the same config."""
 
 import pytest
 import torch
@@ -51,11 +51,12 @@ def test_signal_decomposition_reads_v2(worlds):
     b = signal_decomposition(_Oracle(), schema, p2, "test")
     assert a == b
     varying = [k for k, v in b["click"]["term_var"].items() if v > 1e-6]
-    assert {"sequence", "ads_history"} <= set(varying)  # the history terms were computed from joined rows
+    # the history terms were computed from joined rows
+    assert {"sequence", "ads_history"} <= set(varying)
     assert all(abs(b["click"]["slopes"][k] - 1) < 1e-3 for k in varying)
 
 
 def test_generate_cli_layout_flag(tmp_path):
-    assert main(["--quiet", "generate", "--preset", "tiny", "--out", str(tmp_path / "v1"), "--seed", "3",
-                 "--layout", "v1"]) == 0
+    assert main(["--quiet", "generate", "--preset", "tiny", "--out", str(tmp_path / "v1"), "--seed",
+                 "3", "--layout", "v1"]) == 0
     assert DatasetManifest.load(tmp_path / "v1").layout == 1

@@ -1,5 +1,6 @@
 """Recalibration: the fitted offsets recover known ones (a plain and a chained task), a thin slice
-stays near 0, an unlabelled task keeps 0 (applying and validating the offsets file: tests/unit/test_run.py)."""
+stays near 0, an unlabelled task keeps 0 (applying and validating the offsets
+file: tests/unit/test_run.py)."""
 
 import pytest
 import torch
@@ -11,15 +12,18 @@ from opengem.testing import tiny_schema
 
 
 def _rows(delta, n=40_000, seed=0):
-    """Raw logits and labels drawn from σ(raw + δ[group]) through the heads' chain (click → conversion)."""
+    """Raw logits and labels drawn from σ(raw + δ[group]) through the heads' chain (click
+    → conversion)."""
     g = torch.Generator().manual_seed(seed)
     group = torch.randint(0, delta.shape[0], (n,), generator=g)
-    raw = torch.stack([torch.randn(n, generator=g) - 1.0, 0.7 * torch.randn(n, generator=g) - 1.0], 1).double()
+    raw = torch.stack([torch.randn(n, generator=g) - 1.0, 0.7 * torch.randn(n, generator=g) - 1.0],
+                      1).double()
     true = raw + delta[group]
     click = torch.bernoulli(torch.sigmoid(true[:, 0]), generator=g)
     conv = click * torch.bernoulli(torch.sigmoid(true[:, 1]), generator=g)
     return {"raw": raw, "group": group, "labels": torch.stack([click, conv], 1).double(),
-            "mask": torch.ones(n, 2, dtype=torch.bool), "weights": torch.ones(n, dtype=torch.float64)}
+            "mask": torch.ones(n, 2, dtype=torch.bool),
+            "weights": torch.ones(n, dtype=torch.float64)}
 
 
 def test_fit_recovers_known_offsets_for_plain_and_chained_tasks():
@@ -59,18 +63,22 @@ def test_platt_form_recovers_known_slopes_and_offsets():
     g = torch.Generator().manual_seed(4)
     n = 60_000
     group = torch.randint(0, 2, (n,), generator=g)
-    raw = torch.stack([1.5 * torch.randn(n, generator=g) - 1.0, torch.randn(n, generator=g) - 1.0], 1).double()
+    raw = torch.stack([1.5 * torch.randn(n, generator=g) - 1.0, torch.randn(n, generator=g) - 1.0],
+                      1).double()
     true = heads.chain(raw * a + c[group])
     click = torch.bernoulli(torch.sigmoid(true[:, 0]), generator=g)
     cond = torch.sigmoid(raw[:, 1] * a[1] + c[group, 1])
     conv = click * torch.bernoulli(cond, generator=g)
     rows = {"raw": raw, "group": group, "labels": torch.stack([click, conv], 1).double(),
-            "mask": torch.ones(n, 2, dtype=torch.bool), "weights": torch.ones(n, dtype=torch.float64)}
+            "mask": torch.ones(n, 2, dtype=torch.bool),
+            "weights": torch.ones(n, dtype=torch.float64)}
     slopes, add = fit_recalibration(heads, rows, 2, prior_std=10.0, form="platt")
     assert torch.allclose(slopes, a, atol=0.05), slopes
     assert torch.allclose(add, c, atol=0.1), add
     # the offset form is the platt form with slopes held at 1
     s1, add1 = fit_recalibration(heads, rows, 2, form="offset")
-    assert torch.equal(s1, torch.ones(2, dtype=torch.float64)) and torch.equal(add1, fit_offsets(heads, rows, 2))
+    assert torch.equal(s1, torch.ones(2, dtype=torch.float64)) and torch.equal(
+        add1, fit_offsets(heads, rows, 2)
+    )
     with pytest.raises(RecalibrationError, match="form"):
         fit_recalibration(heads, rows, 2, form="isotonic")

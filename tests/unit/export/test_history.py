@@ -1,5 +1,6 @@
-"""The serving history store: lookups equal the training loader's join, the strictly-before rule, the
-memory map, bad stores refused; the predictor fills left-out histories by user id (request wins)."""
+"""The serving history store: lookups equal the training loader's join, the strictly-before rule,
+the memory map, bad stores refused; the predictor fills left-out histories by user id
+(request wins)."""
 
 import dataclasses
 import json
@@ -36,8 +37,8 @@ def world(tmp_path_factory):
 @pytest.fixture(scope="module")
 def artifact(world):
     run, art = world.root / "run", world.root / "artifact"
-    assert main(["--quiet", "train", "--recipe", "tiny", "--data", str(world.data), "--out", str(run),
-                 "train.max_steps=2", "train.threads=1"]) == 0
+    assert main(["--quiet", "train", "--recipe", "tiny", "--data", str(world.data), "--out",
+                 str(run), "train.max_steps=2", "train.threads=1"]) == 0
     assert main(["--quiet", "export", "--run", str(run), "--out", str(art), "--no-compile"]) == 0
     return art
 
@@ -87,8 +88,12 @@ def test_store_is_memory_mapped(world):
     assert pa.total_allocated_bytes() - before < 4096  # nothing of the log copied into Arrow's heap
     batches = store.streams["organic"].batches
     assert len(batches) > 1  # one per user bucket, each read in place
-    assert all(not b.columns["item"].buffers()[1].is_mutable for b in batches)  # read-only views of the map
-    assert sum(b.columns["item"].buffers()[1].size for b in batches) >= 8 * store.meta["streams"]["organic"]["events"]
+    # read-only views of the map
+    assert all(not b.columns["item"].buffers()[1].is_mutable for b in batches)
+    assert (
+        sum(b.columns["item"].buffers()[1].size for b in batches)
+        >= 8 * store.meta["streams"]["organic"]["events"]
+    )
 
 
 def test_v1_dataset_is_refused(world, tmp_path):
@@ -99,7 +104,10 @@ def test_v1_dataset_is_refused(world, tmp_path):
     (tmp_path / "dataset.json").write_text(json.dumps(d))
     with pytest.raises(HistoryStoreError, match="layout 1.*layout 2"):
         build_history_store(tmp_path, tmp_path / "store")
-    assert main(["--quiet", "history-store", "--data", str(tmp_path), "--out", str(tmp_path / "s")]) == 2
+    assert (
+        main(["--quiet", "history-store", "--data", str(tmp_path), "--out", str(tmp_path / "s")])
+        == 2
+    )
 
 
 def _copy(world, tmp_path):
@@ -154,8 +162,11 @@ def test_lookup_scores_equal_request_histories(world, artifact):
         looked = p.predict(_request(world.schema, row, rows, drop=_streams(world.schema)))
         for t in p.tasks:
             assert np.abs(np.array(full["predictions"][t]) - looked["predictions"][t]).max() < TOL
-        assert looked["looked_up"] == {s.name: len(row[s.ts_column]) for s in world.schema.sequences
-                                       if s.ts_column in store.lookup(row["user_id"], row["request_ts"], [s.name])}
+        assert looked["looked_up"] == {
+            s.name: len(row[s.ts_column])
+            for s in world.schema.sequences
+            if s.ts_column in store.lookup(row["user_id"], row["request_ts"], [s.name])
+        }
         assert "looked_up" not in full
 
 

@@ -23,20 +23,31 @@ from opengem.testing import tiny_schema
 TOL = 1e-5
 
 
-def _model(schema, max_rows=0, max_seq_len=12, interleave=True, count_decay_hours=(), seq=None, span="all", **kw):
-    cfg = GEMConfig(embedding_dim=16, max_seq_len=max_seq_len, sparse=SparseArchConfig(max_rows_per_table=max_rows),
-                    interformer=InterFormerConfig(interleave=interleave),
-                    count_decay_hours=count_decay_hours,
-                    wukong=WukongConfig(num_layers=2, num_fm=4, num_lc=4, fm_rank=4, mlp_dims=(32,),
-                                        cross_layer_span=span),
-                    sequence=SequenceConfig(num_heads=2, recent_len=8, min_recent=2, num_pooled=2, **(seq or {})), **kw)
+def _model(schema, max_rows=0, max_seq_len=12, interleave=True, count_decay_hours=(), seq=None,
+           span="all", **kw):
+    cfg = GEMConfig(
+        embedding_dim=16,
+        max_seq_len=max_seq_len,
+        sparse=SparseArchConfig(max_rows_per_table=max_rows),
+        interformer=InterFormerConfig(interleave=interleave),
+        count_decay_hours=count_decay_hours,
+        wukong=WukongConfig(
+            num_layers=2, num_fm=4, num_lc=4, fm_rank=4, mlp_dims=(32,), cross_layer_span=span
+        ),
+        sequence=SequenceConfig(
+            num_heads=2, recent_len=8, min_recent=2, num_pooled=2, **(seq or {})
+        ),
+        **kw,
+    )
     model = materialize(build_gem(schema, cfg), base_rates=[0.1, 0.01])
     if model.dense_norm.needs_fit:  # statistics of a made-up training split
         F = len(schema.dense)
         knots = np.sort(np.random.default_rng(3).normal(size=(F, 33)), axis=1)
-        model.dense_norm.fit({"names": [f.name for f in schema.dense], "mean": [0.3] * F, "std": [2.0] * F,
-                              "quantiles": knots.tolist(), "median": [0.7] * F}, [f.name for f in schema.dense])
-    with torch.no_grad(), torch.random.fork_rng():  # zero-initialised parts (shortcut, sinks) must matter too
+        model.dense_norm.fit({"names": [f.name for f in schema.dense], "mean": [0.3] * F,
+                              "std": [2.0] * F, "quantiles": knots.tolist(), "median": [0.7] * F},
+                             [f.name for f in schema.dense])
+    # zero-initialised parts (shortcut, sinks) must matter too
+    with torch.no_grad(), torch.random.fork_rng():
         torch.manual_seed(0)
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -44,7 +55,8 @@ def _model(schema, max_rows=0, max_seq_len=12, interleave=True, count_decay_hour
 
 
 def _requests(schema, specs, seed=0):
-    """specs: (candidates, history per stream); history −1 = 3× the limit; ids out of range in the first."""
+    """specs: (candidates, history per stream); history −1 = 3× the limit; ids out of range in
+    the first."""
     out = []
     for i, (c, h) in enumerate(specs):
         out.append(synthetic_request(schema, c, 36 if h < 0 else h, seed=seed + i, oov=i == 0))
@@ -52,8 +64,8 @@ def _requests(schema, specs, seed=0):
 
 
 def reference(model, schema, reqs):
-    """The training model on the requests' rows, collated as training does, in a batch that also holds
-    one row with a full recent window (as every training batch of hundreds of rows does).
+    """The training model on the requests' rows, collated as training does, in a batch that also
+    holds one row with a full recent window (as every training batch of hundreds of rows does).
 
     GEM sizes its recent window by the longest history in the batch; when that is shorter than
     ``interformer.num_recent`` the sequence summary's recent slice reaches into the pooled tokens,
@@ -70,7 +82,8 @@ def reference(model, schema, reqs):
 def _compare(model, schema, reqs, fn=None):
     layout = Layout(model.max_seq_len(), model.cfg.sequence.recent_len)
     _, req_model = request_models(schema)
-    x, reports = assemble(schema, [parse(schema, req_model.model_validate(r)) for r in reqs], layout)
+    x, reports = assemble(schema, [parse(schema, req_model.model_validate(r)) for r in reqs],
+                          layout)
     with torch.no_grad():
         got = (fn or serving_module(model))(x).double()
     return (got - reference(model, schema, reqs)).abs().max().item(), reports
@@ -97,14 +110,17 @@ def test_serving_module_equals_gem(specs):
     {"seq": {"pffn": "transposed"}, "span": "earlier"},
     {"embedding_init": "table", "dense_norm": "standardize"},
     {"dense_norm": "quantile"},
-    {"input_norm": "rms", "shortcut": "fvfm", "count_decay_hours": (1.0, 24.0), "count_recency": True},
-    {"input_norm": "rms_ids", "count_decay_hours": (1.0,), "count_recency": True, "shortcut_pairs": "unit"},
+    {"input_norm": "rms", "shortcut": "fvfm", "count_decay_hours": (1.0, 24.0),
+     "count_recency": True},
+    {"input_norm": "rms_ids", "count_decay_hours": (1.0,), "count_recency": True,
+     "shortcut_pairs": "unit"},
 ])
 def test_serving_module_equals_gem_for_each_model_choice(kw):
-    """RoPE, the PFFN orientation, the cross-layer span, the fitted dense normaliser, the X_0 RMS norm
-    and the field-vector shortcut serve as they train."""
+    """RoPE, the PFFN orientation, the cross-layer span, the fitted dense normaliser, the X_0 RMS
+    norm and the field-vector shortcut serve as they train."""
     schema = tiny_schema()
-    diff, _ = _compare(_model(schema, **kw), schema, _requests(schema, [(3, -1), (2, 0), (4, 5)], seed=21))
+    diff, _ = _compare(_model(schema, **kw), schema,
+                       _requests(schema, [(3, -1), (2, 0), (4, 5)], seed=21))
     assert diff < TOL
 
 
@@ -116,7 +132,8 @@ def test_serving_module_hashes_capped_tables():
 
 
 def test_serving_module_equals_gem_without_interleaving():
-    """The ablation without InterFormer's exchange (towers read zeros for X_sum) serves as it trains."""
+    """The ablation without InterFormer's exchange (towers read zeros for X_sum) serves as
+    it trains."""
     schema = tiny_schema()
     model = _model(schema, interleave=False)
     diff, _ = _compare(model, schema, _requests(schema, [(3, 9), (2, 0)], seed=11))
@@ -134,7 +151,8 @@ def test_serving_module_with_history_counts(specs):
 
 
 def test_target_match_is_exercised():
-    """A history whose every category equals one candidate's (and not the other's) scores as GEM scores it."""
+    """A history whose every category equals one candidate's (and not the other's) scores as GEM
+    scores it."""
     schema = tiny_schema()
     model = _model(schema)
     req = synthetic_request(schema, 2, 6, seed=3)
@@ -165,7 +183,8 @@ def test_padded_pool_equals_jagged_pool_attention(seed):
     Cm = counts.max()
     cand_pad = torch.from_numpy(starts[:, None] + np.minimum(np.arange(Cm), counts[:, None] - 1))
     cand_pos = torch.from_numpy(cand_user * Cm + np.arange(len(cand_user)) - starts[cand_user])
-    got = padded_pool(q, [(k, v)], None, pool_idx, torch.from_numpy(valid), cand_pad, cand_pos, sink_l, sink_v)
+    got = padded_pool(q, [(k, v)], None, pool_idx, torch.from_numpy(valid), cand_pad, cand_pos,
+                      sink_l, sink_v)
     # reference: every candidate is a row holding a copy of its user's events
     rows = [np.arange(offs[u], offs[u + 1]) for u in cand_user]
     idx = torch.from_numpy(np.concatenate(rows).astype(np.int64))
@@ -182,9 +201,11 @@ def test_exported_program_runs_every_size(kw):
     _, req_model = request_models(schema)
 
     def inputs(reqs):
-        return assemble(schema, [parse(schema, req_model.model_validate(r)) for r in reqs], layout)[0]
+        return assemble(schema, [parse(schema, req_model.model_validate(r)) for r in reqs],
+                        layout)[0]
 
-    ep = export_program(serving_module(model), inputs(_requests(schema, [(3, 23), (5, 11)], seed=7)))
+    ep = export_program(serving_module(model),
+                        inputs(_requests(schema, [(3, 23), (5, 11)], seed=7)))
     program = ep.module()
     for specs in ([(2, 0)], [(2, 1)], [(1, 3), (1, 0)], [(7, -1), (2, 2), (1, 0)], [(40, 5)]):
         diff, _ = _compare(model, schema, _requests(schema, specs, seed=1), fn=program)
@@ -193,7 +214,8 @@ def test_exported_program_runs_every_size(kw):
 
 @pytest.mark.parametrize("specs", [[(3, -1), (2, 0), (5, 7)], [(1, 4)]])
 def test_serving_module_with_embedding_features(specs):
-    """Precomputed vectors, one per candidate (ad) and one per request (user), serve as they train."""
+    """Precomputed vectors, one per candidate (ad) and one per request (user), serve as
+    they train."""
     import dataclasses
 
     from opengem.features.schema import EmbeddingFeature
@@ -244,7 +266,8 @@ def test_exported_program_with_an_embedding_feature():
     x = assemble(schema, [parse(schema, req_model.model_validate(r))
                           for r in _requests(schema, [(3, 23), (5, 11)], seed=7)], layout)[0]
     program = export_program(serving_module(model), x).module()
-    for specs in ([(2, 3)], [(7, -1), (1, 0)]):  # C = 1 fails the graph's guard with or without vectors (main too)
+    # C = 1 fails the graph's guard with or without vectors (main too)
+    for specs in ([(2, 3)], [(7, -1), (1, 0)]):
         diff, _ = _compare(model, schema, _requests(schema, specs, seed=2), fn=program)
         assert diff < TOL, specs
 
@@ -254,12 +277,18 @@ def _missing_schema():
 
     from opengem.features.schema import DenseFeature
 
-    return dataclasses.replace(tiny_schema(), dense=(DenseFeature("activity", "user", missing="indicator"),
-                                                     DenseFeature("quality", "ad", missing="indicator")))
+    return dataclasses.replace(
+        tiny_schema(),
+        dense=(
+            DenseFeature("activity", "user", missing="indicator"),
+            DenseFeature("quality", "ad", missing="indicator"),
+        ),
+    )
 
 
 def _with_missing(reqs):
-    """Null a user value, leave out an ad value, keep the rest: every way a request says "missing"."""
+    """Null a user value, leave out an ad value, keep the rest: every way a request
+    says "missing"."""
     reqs[0]["activity"] = None
     reqs[0]["candidates"][0].pop("quality")
     reqs[-1]["candidates"][-1]["quality"] = None
@@ -268,8 +297,8 @@ def _with_missing(reqs):
 
 @pytest.mark.parametrize("norm", ["signed_log", "standardize", "quantile"])
 def test_serving_module_equals_gem_with_missing_values(norm):
-    """A null or left-out value of a ``missing="indicator"`` feature scores as the eager model scores
-    its NaN row: imputed with the fitted median, flagged by the indicator (within 1e-5)."""
+    """A null or left-out value of a ``missing="indicator"`` feature scores as the eager model
+    scores its NaN row: imputed with the fitted median, flagged by the indicator (within 1e-5)."""
     schema = _missing_schema()
     model = _model(schema, dense_norm=norm)
     reqs = _with_missing(_requests(schema, [(3, -1), (2, 0), (4, 5)], seed=23))
@@ -278,23 +307,31 @@ def test_serving_module_equals_gem_with_missing_values(norm):
     layout = Layout(model.max_seq_len(), model.cfg.sequence.recent_len)
     _, req_model = request_models(schema)
     x, _ = assemble(schema, [parse(schema, req_model.model_validate(r)) for r in reqs], layout)
-    assert torch.isnan(x["dense"][:3, 0]).all() and torch.isnan(x["dense"][0, 1]) and torch.isnan(x["dense"][-1, 1])
-    with torch.no_grad():  # the indicator matters: the fill value itself, given as a value, scores differently
+    assert (
+        torch.isnan(x["dense"][:3, 0]).all()
+        and torch.isnan(x["dense"][0, 1])
+        and torch.isnan(x["dense"][-1, 1])
+    )
+    # the indicator matters: the fill value itself, given as a value, scores differently
+    with torch.no_grad():
         filled = dict(x, dense=torch.nan_to_num(x["dense"], nan=0.7))
         assert not torch.allclose(serving_module(model)(x)[0], serving_module(model)(filled)[0])
 
 
 def test_exported_program_with_missing_values():
-    """torch.export of a GEM with missing-indicator features: NaN inputs, one graph, equal to eager."""
+    """torch.export of a GEM with missing-indicator features: NaN inputs, one graph, equal
+    to eager."""
     schema = _missing_schema()
     model = _model(schema, dense_norm="quantile")
     layout = Layout(model.max_seq_len(), model.cfg.sequence.recent_len)
     _, req_model = request_models(schema)
     x = assemble(schema, [parse(schema, req_model.model_validate(r))
-                          for r in _with_missing(_requests(schema, [(3, 23), (5, 11)], seed=7))], layout)[0]
+                          for r in _with_missing(_requests(schema, [(3, 23), (5, 11)], seed=7))],
+                 layout)[0]
     program = export_program(serving_module(model), x).module()
     for specs in ([(2, 3)], [(7, -1), (1, 0)]):
-        diff, _ = _compare(model, schema, _with_missing(_requests(schema, specs, seed=2)), fn=program)
+        diff, _ = _compare(model, schema, _with_missing(_requests(schema, specs, seed=2)),
+                           fn=program)
         assert diff < TOL, specs
 
 

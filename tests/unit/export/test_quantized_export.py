@@ -11,7 +11,13 @@ import zipfile
 import numpy as np
 import pytest
 import torch
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
+from torchrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+)
 
 from opengem.export import Predictor
 from opengem.export.artifact import export_run
@@ -67,13 +73,21 @@ def test_manifest_records_dtype_and_bytes(artifacts, dtype):
     assert t["bytes"] == pytest.approx(ratio * t["fp32_bytes"], rel=0.01)
     if dtype != "fp32":
         assert m["parity"]["table_compression_max_abs_diff"] <= TOL[dtype]
-        saved = 0.9 * (t["fp32_bytes"] - t["bytes"])  # the bytes are saved on disk too, not only counted
-        assert m["files"]["weights.pt"]["bytes"] < artifacts["fp32"][1]["files"]["weights.pt"]["bytes"] - saved
-        assert _program_weight_bytes(artifacts[dtype][0]) < _program_weight_bytes(artifacts["fp32"][0]) - saved
+        # the bytes are saved on disk too, not only counted
+        saved = 0.9 * (t["fp32_bytes"] - t["bytes"])
+        assert (
+            m["files"]["weights.pt"]["bytes"]
+            < artifacts["fp32"][1]["files"]["weights.pt"]["bytes"] - saved
+        )
+        assert (
+            _program_weight_bytes(artifacts[dtype][0])
+            < _program_weight_bytes(artifacts["fp32"][0]) - saved
+        )
 
 
 def _program_weight_bytes(artifact) -> int:
-    """Bytes of the weights inside program.pt2 (its graph is stored beside them, and grows a little)."""
+    """Bytes of the weights inside program.pt2 (its graph is stored beside them, and grows
+    a little)."""
     with zipfile.ZipFile(artifact / "program.pt2") as z:
         return sum(i.file_size for i in z.infolist() if "/data/weights/weight_" in i.filename)
 
@@ -86,20 +100,25 @@ def test_packed_tables_equal_torchrec_quant_modules(dtype):
         def __init__(self):
             super().__init__()
             self.ebc = EmbeddingBagCollection(tables=[
-                EmbeddingBagConfig(name="t_a", embedding_dim=8, num_embeddings=50, feature_names=["a"]),
-                EmbeddingBagConfig(name="t_b", embedding_dim=12, num_embeddings=30, feature_names=["b"])])
+                EmbeddingBagConfig(name="t_a", embedding_dim=8, num_embeddings=50,
+                                   feature_names=["a"]),
+                EmbeddingBagConfig(name="t_b", embedding_dim=12, num_embeddings=30,
+                                   feature_names=["b"])])
             self.ec = EmbeddingCollection(tables=[
-                EmbeddingConfig(name="t_s", embedding_dim=8, num_embeddings=40, feature_names=["s"])])
+                EmbeddingConfig(name="t_s", embedding_dim=8, num_embeddings=40,
+                                feature_names=["s"])])
 
     q = quantize_tables(copy.deepcopy(Arch()), dtype)
     tables = packed_tables(q)
     lengths = torch.tensor([2, 0, 3, 1])
     values = torch.randint(0, 30, (6,))
-    kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.cat([values, values]), torch.cat([lengths, lengths]))
+    kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.cat([values, values]),
+                                              torch.cat([lengths, lengths]))
     pooled = q.ebc(kjt).to_dict()
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     for f in ("a", "b"):
-        torch.testing.assert_close(tables[f"t_{f}"].bag(values, offsets), pooled[f].float(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(tables[f"t_{f}"].bag(values, offsets), pooled[f].float(), rtol=0,
+                                   atol=1e-6)
     ids = torch.randint(0, 40, (7,))
     seq = q.ec(KeyedJaggedTensor.from_lengths_sync(["s"], ids, torch.tensor([7])))["s"].values()
     torch.testing.assert_close(tables["t_s"](ids), seq.float(), rtol=0, atol=1e-6)

@@ -1,4 +1,5 @@
-"""Request validation: every bad-request class is a RequestError with a status and the field's name."""
+"""Request validation: every bad-request class is a RequestError with a status and the
+field's name."""
 
 import json
 
@@ -24,7 +25,11 @@ SCHEMA = tiny_schema()
 def _parse(body, limits=None):
     _, model = request_models(SCHEMA, limits or Limits())
     try:
-        m = model.model_validate_json(body) if isinstance(body, (str, bytes)) else model.model_validate(body)
+        m = (
+            model.model_validate_json(body)
+            if isinstance(body, (str, bytes))
+            else model.model_validate(body)
+        )
     except ValidationError as e:
         raise error_from_validation(e) from None
     return parse(SCHEMA, m)
@@ -50,7 +55,8 @@ def _cand(**changes):
 
 BAD = {
     "missing field": (_without("activity"), 422, "activity", "field required"),
-    "missing candidate field": (_cand(ad_id=None) | {"candidates": [{"category": 1, "quality": 0.5}]}, 422,
+    "missing candidate field": (_cand(ad_id=None)
+                                | {"candidates": [{"category": 1, "quality": 0.5}]}, 422,
                                 "candidates.0.ad_id", "field required"),
     "wrong type": (_good(user_id="seven"), 422, "user_id", "valid integer"),
     "float id": (_cand(ad_id=3.5), 422, "candidates.1.ad_id", "valid integer"),
@@ -63,13 +69,17 @@ BAD = {
     "unknown field": (_good(colour="red"), 422, "colour", "unknown field"),
     "empty candidates": (_good(candidates=[]), 422, "candidates", "at least 1"),
     "candidates not a list": (_good(candidates={"ad_id": 1}), 422, "candidates", "valid array"),
-    "history lengths differ": (_good(**{"s0.event": [0, 1]}), 422, "s0.event", "one entry per event"),
-    "event after request": (_good(**{"s1.ts": [1_700_000_000 + 5] * 5}), 422, "s1.ts", "before request_ts"),
-    "events out of order": (_good(**{"s1.ts": [1_699_999_000 - i for i in range(5)]}), 422, "s1.ts", "oldest"),
-    "oversized history": (_good(**{f"s0.{c}": [0] * 65 for c in ("item", "event", "ts", "category")}), 413,
+    "history lengths differ": (_good(**{"s0.event": [0, 1]}), 422, "s0.event",
+                               "one entry per event"),
+    "event after request": (_good(**{"s1.ts": [1_700_000_000 + 5] * 5}), 422, "s1.ts",
+                            "before request_ts"),
+    "events out of order": (_good(**{"s1.ts": [1_699_999_000 - i for i in range(5)]}), 422, "s1.ts",
+                            "oldest"),
+    "oversized history": (_good(**{f"s0.{c}": [0] * 65
+                                   for c in ("item", "event", "ts", "category")}), 413,
                           "s0.", "at most 64"),
-    "oversized candidates": (_good(candidates=[{"ad_id": 1, "category": 1, "quality": 0.0}] * 9), 413,
-                             "candidates", "at most 8"),
+    "oversized candidates": (_good(candidates=[{"ad_id": 1, "category": 1, "quality": 0.0}] * 9),
+                             413, "candidates", "at most 8"),
     "oversized multi-hot": (_good(tags=list(range(300))), 413, "tags", "at most 256"),
     "malformed JSON": ('{"user_id": 7,', 400, "body", "malformed JSON"),
     "not an object": ("[1, 2]", 422, "body", "should be an object"),

@@ -1,4 +1,5 @@
-"""Precomputed content embeddings (``EmbeddingFeature``): schema, collate, quarantine, the X_0 token."""
+"""Precomputed content embeddings (``EmbeddingFeature``): schema, collate, quarantine, the
+X_0 token."""
 
 from __future__ import annotations
 
@@ -38,19 +39,22 @@ def test_invalid_embedding_features_name_the_problem(emb, message):
     with pytest.raises(SchemaError, match=message):
         dataclasses.replace(tiny_schema(), embeddings=(emb,))
     with pytest.raises(SchemaError, match=message):
-        FeatureSchema.from_dict({**tiny_schema().to_dict(), "embeddings": [dataclasses.asdict(emb)]})
+        FeatureSchema.from_dict({**tiny_schema().to_dict(),
+                                 "embeddings": [dataclasses.asdict(emb)]})
 
 
 def test_collate_gives_the_vectors_as_float32_rows():
     s = with_embedding(3)
     t = random_table(s, 5)
     rows = [[float(i), i + 0.5, -1.0] for i in range(5)]
-    t = t.set_column(t.column_names.index("content"), "content", pa.array(rows, pa.list_(pa.float32())))
+    t = t.set_column(t.column_names.index("content"), "content",
+                     pa.array(rows, pa.list_(pa.float32())))
     b = collate(t, s)
     assert b.embeddings.dtype == torch.float32 and b.embeddings.shape == (5, 3)
     assert torch.equal(b.embeddings, torch.tensor(rows))
     # a fixed_size_list column and a slice read the same
-    fixed = t.set_column(t.column_names.index("content"), "content", pa.array(rows, pa.list_(pa.float32(), 3)))
+    fixed = t.set_column(t.column_names.index("content"), "content",
+                         pa.array(rows, pa.list_(pa.float32(), 3)))
     assert torch.equal(collate(fixed.slice(2, 3), s).embeddings, torch.tensor(rows[2:]))
     assert collate(random_table(tiny_schema(), 3), tiny_schema()).embeddings is None
 
@@ -59,13 +63,15 @@ def test_bad_vectors_are_quarantined_with_a_named_reason():
     s = with_embedding(2)
     t = random_table(s, 4)
     rows = [[0.1, 0.2], [float("nan"), 0.0], [1.0], [0.3, float("inf")]]
-    t = t.set_column(t.column_names.index("content"), "content", pa.array(rows, pa.list_(pa.float32())))
+    t = t.set_column(t.column_names.index("content"), "content",
+                     pa.array(rows, pa.list_(pa.float32())))
     keep, reasons, why = validate_rows(t, s)
     assert keep.tolist() == [True, False, False, False]
     assert dict(reasons) == {"embedding content length != 2": 1, "embedding content is NaN/inf": 2}
     assert why[2] == "embedding content length != 2"
     nulls = t.set_column(t.column_names.index("content"), "content",
-                         pa.array([[0.1, 0.2], None, [0.0, 0.0], [0.1, None]], pa.list_(pa.float32())))
+                         pa.array([[0.1, 0.2], None, [0.0, 0.0], [0.1, None]],
+                                  pa.list_(pa.float32())))
     keep, reasons, _ = validate_rows(nulls, s)
     assert keep.tolist() == [True, False, True, False] and dict(reasons) == {"content is null": 2}
 

@@ -49,7 +49,8 @@ def test_columns_list_every_column_once():
 def test_invalid_schemas_name_the_problem(mutate, message):
     d = _d()
     mutate(d)
-    with pytest.raises(SchemaError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
+    with pytest.raises(SchemaError,
+                       match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
         FeatureSchema.from_dict(d)
 
 

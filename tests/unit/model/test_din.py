@@ -1,4 +1,5 @@
-"""The DIN peer: the local activation unit's jagged pooling, its candidate query, and a trained tiny DIN."""
+"""The DIN peer: the local activation unit's jagged pooling, its candidate query, and a trained
+tiny DIN."""
 
 import dataclasses
 import re
@@ -31,7 +32,8 @@ def _din(schema=None, seed=0):
 def _jagged(lengths, D=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.tensor(lengths)
-    return torch.randn(int(lengths.sum()), D, generator=g), torch.randn(len(lengths), D, generator=g), lengths
+    return torch.randn(int(lengths.sum()), D,
+                       generator=g), torch.randn(len(lengths), D, generator=g), lengths
 
 
 def test_din_pool_is_the_activation_weighted_sum_of_each_rows_events():
@@ -41,7 +43,8 @@ def test_din_pool_is_the_activation_weighted_sum_of_each_rows_events():
     out = din_pool(unit, e, q, lengths)
     assert out.shape == (3, 8) and torch.equal(out[1], torch.zeros(8))
     a2 = unit(e[2:], q[2].expand(3, 8))
-    torch.testing.assert_close(out[2], (a2[:, None] * e[2:]).sum(0))  # raw weights: no softmax, no normalising
+    # raw weights: no softmax, no normalising
+    torch.testing.assert_close(out[2], (a2[:, None] * e[2:]).sum(0))
 
 
 def test_din_pool_is_permutation_invariant_within_a_row_and_rows_do_not_leak():
@@ -54,7 +57,11 @@ def test_din_pool_is_permutation_invariant_within_a_row_and_rows_do_not_leak():
     other = e.clone()
     other[3:7] = torch.randn(4, 8)  # row 1's events changed
     changed = din_pool(unit, other, q, lengths)
-    assert torch.equal(changed[0], out[0]) and torch.equal(changed[2], out[2]) and not torch.equal(changed[1], out[1])
+    assert (
+        torch.equal(changed[0], out[0])
+        and torch.equal(changed[2], out[2])
+        and not torch.equal(changed[1], out[1])
+    )
 
 
 def test_a_row_of_the_model_ignores_other_rows_events():
@@ -62,8 +69,10 @@ def test_a_row_of_the_model_ignores_other_rows_events():
     table = random_table(schema, 6, seed=1)
     b = collate(table, schema)
     items = table.column("s0.item").to_pylist()
-    items[1] = [(i + 7) % 40 for i in items[1]]  # row 1's history, other items (same length, times, types)
-    col = list_array(np.concatenate([np.asarray(x, dtype=np.int64) for x in items]), [len(x) for x in items])
+    # row 1's history, other items (same length, times, types)
+    items[1] = [(i + 7) % 40 for i in items[1]]
+    col = list_array(np.concatenate([np.asarray(x, dtype=np.int64) for x in items]),
+                     [len(x) for x in items])
     b2 = collate(table.set_column(table.schema.get_field_index("s0.item"), "s0.item", col), schema)
     model = _din(schema)
     with torch.no_grad():
@@ -76,14 +85,17 @@ def test_the_query_is_the_candidate_in_the_streams_attribute_table_or_a_projecti
     model = _din(schema)
     b = collate(random_table(schema, 5), schema)
     pool = model.pool
-    assert isinstance(pool, DINPooling) and pool.match == {"s0": [("s0.category", "category", 5)], "s1": []}
+    assert isinstance(pool, DINPooling) and pool.match == {"s0": [("s0.category", "category", 5)],
+                                                           "s1": []}
     x = model.sparse_arch.forward_sparse(b.sparse, 5)
     cat = b.sparse.to_dict()["category"].values()
     q0 = pool.query("s0", b, x, model.sparse_arch)
-    assert torch.equal(q0, model.sparse_arch.tables()["t_s0_category"][cat])  # GEM's target-match rule
+    # GEM's target-match rule
+    assert torch.equal(q0, model.sparse_arch.tables()["t_s0_category"][cat])
     assert list(pool.project) == ["s1"]  # s1 shares no table with the candidate
     ad = [1, 2]  # ad_id, category: the schema's group="ad" features
-    torch.testing.assert_close(pool.query("s1", b, x, model.sparse_arch), pool.project["s1"](x[:, ad].flatten(1)))
+    torch.testing.assert_close(pool.query("s1", b, x, model.sparse_arch),
+                               pool.project["s1"](x[:, ad].flatten(1)))
 
 
 def test_the_activation_units_and_the_query_tables_get_gradients():
@@ -91,14 +103,17 @@ def test_the_activation_units_and_the_query_tables_get_gradients():
     b = collate(random_table(tiny_schema(), 24), tiny_schema())
     torch.nn.functional.binary_cross_entropy_with_logits(model(b), b.labels).backward()
     for s in ("s0", "s1"):
-        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.pool.units[s].parameters())
+        assert all(p.grad is not None and p.grad.abs().sum() > 0
+                   for p in model.pool.units[s].parameters())
     table = model.sparse_arch.tables()["t_s0_category"]
     cats = b.sparse.to_dict()["category"].values().unique()
-    assert (table.grad[cats].abs().sum(1) > 0).all()  # the candidates' rows learn through the query too
+    # the candidates' rows learn through the query too
+    assert (table.grad[cats].abs().sum(1) > 0).all()
 
 
 def test_din_without_a_candidate_side_feature_queries_with_zeros():
-    schema = dataclasses.replace(tiny_schema(), sparse=tiny_schema().sparse[:1] + tiny_schema().sparse[3:])
+    schema = dataclasses.replace(tiny_schema(),
+                                 sparse=tiny_schema().sparse[:1] + tiny_schema().sparse[3:])
     model = _din(schema)
     assert model.pool.match == {"s0": [], "s1": []} and len(model.pool.project) == 0
     b = collate(random_table(schema, 4), schema)
@@ -120,7 +135,8 @@ def test_a_tiny_din_beats_the_base_rate_and_is_refused_by_recalibration(world, t
     cfg.train.progress = False
     train(cfg, world, tmp_path / "run")
     m = evaluate_run(tmp_path / "run", world, "test", progress=False)["metrics"]
-    # Measured 0.722 (click) and 0.555 (conversion) at 1 thread; 0.737 / 0.880 click on world seeds 1 / 2.
+    # Measured 0.722 (click) and 0.555 (conversion) at 1 thread; 0.737 / 0.880 click on world seeds
+    # 1 / 2.
     assert m["all/click"]["ne"] < 0.80 and m["all/conversion"]["ne"] < 0.65
     assert m["all/click"]["auc"] > 0.75
     with pytest.raises(RecalibrationError, match="peer baselines"):
@@ -130,5 +146,6 @@ def test_a_tiny_din_beats_the_base_rate_and_is_refused_by_recalibration(world, t
 def test_the_arch_name_is_validated():
     cfg = recipe("tiny").model
     cfg.arch = "DIN"
-    with pytest.raises(ValueError, match=re.escape("model.arch must be gem|dlrm|dlrm_dcn|din, got 'DIN'")):
+    with pytest.raises(ValueError,
+                       match=re.escape("model.arch must be gem|dlrm|dlrm_dcn|din, got 'DIN'")):
         build_gem(tiny_schema(), cfg)

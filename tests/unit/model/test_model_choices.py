@@ -15,7 +15,8 @@ from opengem.testing import tiny_schema
 
 
 def test_pffn_follows_the_paper_orientation():
-    """W_PFFN = X_sum W (X_sum as D × C columns) applied as W_PFFN s; ``transposed`` is the old map."""
+    """W_PFFN = X_sum W (X_sum as D × C columns) applied as W_PFFN s; ``transposed`` is the
+    old map."""
     torch.manual_seed(0)
     B, C, S, D = 3, 2, 5, 4
     x_sum, s = torch.randn(B, C, D), torch.randn(B, S, D)
@@ -23,9 +24,11 @@ def test_pffn_follows_the_paper_orientation():
     old.w.data.copy_(paper.w.data)
     for b in range(B):
         w_pffn = x_sum[b].t() @ paper.w  # [D, D]
-        torch.testing.assert_close(paper(x_sum, s)[b], (w_pffn @ s[b].t()).t(), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(paper(x_sum, s)[b], (w_pffn @ s[b].t()).t(), atol=1e-6,
+                                   rtol=1e-5)
         torch.testing.assert_close(old(x_sum, s)[b], s[b] @ w_pffn, atol=1e-6, rtol=1e-5)
-    assert (paper(x_sum, s) - old(x_sum, s)).abs().max() > 0.1  # a different function, same parameters
+    # a different function, same parameters
+    assert (paper(x_sum, s) - old(x_sum, s)).abs().max() > 0.1
 
 
 def test_rope_scores_depend_on_relative_position_only():
@@ -33,19 +36,23 @@ def test_rope_scores_depend_on_relative_position_only():
     q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
 
     def score(pq, pk):
-        return (apply_rope(q, torch.tensor([float(pq)])) * apply_rope(k, torch.tensor([float(pk)]))).sum().item()
+        return (apply_rope(q, torch.tensor([float(pq)]))
+                * apply_rope(k, torch.tensor([float(pk)]))).sum().item()
 
     assert score(3, 1) == pytest.approx(score(7, 5), abs=1e-5)
     assert score(3, 1) != pytest.approx(score(3, 2), abs=1e-3)
-    torch.testing.assert_close(apply_rope(q, torch.zeros(1)), q)  # position 0 (summary tokens): unrotated
+    # position 0 (summary tokens): unrotated
+    torch.testing.assert_close(apply_rope(q, torch.zeros(1)), q)
     x = torch.randn(2, 2, 6, 8)
-    torch.testing.assert_close(apply_rope(x, torch.arange(6.0)).norm(dim=-1), x.norm(dim=-1))  # a rotation
+    # a rotation
+    torch.testing.assert_close(apply_rope(x, torch.arange(6.0)).norm(dim=-1), x.norm(dim=-1))
 
 
 def test_rope_positions_count_from_the_newest_event_and_survive_the_pyramid():
     pos = rope_positions(2, 1, 4, torch.device("cpu"))
     assert pos.tolist() == [0, 0, 0, 3, 2, 1, 0]
-    assert rope_positions(2, 1, 2, torch.device("cpu")).tolist()[-2:] == [1, 0]  # the two newest after a halving
+    # the two newest after a halving
+    assert rope_positions(2, 1, 2, torch.device("cpu")).tolist()[-2:] == [1, 0]
 
 
 @pytest.mark.parametrize("layers", [1, 2, 3])
@@ -55,14 +62,19 @@ def test_span_all_makes_every_connection_after_the_first_a_live_softmax(layers):
     assert len(arch.connections) == layers + 1  # + the output connection
     assert arch.connections[0].proj is None  # X_0 alone: nothing to mix
     assert all(hasattr(c, "q") for c in arch.connections[1:])
-    old = InteractionArch(5, 0, 8, WukongConfig(num_layers=layers, num_fm=2, num_lc=2, fm_rank=2, mlp_dims=(8,),
+    old = InteractionArch(5, 0, 8,
+                          WukongConfig(num_layers=layers, num_fm=2, num_lc=2, fm_rank=2,
+                                       mlp_dims=(8,),
                                                 cross_layer_span="earlier"))
-    assert len(old.connections) == layers and sum(hasattr(c, "q") for c in old.connections) == max(layers - 2, 0)
+    assert len(old.connections) == layers and sum(hasattr(c, "q") for c in old.connections) == max(
+        layers - 2, 0
+    )
     assert arch(torch.randn(4, 5, 8)).shape == (4, 4, 8)
 
 
 def _cfg(**kw):
-    kw.setdefault("wukong", WukongConfig(num_layers=2, num_fm=4, num_lc=4, fm_rank=4, mlp_dims=(32,)))
+    kw.setdefault("wukong",
+                  WukongConfig(num_layers=2, num_fm=4, num_lc=4, fm_rank=4, mlp_dims=(32,)))
     kw.setdefault("sequence", SequenceConfig(num_heads=2, recent_len=8, min_recent=2, num_pooled=2))
     return GEMConfig(embedding_dim=16, **kw)
 
@@ -99,7 +111,8 @@ def _stats(values):
 
 def test_standardize_and_quantile_transforms():
     torch.manual_seed(0)
-    train = torch.cat([torch.randn(4000, 1) * 3 + 10, torch.distributions.Exponential(0.01).sample((4000, 1))], 1)
+    train = torch.cat([torch.randn(4000, 1) * 3 + 10,
+                       torch.distributions.Exponential(0.01).sample((4000, 1))], 1)
     stats = _stats(train.numpy())
     std = DenseNormalizer(2, "standardize")
     std.fit(stats, ["a", "b"])

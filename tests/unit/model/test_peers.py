@@ -44,7 +44,8 @@ def test_peer_forward_shapes_chaining_and_every_parameter_learns(arch):
     assert (logits[:, 1] <= logits[:, 0] + 1e-6).all()  # conversion is chained through click
     assert model.features(b).shape == (24, model.feature_dim)
     p = torch.sigmoid(logits).mean(0)
-    assert abs(p[0].item() - 0.1) < 0.05 and p[1].item() < 0.03  # output biases start at the base rates
+    # output biases start at the base rates
+    assert abs(p[0].item() - 0.1) < 0.05 and p[1].item() < 0.03
     torch.nn.functional.binary_cross_entropy_with_logits(logits, b.labels).backward()
     dead = [n for n, q in model.named_parameters() if q.grad is None or q.grad.abs().sum() == 0]
     assert not dead, f"parameters without gradient: {dead}"
@@ -82,15 +83,17 @@ def test_arch_is_validated_and_peers_refuse_the_gem_only_paths():
     with pytest.raises(ValueError, match="model.arch must be gem"):
         GEMConfig(arch="xgboost").validate()
     with pytest.raises(NotImplementedError, match="single-process"):
-        _ = _peer("dlrm").interformer  # what opengem.parallel (FSDP, compile, checkpointing) reads first
+        # what opengem.parallel (FSDP, compile, checkpointing) reads first
+        _ = _peer("dlrm").interformer
 
 
 # ------------------------------------------------------------------------------- ablation switches
 def _interformer(**kw):
     torch.manual_seed(0)
     seq = SequenceConfig(num_heads=2, recent_len=4, min_recent=2, num_pooled=2)
-    return InterFormer(5, 8, 1, WukongConfig(num_layers=2, num_fm=2, num_lc=2, fm_rank=2, mlp_dims=(8,)), seq,
-                       InterFormerConfig(**kw)).eval()
+    return InterFormer(5, 8, 1,
+                       WukongConfig(num_layers=2, num_fm=2, num_lc=2, fm_rank=2, mlp_dims=(8,)),
+                       seq, InterFormerConfig(**kw)).eval()
 
 
 def _seqs(seed=0):
@@ -127,17 +130,28 @@ def tiny_data(tmp_path_factory):
 
 def test_dlrm_dcn_trains_and_evaluates_through_the_cli(tiny_data, tmp_path, capsys):
     run = tmp_path / "run"
-    assert main(["--quiet", "train", "--recipe", "tiny", "--data", str(tiny_data), "--out", str(run),
-                 "model.arch=dlrm_dcn"]) == 0
+    assert main(["--quiet", "train", "--recipe", "tiny", "--data", str(tiny_data), "--out",
+                 str(run), "model.arch=dlrm_dcn"]) == 0
     final = json.loads((run / FINAL_FILE).read_text())
     assert final["steps"] > 0 and final["parameters"]["dense"] > 0
     out = tmp_path / "eval.json"
-    assert main(["--quiet", "evaluate", "--run", str(run), "--data", str(tiny_data), "--json", str(out)]) == 0
+    assert (
+        main(
+            ["--quiet", "evaluate", "--run", str(run), "--data", str(tiny_data), "--json", str(out)]
+        )
+        == 0
+    )
     m = json.loads(out.read_text())["metrics"]
     for key in ("all/click", "all/conversion"):
-        assert m[key]["n"] > 0 and all(math.isfinite(m[key][f]) for f in ("auc", "ne", "logloss", "captured"))
-    assert main(["--quiet", "train", "--recipe", "tiny", "--data", str(tiny_data), "--out", str(tmp_path / "x"),
-                 "model.arch=xgboost"]) == 2
+        assert m[key]["n"] > 0 and all(math.isfinite(m[key][f])
+                                       for f in ("auc", "ne", "logloss", "captured"))
+    assert main(["--quiet", "train", "--recipe", "tiny", "--data", str(tiny_data), "--out",
+                 str(tmp_path / "x"), "model.arch=xgboost"]) == 2
     assert "model.arch must be gem|dlrm|dlrm_dcn" in capsys.readouterr().err
-    assert main(["--quiet", "export", "--run", str(run), "--out", str(tmp_path / "art"), "--no-compile"]) == 2
+    assert (
+        main(
+            ["--quiet", "export", "--run", str(run), "--out", str(tmp_path / "art"), "--no-compile"]
+        )
+        == 2
+    )
     assert "peer baseline; only GEM runs" in capsys.readouterr().err

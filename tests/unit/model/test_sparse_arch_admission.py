@@ -1,5 +1,5 @@
-"""Frequency admission (model.sparse.min_count): rare ids read the OOV row, counted in training only,
-and the counts travel in the state dict."""
+"""Frequency admission (model.sparse.min_count): rare ids read the OOV row, counted in training
+only, and the counts travel in the state dict."""
 
 import pytest
 import torch
@@ -16,7 +16,8 @@ def _kjt(user_ids):
     n = len(user_ids)
     values = torch.tensor(list(user_ids) + [3] * n + [1] * n)
     lengths = torch.tensor([1] * (3 * n) + [0] * n)
-    return KeyedJaggedTensor(keys=["user_id", "ad_id", "category", "tags"], values=values, lengths=lengths)
+    return KeyedJaggedTensor(keys=["user_id", "ad_id", "category", "tags"], values=values,
+                             lengths=lengths)
 
 
 def _arch(k, **kw):
@@ -58,7 +59,8 @@ def test_evaluation_neither_counts_nor_admits_rare_ids():
 def test_counts_travel_in_the_state_dict_and_survive_the_meta_build():
     schema, cfg = tiny_schema(), GEMConfig(embedding_dim=8, sparse=SparseArchConfig(min_count=2))
     a = materialize(build_gem(schema, cfg), seed=0)
-    assert a.sparse_arch.seen("user_id").abs().sum() == 0  # to_empty's garbage is cleared by init_weights
+    # to_empty's garbage is cleared by init_weights
+    assert a.sparse_arch.seen("user_id").abs().sum() == 0
     a.train()
     a.sparse_arch.forward_sparse(_kjt([1, 1, 2]), 3)
     b = materialize(build_gem(schema, cfg), seed=0)
@@ -66,7 +68,8 @@ def test_counts_travel_in_the_state_dict_and_survive_the_meta_build():
     assert torch.equal(b.sparse_arch.seen("user_id"), a.sparse_arch.seen("user_id"))
     a.eval(), b.eval()
     with torch.no_grad():
-        assert torch.equal(a.sparse_arch.forward_sparse(_kjt([1, 2]), 2), b.sparse_arch.forward_sparse(_kjt([1, 2]), 2))
+        assert torch.equal(a.sparse_arch.forward_sparse(_kjt([1, 2]), 2),
+                           b.sparse_arch.forward_sparse(_kjt([1, 2]), 2))
 
 
 def test_features_the_schema_lacks_are_skipped_and_bad_configs_refused():

@@ -33,10 +33,11 @@ def _rel_err(g, ref):
 
 
 def test_fp8_round_trip_error_bound():
-    """e4m3: 3 mantissa bits → ≤ 2⁻⁴ relative (round to nearest), subnormal step 2⁻⁹ of the scale."""
+    """e4m3: 3 mantissa bits → ≤ 2⁻⁴ relative (round to nearest), subnormal step 2⁻⁹ of
+    the scale."""
     g = torch.Generator().manual_seed(0)
-    for x in (torch.randn(4096, generator=g) * 1e-3, torch.randn(64, 64, generator=g) * 50, torch.zeros(10),
-              torch.randn(1000, generator=g).exp()):
+    for x in (torch.randn(4096, generator=g) * 1e-3, torch.randn(64, 64, generator=g) * 50,
+              torch.zeros(10), torch.randn(1000, generator=g).exp()):
         q, scale = quantize_fp8(x)
         assert q.dtype == torch.float8_e4m3fn and q.element_size() == 1
         y = dequantize_fp8(q, scale, x.dtype)
@@ -48,7 +49,11 @@ def test_fp8_round_trip_error_bound():
 def test_fp8_keeps_infinities_and_bf16():
     x = torch.tensor([float("-inf"), 2.0, float("inf"), -0.5])
     y = dequantize_fp8(*quantize_fp8(x), torch.float32)
-    assert y[0] == float("-inf") and y[2] == float("inf") and torch.allclose(y[[1, 3]], x[[1, 3]], rtol=2**-4)
+    assert (
+        y[0] == float("-inf")
+        and y[2] == float("inf")
+        and torch.allclose(y[[1, 3]], x[[1, 3]], rtol=2**-4)
+    )
     xb = torch.randn(100, dtype=torch.bfloat16)
     assert dequantize_fp8(*quantize_fp8(xb), torch.bfloat16).dtype == torch.bfloat16
 
@@ -57,7 +62,8 @@ def test_fp8_saved_activations_mlp_bytes_and_grads():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 64))
     x = torch.randn(512, 64)
-    mask = torch.zeros(512, 64).masked_fill(torch.rand(512, 64) < 0.1, float("-inf"))  # additive -inf mask
+    # additive -inf mask
+    mask = torch.zeros(512, 64).masked_fill(torch.rand(512, 64) < 0.1, float("-inf"))
 
     def loss():
         return torch.softmax(model(x) + mask, dim=-1).pow(2).sum()
@@ -68,7 +74,8 @@ def test_fp8_saved_activations_mlp_bytes_and_grads():
         out = loss()
     out.backward()
     got = {n: p.grad for n, p in model.named_parameters()}
-    assert stats.quantised > 0 and stats.ratio > 3.5  # ~4x: fp32 → 1 byte + a 4-byte scale per tensor
+    # ~4x: fp32 → 1 byte + a 4-byte scale per tensor
+    assert stats.quantised > 0 and stats.ratio > 3.5
     assert all(torch.isfinite(g).all() for g in got.values())
     assert _rel_err(got, ref) < 0.05
 
@@ -78,17 +85,20 @@ def test_fp8_skips_parameters_small_and_integer_tensors():
     x = torch.randn(4, 8, requires_grad=True)
     with fp8_saved_activations(lin, min_bytes=1 << 20) as stats:
         lin(x).sum().backward()
-    assert stats.quantised == 0 and stats.stored == stats.original > 0  # all kept, parameters not counted
+    # all kept, parameters not counted
+    assert stats.quantised == 0 and stats.stored == stats.original > 0
     idx = torch.tensor([0, 1, 1])
     with fp8_saved_activations(min_bytes=0) as stats:
         F.embedding(idx, torch.randn(3, 4, requires_grad=True)).sum().backward()
-    assert stats.quantised == 0 and stats.stored == stats.original == 3 * 8  # only the int64 index is saved
+    # only the int64 index is saved
+    assert stats.quantised == 0 and stats.stored == stats.original == 3 * 8
 
 
 def _tiny_gem(dim: int = 32):
     schema = tiny_schema()
     cfg = GEMConfig(embedding_dim=dim,
-                    wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2, fm_rank=2, mlp_dims=(32,)),
+                    wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2, fm_rank=2,
+                                        mlp_dims=(32,)),
                     sequence=SequenceConfig(num_heads=2, recent_len=8, min_recent=2, num_pooled=2))
     model = materialize(build_gem(schema, cfg), seed=0, base_rates=[0.1, 0.01])
     return model, collate(random_table(schema, 64, seed=1), schema)
@@ -99,7 +109,8 @@ def test_fp8_saved_activations_tiny_gem_step():
 
     def loss():
         logits = model(batch)
-        return F.binary_cross_entropy_with_logits(logits[batch.label_mask], batch.labels[batch.label_mask])
+        return F.binary_cross_entropy_with_logits(logits[batch.label_mask],
+                                                  batch.labels[batch.label_mask])
 
     ref = _grads(model, loss)
     model.zero_grad()
@@ -113,8 +124,10 @@ def test_fp8_saved_activations_tiny_gem_step():
 
 def _ebc(dim: int, rows: int = 200, data_type: DataType = DataType.FP32):
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=dim, num_embeddings=rows,
-                                                            feature_names=["f"], data_type=data_type)])
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=dim,
+                                                            num_embeddings=rows,
+                                                            feature_names=["f"],
+                                                            data_type=data_type)])
     kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.arange(rows),
                                               lengths=torch.ones(rows, dtype=torch.long))
     return ebc, kjt
@@ -129,16 +142,19 @@ def test_int8_and_fp16_tables_round_trip_and_bytes():
     err8 = (q8(kjt).values() - ref).abs()
     # row-wise: half a step of (max − min)/255, plus the fp16 rounding of the row's scale and bias
     assert torch.all(err8 <= (hi - lo) / 510 + 2**-10 * (lo.abs() + hi - lo) + 1e-7)
-    assert table_bytes(ebc) / table_bytes(q8) == pytest.approx(4 * 128 / (128 + 4))  # 3.88x: D + 4 bytes a row
+    # 3.88x: D + 4 bytes a row
+    assert table_bytes(ebc) / table_bytes(q8) == pytest.approx(4 * 128 / (128 + 4))
     q16 = quantize_tables(copy.deepcopy(ebc), "fp16")
-    torch.testing.assert_close(q16(kjt).values(), ref, atol=2**-25, rtol=2**-11)  # fp16 rounding; subnormals
+    # fp16 rounding; subnormals
+    torch.testing.assert_close(q16(kjt).values(), ref, atol=2**-25, rtol=2**-11)
     assert table_bytes(ebc) / table_bytes(q16) == 2.0
     with pytest.raises(ValueError, match="table dtype"):
         quantize_tables(ebc, "int4")
 
 
 def test_fp16_tables_train_on_cpu():
-    """The training-time option: ``data_type=FP16`` tables hold half the bytes and take gradients."""
+    """The training-time option: ``data_type=FP16`` tables hold half the bytes and
+    take gradients."""
     ebc, kjt = _ebc(16, data_type=DataType.FP16)
     w = ebc.embedding_bags["t"].weight
     assert w.dtype == torch.float16 and table_bytes(ebc) == 200 * 16 * 2

@@ -57,9 +57,15 @@ def test_recent_window_right_aligned_and_masked():
 def test_recent_window_has_k_slots_whatever_the_batch():
     """A row's window must not depend on its batch-mates (serving scores rows in other batches)."""
     alone, _ = recent_window(torch.tensor([[7.0]]), torch.tensor([1]), 4)
-    both, valid = recent_window(torch.arange(7, dtype=torch.float32).unsqueeze(1), torch.tensor([1, 6]), 4)
+    both, valid = recent_window(torch.arange(7, dtype=torch.float32).unsqueeze(1),
+                                torch.tensor([1, 6]), 4)
     assert alone.shape == (1, 4, 1) and both.shape == (2, 4, 1)
-    assert both[0, :, 0].tolist() == [0, 0, 0, 0.0] and valid[0].tolist() == [False, False, False, True]
+    assert both[0, :, 0].tolist() == [0, 0, 0, 0.0] and valid[0].tolist() == [
+        False,
+        False,
+        False,
+        True,
+    ]
     assert torch.equal(alone[0, :, 0], torch.tensor([0, 0, 0, 7.0]))
     x, valid = recent_window(torch.zeros(0, 4), torch.tensor([0, 0]), 64)
     assert x.shape == (2, 64, 4) and not valid.any()
@@ -81,5 +87,6 @@ def test_pool_attention_sink_is_one_more_softmax_slot():
             ref = (a[:-1, None] * vb).sum(0) + a[-1] * sink_value[m]
             torch.testing.assert_close(out[b, m], ref, atol=1e-5, rtol=1e-5)
     # no events at all: every row returns the sink value
-    out0 = pool_attention(q, k[:0], v[:0], torch.zeros(B, dtype=torch.long), H, sink_logit, sink_value)
+    out0 = pool_attention(q, k[:0], v[:0], torch.zeros(B, dtype=torch.long), H, sink_logit,
+                          sink_value)
     torch.testing.assert_close(out0, sink_value.expand(B, M, D))

@@ -1,9 +1,9 @@
 """Triton jagged kernels vs the plain-PyTorch reference, values and gradients, on CPU.
 
 The kernels run in Triton's interpreter, in one child process started with ``TRITON_INTERPRET=1``:
-``triton.jit`` reads the variable when a function is defined, Triton's own ``tl.zeros`` & co. included
-(so at ``import triton``), and the interpreter reads it again at launch. Setting it inside pytest
-fails as soon as anything (``torch.compile``, another test) imported triton first, with
+``triton.jit`` reads the variable when a function is defined, Triton's own ``tl.zeros`` & co.
+included (so at ``import triton``), and the interpreter reads it again at launch. Setting it inside
+pytest fails as soon as anything (``torch.compile``, another test) imported triton first, with
 "Cannot call @triton.jit'd outside of the scope of a kernel". The child runs every ``_check_*``
 below once (this file is its script); each test reports one check.
 
@@ -39,7 +39,11 @@ def _per_row_sdpa(q, k, v, lengths, H, causal):
         if s == e:
             continue
         qh, kh, vh = (t[s:e].view(e - s, H, -1).transpose(0, 1) for t in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal).transpose(0, 1).reshape(e - s, -1))
+        outs.append(
+            F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal)
+            .transpose(0, 1)
+            .reshape(e - s, -1)
+        )
     return torch.cat(outs)
 
 
@@ -75,7 +79,8 @@ def test_unknown_impl_and_missing_triton_are_clear_errors(monkeypatch):
     q = torch.zeros(3, 4)
     with pytest.raises(ValueError, match="impl must be one of"):
         jagged_attention(q, q, q, torch.tensor([3]), 1, impl="cuda")
-    monkeypatch.setitem(sys.modules, "triton", None)  # what a missing triton looks like to an import
+    # what a missing triton looks like to an import
+    monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.delitem(sys.modules, "opengem.ops.triton_jagged", raising=False)
     monkeypatch.delattr(opengem.ops, "triton_jagged", raising=False)
     with pytest.raises(RuntimeError, match="needs the optional 'triton' package"):
@@ -100,7 +105,8 @@ def _check_attention_long_row() -> None:
 
 
 def _check_attention_strided_inputs() -> None:
-    """q, k, v as column slices of one fused projection (row stride 3·D), as a qkv Linear gives them."""
+    """q, k, v as column slices of one fused projection (row stride 3·D), as a qkv Linear
+    gives them."""
     lengths = torch.tensor([3, 0, 20])
     qkv = _randn(23, 48, seed=9)
     q, k, v = qkv.chunk(3, dim=-1)
@@ -111,7 +117,8 @@ def _check_attention_strided_inputs() -> None:
 def _check_pool(sink: bool) -> None:
     lengths = torch.cat([_lengths(10, 4, 200), torch.tensor([2500])])
     B, M, D, H = lengths.numel(), 3, 32, 2
-    q, k, v = _randn(B, M, D, seed=11), _randn(int(lengths.sum()), D, seed=12), _randn(int(lengths.sum()), D, seed=13)
+    q, k, v = _randn(B, M, D, seed=11), _randn(int(lengths.sum()), D,
+                                               seed=12), _randn(int(lengths.sum()), D, seed=13)
     extra = (_randn(M, H, seed=14), _randn(M, D, seed=15)) if sink else (None, None)
     out = pool_attention(q, k, v, lengths, H, *extra, impl="triton")
     inputs = [q, k, v] + ([*extra] if sink else [])
@@ -141,8 +148,8 @@ CHECKS = {
 def interpreted():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, __file__], check=False, env=env, capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[3])
+    proc = subprocess.run([sys.executable, __file__], check=False, env=env, capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[3])
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -1,4 +1,5 @@
-"""GEM recipes: each builds and validates, a fresh copy per call, and they differ only along the dial."""
+"""GEM recipes: each builds and validates, a fresh copy per call, and they differ only along
+the dial."""
 
 import dataclasses
 import itertools
@@ -12,13 +13,16 @@ from opengem.testing import differing
 from opengem.world.generate import build_schema
 from opengem.world.presets import world_config
 
-# The leaves GEMSize sets that move between recipes (min_recent = min(8, K) is 8 in all of them), and
-# demo's periodic evaluation (the report's held-out NE; it changes no trained parameter); nothing else may differ.
-DIAL = {"recipe", "train.eval_every", "model.embedding_dim", "model.max_seq_len", "model.sparse.max_rows_per_table",
-        "model.wukong.num_layers", "model.wukong.num_fm", "model.wukong.num_lc", "model.wukong.fm_rank",
-        "model.wukong.mlp_dims", "model.sequence.num_heads", "model.sequence.recent_len",
-        "model.sequence.num_pooled", "model.heads.trunk_dims", "model.heads.task_dims",
-        "data.batch_size", "optim.lr", "optim.sparse_lr", "optim.warmup_steps", "train.ema_decay"}
+# The leaves GEMSize sets that move between recipes (min_recent = min(8, K) is 8 in all of them),
+# and demo's periodic evaluation (the report's held-out NE; it changes no trained parameter);
+# nothing else may differ.
+DIAL = {"recipe", "train.eval_every", "model.embedding_dim", "model.max_seq_len",
+        "model.sparse.max_rows_per_table",
+        "model.wukong.num_layers", "model.wukong.num_fm", "model.wukong.num_lc",
+        "model.wukong.fm_rank", "model.wukong.mlp_dims", "model.sequence.num_heads",
+        "model.sequence.recent_len", "model.sequence.num_pooled", "model.heads.trunk_dims",
+        "model.heads.task_dims", "data.batch_size", "optim.lr", "optim.sparse_lr",
+        "optim.warmup_steps", "train.ema_decay"}
 
 
 @pytest.mark.parametrize("name", ["tiny", "demo"])

@@ -27,9 +27,11 @@ def test_the_filter_drops_library_info_by_file_and_keeps_warnings_and_ours():
 
 def _import_fbgemm(level: str) -> str:
     code = ("import logging; from opengem.report.logs import LEVELS, configure_logging; "
-            f"configure_logging(LEVELS[{level!r}]); logging.getLogger('opengem').info('ours'); import fbgemm_gpu")
+            f"configure_logging(LEVELS[{level!r}]); logging.getLogger('opengem').info('ours'); "
+            f"import fbgemm_gpu")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stderr
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          check=True).stderr
 
 
 def test_fbgemm_import_lines_show_at_debug_only():

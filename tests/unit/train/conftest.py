@@ -1,4 +1,5 @@
-"""The tiny world (seed 0) that the training tests read; generated once per session and never written to."""
+"""The tiny world (seed 0) that the training tests read; generated once per session and never
+written to."""
 
 import pytest
 

@@ -33,7 +33,9 @@ def test_the_shadow_is_the_exponential_average_and_applied_swaps_back():
         ema.update()
         x = torch.tensor(value)
         expected = x if expected is None else 0.75 * expected + 0.25 * x  # the first step copies
-    assert torch.allclose(ema.shadow[0], expected) and ema.state() == {"ema": {"decay": 0.75, "updates": 3}}
+    assert torch.allclose(ema.shadow[0], expected) and ema.state() == {
+        "ema": {"decay": 0.75, "updates": 3}
+    }
     with ema.applied():
         assert torch.allclose(w, expected)
         assert ema.extra()[EMA_KEY]["w"].tolist() == [5.0, -2.0]
@@ -69,7 +71,8 @@ def test_training_is_unchanged_and_the_run_serves_the_average(tiny, tmp_path):
     averaged, _, _ = load_run_model(tmp_path / "ema", recalibrated=False)
     for p, q in zip(plain_model.sparse_parameters(), averaged.sparse_parameters(), strict=True):
         assert torch.equal(p, q)
-    moved = [not torch.equal(p, q) for p, q in zip(plain_model.dense_parameters(), averaged.dense_parameters(),
+    moved = [not torch.equal(p, q) for p,
+             q in zip(plain_model.dense_parameters(), averaged.dense_parameters(),
                                                    strict=True)]
     assert sum(moved) > len(moved) // 2
 
@@ -85,29 +88,42 @@ def test_a_resumed_run_is_the_uninterrupted_one(tiny, tmp_path):
 
     cfg = ["train.ema_decay=0.6", "train.eval_every=2", "train.keep_best=true"]
     ref = train(_cfg(*cfg), tiny, tmp_path / "ref", evaluator=fingerprint("ref"))
-    paused = train(_cfg(*cfg, "train.stop_at=3"), tiny, tmp_path / "run", evaluator=fingerprint("run"))
+    paused = train(_cfg(*cfg, "train.stop_at=3"), tiny, tmp_path / "run",
+                   evaluator=fingerprint("run"))
     assert paused["steps"] == 3
     resumed = train(_cfg(*cfg), tiny, tmp_path / "run", resume=True, evaluator=fingerprint("run"))
-    assert resumed["params_sha256"] == ref["params_sha256"] and resumed["steps"] == ref["steps"] == 6
+    assert (
+        resumed["params_sha256"] == ref["params_sha256"] and resumed["steps"] == ref["steps"] == 6
+    )
     assert seen["run"] == seen["ref"]  # every evaluation scored the same averaged weights
-    # The best checkpoint holds the averaged weights of its step (the first evaluation: NE never improves).
+    # The best checkpoint holds the averaged weights of its step (the first evaluation: NE
+    # never improves).
     best, _, _ = load_run_model(tmp_path / "ref", recalibrated=False, best=True)
     assert params_sha256(best) == seen["ref"][0]
-    assert json.loads((tmp_path / "ref" / "final.json").read_text())["params_sha256"] == ref["params_sha256"]
+    assert (
+        json.loads((tmp_path / "ref" / "final.json").read_text())["params_sha256"]
+        == ref["params_sha256"]
+    )
 
 
 def test_turning_the_average_on_or_off_at_a_resume(tiny, tmp_path):
     plain = train(_cfg("train.ema_decay=0"), tiny, tmp_path / "plain")
-    # Written with an average, resumed without: training goes on from the training weights, not the average.
+    # Written with an average, resumed without: training goes on from the training weights, not
+    # the average.
     train(_cfg("train.ema_decay=0.5", "train.stop_at=3"), tiny, tmp_path / "off")
     off = train(_cfg("train.ema_decay=0"), tiny, tmp_path / "off", resume=True)
     assert off["params_sha256"] == plain["params_sha256"]
-    assert "ema" not in torch.load(latest_checkpoint(tmp_path / "off") / "trainer_state-rank0.pt", weights_only=False)
+    assert "ema" not in torch.load(latest_checkpoint(tmp_path / "off") / "trainer_state-rank0.pt",
+                                   weights_only=False)
     # Written without, resumed with: a fresh average from the next step on.
     train(_cfg("train.ema_decay=0", "train.stop_at=3"), tiny, tmp_path / "on")
     on = train(_cfg("train.ema_decay=0.5"), tiny, tmp_path / "on", resume=True)
-    state = torch.load(latest_checkpoint(tmp_path / "on") / "trainer_state-rank0.pt", weights_only=False)
-    assert state["ema"] == {"decay": 0.5, "updates": 3} and on["params_sha256"] != plain["params_sha256"]
+    state = torch.load(latest_checkpoint(tmp_path / "on") / "trainer_state-rank0.pt",
+                       weights_only=False)
+    assert (
+        state["ema"] == {"decay": 0.5, "updates": 3}
+        and on["params_sha256"] != plain["params_sha256"]
+    )
     trained, _, _ = load_run_model(tmp_path / "on", recalibrated=False)
     load_tensors(latest_checkpoint(tmp_path / "on"), {EMA_KEY: dense_ema(trained, 0.5).params})
     assert params_sha256(trained) == plain["params_sha256"]

@@ -28,7 +28,8 @@ def test_masked_weighted_bce_by_hand():
 
 
 def test_empty_slice_is_nan_not_zero():
-    loss, table = masked_bce(torch.zeros(2, 1), torch.zeros(2, 1), torch.ones(2, 1, dtype=torch.bool),
+    loss, table = masked_bce(torch.zeros(2, 1), torch.zeros(2, 1),
+                             torch.ones(2, 1, dtype=torch.bool),
                              torch.ones(2), torch.ones(1), torch.tensor([0, 0]), 3)
     assert not math.isnan(table[0, 0].item()) and math.isnan(table[2, 0].item())
 

@@ -19,7 +19,8 @@ from opengem.train.trainer import train
 
 
 def _cfg(*overrides):
-    cfg = apply_overrides(recipe("tiny"), ["train.max_steps=40", "train.log_every=20", "optim.warmup_steps=2",
+    cfg = apply_overrides(recipe("tiny"),
+                          ["train.max_steps=40", "train.log_every=20", "optim.warmup_steps=2",
                                            "train.threads=1", *overrides])
     cfg.train.progress = False
     return cfg
@@ -27,7 +28,8 @@ def _cfg(*overrides):
 
 def _batch(data, model):
     schema = FeatureSchema.load(data)
-    return next(iter(ShardLoader(data, "valid", 256, schema, shuffle=False, max_seq_len=model.max_seq_len())))
+    return next(iter(ShardLoader(data, "valid", 256, schema, shuffle=False,
+                                 max_seq_len=model.max_seq_len())))
 
 
 def test_cross_layer_attention_is_not_uniform_after_training(tiny, tmp_path):
@@ -42,12 +44,14 @@ def test_cross_layer_attention_is_not_uniform_after_training(tiny, tmp_path):
         if hasattr(conn, "q") and len(cands) >= 2:
             alphas.append(conn.weights(x, conn.candidates(cands)))
 
-    hooks = [m.register_forward_pre_hook(grab) for m in model.modules() if isinstance(m, CrossLayerConnection)]
+    hooks = [m.register_forward_pre_hook(grab) for m in model.modules()
+             if isinstance(m, CrossLayerConnection)]
     with torch.no_grad():
         model(_batch(tiny, model))
     for h in hooks:
         h.remove()
-    assert len(alphas) == 2  # layer 1 (over X_0, X_1) and the output connection (over X_0, X_1, X_2)
+    # layer 1 (over X_0, X_1) and the output connection (over X_0, X_1, X_2)
+    assert len(alphas) == 2
     for a in alphas:
         J = a.shape[1]
         # far from 1/J on average, and different across rows (input-dependent, not a fixed mix)
@@ -68,10 +72,12 @@ def test_dense_normaliser_is_fitted_on_train_only_and_kept_in_the_run(tiny, tmp_
     for key in ("mean", "std", "quantiles"):
         np.testing.assert_allclose(written[key], expected[key], rtol=1e-12)
     valid = train_dense_stats(tiny, schema, "valid")
-    assert not np.allclose(valid["mean"], expected["mean"])  # the splits differ: the test would see a leak
+    # the splits differ: the test would see a leak
+    assert not np.allclose(valid["mean"], expected["mean"])
     model = load_run_model(run, recalibrated=False)[0]
     if mode == "standardize":
-        torch.testing.assert_close(model.dense_norm.mean.double(), torch.tensor(expected["mean"], dtype=torch.float64))
+        torch.testing.assert_close(model.dense_norm.mean.double(),
+                                   torch.tensor(expected["mean"], dtype=torch.float64))
     else:
         torch.testing.assert_close(model.dense_norm.knots.double(),
                                    torch.tensor(expected["quantiles"], dtype=torch.float64))

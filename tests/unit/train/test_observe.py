@@ -1,4 +1,5 @@
-"""RunLog: metrics.jsonl lines and TensorBoard scalars that read back; resume does not duplicate steps."""
+"""RunLog: metrics.jsonl lines and TensorBoard scalars that read back; resume does not
+duplicate steps."""
 
 import json
 
@@ -34,7 +35,8 @@ def test_json_lines_and_tensorboard_scalars(tmp_path):
     for tag in tb:
         want = [(s, dict(flatten_scalars(record(s)))[tag]) for s in (1, 2, 3)]
         assert [st for st, _ in tb[tag]] == [1, 2, 3]
-        assert [v for _, v in tb[tag]] == pytest.approx([v for _, v in want], rel=1e-6)  # float32 on disk
+        # float32 on disk
+        assert [v for _, v in tb[tag]] == pytest.approx([v for _, v in want], rel=1e-6)
 
 
 def test_resume_purges_redone_steps(tmp_path):
@@ -46,7 +48,9 @@ def test_resume_purges_redone_steps(tmp_path):
         for step in (4, 5):
             mlog.log(step, record(step, shift=10.0))
     lines = [json.loads(x) for x in (tmp_path / METRICS_FILE).read_text().splitlines()]
-    assert [x["step"] for x in lines] == [1, 2, 3, 4, 5] and lines[3]["loss"] == record(4, 10.0)["loss"]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4, 5] and lines[3]["loss"] == record(4, 10.0)[
+        "loss"
+    ]
     loss = scalars(tmp_path)["loss"]
     assert [s for s, _ in loss] == [1, 2, 3, 4, 5]
     assert [v for _, v in loss] == pytest.approx([0.5, 0.25, 0.5 / 3, 10.125, 10.1], rel=1e-6)

@@ -1,5 +1,6 @@
-"""train.soft_label_runs: the labels are mixed with the teacher runs' mean probability; a run trained on
-them learns its teacher's predictions rather than the labels'; bad teachers and weights are refused."""
+"""train.soft_label_runs: the labels are mixed with the teacher runs' mean probability; a run
+trained on them learns its teacher's predictions rather than the labels'; bad teachers and weights
+are refused."""
 
 import dataclasses
 import json
@@ -17,7 +18,8 @@ from opengem.train.trainer import train
 
 
 def _cfg(*overrides):
-    cfg = apply_overrides(recipe("tiny"), ["optim.warmup_steps=2", "train.max_steps=20", *overrides])
+    cfg = apply_overrides(recipe("tiny"),
+                          ["optim.warmup_steps=2", "train.max_steps=20", *overrides])
     cfg.train.progress = False
     return cfg
 
@@ -43,10 +45,14 @@ class _Labels:  # the two fields of a Batch that SoftLabels mixes
 
 def test_the_target_is_the_weighted_mix_of_the_mean_probability_and_masked_labels_stay():
     soft = SoftLabels.__new__(SoftLabels)  # the arithmetic alone, with two fixed teachers
-    soft.weight, soft.models = 0.75, [_Fixed([[0.0, 2.0], [-2.0, 1.0]]), _Fixed([[0.0, -2.0], [2.0, 1.0]])]
-    batch = _Labels(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([[True, True], [True, False]]))
+    soft.weight, soft.models = 0.75, [_Fixed([[0.0, 2.0], [-2.0, 1.0]]),
+                                      _Fixed([[0.0, -2.0], [2.0, 1.0]])]
+    batch = _Labels(torch.tensor([[1.0, 0.0], [0.0, 1.0]]),
+                    torch.tensor([[True, True], [True, False]]))
     q = soft.probabilities(batch)  # the mean of the probabilities (σ(2) and σ(−2) average to 0.5)
-    assert torch.allclose(q, torch.tensor([[0.5, 0.5], [0.5, torch.sigmoid(torch.tensor(1.0)).item()]]))
+    assert torch.allclose(q,
+                          torch.tensor([[0.5, 0.5],
+                                        [0.5, torch.sigmoid(torch.tensor(1.0)).item()]]))
     mixed = soft(batch).labels
     assert torch.allclose(mixed, torch.tensor([[0.75 * 0.5 + 0.25, 0.75 * 0.5], [0.75 * 0.5, 1.0]]))
 
@@ -68,7 +74,8 @@ def test_the_config_and_the_teachers_are_checked(tiny, tmp_path):
 
 def test_a_student_learns_its_teachers_predictions_not_the_labels(tiny, tmp_path):
     """A teacher of one step predicts nearly the base rate everywhere; a student of its soft labels
-    (weight 1) must learn that flat function, where the same run on the labels learns their signal."""
+    (weight 1) must learn that flat function, where the same run on the labels learns
+    their signal."""
     long = ["train.max_steps=0", "train.epochs=3", "optim.lr=1e-2"]
     train(_cfg("train.seed=1", "train.max_steps=1"), tiny, tmp_path / "teacher")
     train(_cfg(*long), tiny, tmp_path / "hard")
@@ -80,4 +87,7 @@ def test_a_student_learns_its_teachers_predictions_not_the_labels(tiny, tmp_path
     gap = {n: (z[n] - z["teacher"]).abs().mean().item() for n in ("hard", "soft")}
     # measured: click-logit spread over valid rows teacher 0.11, hard 1.62, soft 0.13; mean |student − teacher|
     # logit 1.76 (hard) against 0.07 (soft)
-    assert z["soft"].std() < 0.2 * z["hard"].std() and gap["soft"] < 0.1 * gap["hard"], (gap, z["soft"].std())
+    assert z["soft"].std() < 0.2 * z["hard"].std() and gap["soft"] < 0.1 * gap["hard"], (
+        gap,
+        z["soft"].std(),
+    )

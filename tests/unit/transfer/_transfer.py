@@ -14,7 +14,8 @@ def make_batch(schema, n=16, seed=0):
 
 def gem_config(dim=8):
     return GEMConfig(embedding_dim=dim,
-                     wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2, fm_rank=2, mlp_dims=(16,)),
+                     wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2, fm_rank=2,
+                                         mlp_dims=(16,)),
                      sequence=SequenceConfig(num_heads=2, recent_len=4, min_recent=2, num_pooled=1))
 
 
@@ -23,7 +24,8 @@ def make_gem(schema, dim=8, seed=0):
 
 
 def write_dataset(out, schema, rows_per_day=(96, 64), seed=0):
-    """A dataset directory of random rows: day 0 = ``valid`` (the students' days), day 1 = ``test``."""
+    """A dataset directory of random rows: day 0 = ``valid`` (the students' days), day
+    1 = ``test``."""
     from opengem.data.parquet import ShardWriter
 
     w = ShardWriter(out, schema)

@@ -1,4 +1,5 @@
-"""The student adapter: identity at start, fitted on fresh labels before the student, stop-gradient target."""
+"""The student adapter: identity at start, fitted on fresh labels before the student,
+stop-gradient target."""
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ def test_identity_at_init_and_learns_a_calibration(schema):
         a.update(z, b)
     moved = {n for n, p in a.named_parameters() if not torch.equal(p, before[n])}
     assert {"scale", "bias", "mlp.2.weight", "ids.ad_id.weight"} <= moved
-    assert torch.sigmoid(a.target(z, b))[:, 0].mean() < torch.sigmoid(z)[:, 0].mean() - 0.2  # toward the fresh rate
+    # toward the fresh rate
+    assert torch.sigmoid(a.target(z, b))[:, 0].mean() < torch.sigmoid(z)[:, 0].mean() - 0.2
 
 
 def test_target_is_a_stop_gradient(schema):
@@ -36,7 +38,8 @@ def test_target_is_a_stop_gradient(schema):
 def test_adapter_updates_before_the_student_and_gets_no_student_gradient(schema, monkeypatch):
     cfg = student_recipe("vm_xs")
     tcfg = techniques_config("kd+adapter", domains=tuple(schema.domains.names))
-    tr = StudentTrainer("s", build_student(schema, cfg, [0.1, 0.01]), cfg, tcfg, schema, total_steps=4)
+    tr = StudentTrainer("s", build_student(schema, cfg, [0.1, 0.01]), cfg, tcfg, schema,
+                        total_steps=4)
     b = make_batch(schema, 32)
     tout = TeacherOutput(torch.randn(32, 2))
     seen = {}
@@ -64,7 +67,8 @@ def _adapted_trainer(schema, tau):
     cfg = student_recipe("vm_xs")
     tcfg = techniques_config("kd+adapter", domains=tuple(schema.domains.names))
     tcfg.kd.temperature = tau
-    tr = StudentTrainer("s", build_student(schema, cfg, [0.1, 0.01]), cfg, tcfg, schema, total_steps=4)
+    tr = StudentTrainer("s", build_student(schema, cfg, [0.1, 0.01]), cfg, tcfg, schema,
+                        total_steps=4)
     with torch.no_grad():
         tr.adapter.scale.fill_(0.7)
         tr.adapter.bias.fill_(-0.8)
@@ -72,13 +76,15 @@ def _adapted_trainer(schema, tau):
 
 
 def test_a_student_equal_to_the_adapted_teacher_gets_no_kd_gradient(schema):
-    """At τ = 2 the adapter's output is tempered like the student's logit: agreeing with it costs nothing."""
+    """At τ = 2 the adapter's output is tempered like the student's logit: agreeing with it
+    costs nothing."""
     tr = _adapted_trainer(schema, 2.0)
     b, tout = make_batch(schema, 32), TeacherOutput(torch.randn(32, 2))
     z = tr.teacher_logits(b, tout)
     s = z.clone().requires_grad_(True)
     no_labels = torch.zeros_like(b.label_mask)
-    trainer_mod.distill_loss(s, None, z, b.labels, no_labels, b.weights, tr.task_w, tr.tcfg).total.backward()
+    trainer_mod.distill_loss(s, None, z, b.labels, no_labels, b.weights, tr.task_w,
+                             tr.tcfg).total.backward()
     assert s.grad.abs().max() < 1e-7
 
 
@@ -94,7 +100,8 @@ def test_a_kd_only_student_is_calibrated_to_the_adapted_teacher_at_tau_2(schema)
 
     def closure():
         opt.zero_grad()
-        loss = trainer_mod.distill_loss(s, None, z, b.labels, no_labels, b.weights, tr.task_w, tr.tcfg).total
+        loss = trainer_mod.distill_loss(s, None, z, b.labels, no_labels, b.weights, tr.task_w,
+                                        tr.tcfg).total
         loss.backward()
         return loss
 
@@ -104,8 +111,8 @@ def test_a_kd_only_student_is_calibrated_to_the_adapted_teacher_at_tau_2(schema)
 
 
 def _platt_stream(schema, batches=40, n=256, a=0.5, c=-1.0, seed=0):
-    """(teacher logits, batch) pairs whose task-0 labels are Bernoulli(σ(a·z + c)): a teacher that ranks
-    but is miscalibrated, as a click head is for another task."""
+    """(teacher logits, batch) pairs whose task-0 labels are Bernoulli(σ(a·z + c)): a teacher that
+    ranks but is miscalibrated, as a click head is for another task."""
     import dataclasses
 
     gen = torch.Generator().manual_seed(seed)
@@ -129,9 +136,9 @@ def _mle(stream, domain):
 
 
 def test_newton_fit_reaches_the_platt_mle_in_one_pass_where_adam_stays_at_the_identity(schema):
-    """The mismatched-objective case: 40 batches whose labels follow σ(0.5·z − 1). The online Newton fit
-    ends within 0.05 of the batch maximum-likelihood (a, c) on the same rows; Adam at the default lr
-    moves (a, c) by under 0.15 from (1, 0) (ExFM's per-step update, one pass)."""
+    """The mismatched-objective case: 40 batches whose labels follow σ(0.5·z − 1). The online Newton
+    fit ends within 0.05 of the batch maximum-likelihood (a, c) on the same rows; Adam at the
+    default lr moves (a, c) by under 0.15 from (1, 0) (ExFM's per-step update, one pass)."""
     stream = _platt_stream(schema)
     newton = StudentAdapter(schema, AdapterConfig(ids=()))
     adam = StudentAdapter(schema, AdapterConfig(ids=(), fit="adam"))
@@ -152,7 +159,9 @@ def test_newton_fit_reaches_the_platt_mle_in_one_pass_where_adam_stays_at_the_id
 def test_newton_adapter_has_no_adam_state_for_its_platt_part(schema):
     a = StudentAdapter(schema, AdapterConfig(ids=("ad_id",), ids_fit="adam", ids_tasks="all"))
     names = {id(p) for g in a.optimizer.param_groups for p in g["params"]}
-    assert id(a.scale) not in names and id(a.bias) not in names and id(a.ids["ad_id"].weight) in names
+    assert (
+        id(a.scale) not in names and id(a.bias) not in names and id(a.ids["ad_id"].weight) in names
+    )
     assert StudentAdapter(schema, AdapterConfig(ids=())).optimizer is None
 
 
@@ -162,23 +171,28 @@ def test_bad_adapter_fit_is_refused(bad):
     from opengem.config import ConfigError, apply_prefixed_overrides
 
     with pytest.raises(ConfigError, match="transfer.adapter"):
-        apply_prefixed_overrides({"transfer": techniques_config("kd+adapter")}, [bad])["transfer"].validate()
+        apply_prefixed_overrides({"transfer": techniques_config("kd+adapter")},
+                                 [bad])["transfer"].validate()
 
 
 def test_newton_id_corrections_recover_per_id_effects(schema):
     """Labels σ(0.5·z − 1 + e[ad]) with e ~ N(0, 1): the diagonal Newton fit of the id corrections
-    correlates with e at > 0.8 after one pass of 60 batches; Adam at the default lr leaves them near 0."""
+    correlates with e at > 0.8 after one pass of 60 batches; Adam at the default lr leaves
+    them near 0."""
     import dataclasses
 
     gen = torch.Generator().manual_seed(1)
     b0 = make_batch(schema, 256)
     adv = b0.sparse.to_dict()["ad_id"].values()
     e = torch.randn(int(adv.max()) + 1, generator=gen)
-    cfgs = {k: AdapterConfig(ids=("ad_id",), ids_fit=k, ids_tasks="all") for k in ("newton", "adam")}
+    cfgs = {k: AdapterConfig(ids=("ad_id",), ids_fit=k, ids_tasks="all")
+            for k in ("newton", "adam")}
     adapters = {k: StudentAdapter(schema, c) for k, c in cfgs.items()}
     for _ in range(60):
         z = torch.randn(256, 2, generator=gen) * 1.5 - 2.0
-        y = (torch.rand(256, 2, generator=gen) < torch.sigmoid(0.5 * z - 1.0 + e[adv].unsqueeze(1))).float()
+        y = (
+            torch.rand(256, 2, generator=gen) < torch.sigmoid(0.5 * z - 1.0 + e[adv].unsqueeze(1))
+        ).float()
         mask = torch.zeros(256, 2, dtype=torch.bool)
         mask[:, 0] = True
         b = dataclasses.replace(b0, labels=y, label_mask=mask, weights=torch.ones(256))
@@ -195,15 +209,18 @@ def test_newton_id_corrections_recover_per_id_effects(schema):
 
 
 def test_by_default_only_a_task_read_from_another_tasks_head_gets_id_corrections(schema):
-    """A student of the teacher's own tasks gets a Platt-only adapter; with the second task read from the
-    first's head (the FM lacks it), that task's id corrections move and the first task's stay exactly 0."""
+    """A student of the teacher's own tasks gets a Platt-only adapter; with the second task read
+    from the first's head (the FM lacks it), that task's id corrections move and the first task's
+    stay exactly 0."""
     tasks = schema.task_names
     cfg = student_recipe("vm_xs")
     tcfg = techniques_config("kd+adapter", domains=tuple(schema.domains.names))
-    own = StudentTrainer("s", build_student(schema, cfg, [0.1, 0.01]), cfg, tcfg, schema, 4, teacher_tasks=tasks)
+    own = StudentTrainer("s", build_student(schema, cfg, [0.1, 0.01]), cfg, tcfg, schema, 4,
+                         teacher_tasks=tasks)
     assert own.head_idx is None and len(own.adapter.ids) == 0
     tcfg.kd.heads = (f"{tasks[1]}:{tasks[0]}",)
-    tr = StudentTrainer("s", build_student(schema, cfg, [0.1, 0.01]), cfg, tcfg, schema, 4, teacher_tasks=tasks[:1])
+    tr = StudentTrainer("s", build_student(schema, cfg, [0.1, 0.01]), cfg, tcfg, schema, 4,
+                        teacher_tasks=tasks[:1])
     assert tr.head_idx.tolist() == [0, 0] and tr.adapter.ids_scope.tolist() == [0.0, 1.0]
     gen = torch.Generator().manual_seed(0)
     b = make_batch(schema, 128)

@@ -31,14 +31,22 @@ TW = torch.tensor([1.0, 0.5])
 
 def test_soft_bce_weighted_mean_by_hand():
     p = torch.tensor([[0.2, 0.9], [0.5, 0.0]])
-    want = ((_h(0.5, 0.2) + 3 * _h(-0.2, 0.5)) / 4) + 0.5 * ((_h(-1.0, 0.9) + 3 * _h(-3.0, 0.0)) / 4)
+    want = ((_h(0.5, 0.2) + 3 * _h(-0.2, 0.5)) / 4) + 0.5 * (
+        (_h(-1.0, 0.9) + 3 * _h(-3.0, 0.0)) / 4
+    )
     assert soft_bce(S, p, W, TW).item() == pytest.approx(want, rel=1e-6)
 
 
 @pytest.mark.parametrize("tau", [1.0, 2.0])
 def test_kd_loss_is_tau_squared_bce_to_the_tempered_teacher(tau):
-    want = sum(tw * sum(w * _h(S[b, t].item() / tau, _sig(Z[b, t].item() / tau)) for b, w in enumerate([1, 3])) / 4
-               for t, tw in enumerate([1.0, 0.5]))
+    want = sum(
+        tw
+        * sum(
+            w * _h(S[b, t].item() / tau, _sig(Z[b, t].item() / tau)) for b, w in enumerate([1, 3])
+        )
+        / 4
+        for t, tw in enumerate([1.0, 0.5])
+    )
     assert kd_loss(S, Z, W, TW, tau).item() == pytest.approx(tau ** 2 * want, rel=1e-6)
 
 
@@ -58,7 +66,8 @@ def test_a_student_equal_to_its_teacher_gets_no_kd_gradient(tau):
 
 
 def test_tau_squared_keeps_the_kd_gradient_scale_near_agreement():
-    """d/ds τ² h(s/τ, σ(t/τ)) = τ(σ(s/τ) − σ(t/τ)) ≈ σ'(t/τ)(s − t): at t = 0 the same at every τ."""
+    """d/ds τ² h(s/τ, σ(t/τ)) = τ(σ(s/τ) − σ(t/τ)) ≈ σ'(t/τ)(s − t): at t = 0 the same at
+    every τ."""
     z, s = torch.zeros(2, 2), torch.full((2, 2), 1e-3)
     grads = {}
     for tau in (1.0, 2.0, 4.0):
@@ -71,7 +80,9 @@ def test_tau_squared_keeps_the_kd_gradient_scale_near_agreement():
 
 
 def test_label_scaling_clips_at_one():
-    assert scaled_label(torch.tensor([0.1, 0.3, 0.5]), 3.0).tolist() == pytest.approx([0.3, 0.9, 1.0])
+    assert scaled_label(torch.tensor([0.1, 0.3, 0.5]), 3.0).tolist() == pytest.approx(
+        [0.3, 0.9, 1.0]
+    )
 
 
 def test_kd_adds_the_weighted_soft_term_to_the_true_loss():
@@ -81,7 +92,8 @@ def test_kd_adds_the_weighted_soft_term_to_the_true_loss():
     true, _ = masked_bce(S, Y, M, W, TW)
     out = distill_loss(S, None, Z, Y, M, W, TW, cfg)
     want = true.item() + 2.0 * 4 * sum(tw * sum(w * _h(S[b, t].item() / 2, p[b, t].item())
-                                                for b, w in enumerate([1, 3])) / 4 for t, tw in enumerate([1.0, 0.5]))
+                                                for b, w in enumerate([1, 3])) / 4 for t,
+                                       tw in enumerate([1.0, 0.5]))
     assert out.total.item() == pytest.approx(want, rel=1e-6)
     assert out.true == pytest.approx(true.item())
 
@@ -93,8 +105,12 @@ def test_aux_head_gets_the_scaled_soft_label_and_the_serving_head_ground_truth_o
     p = torch.sigmoid(Z)
     out = distill_loss(S, aux, Z, Y, M, W, TW, cfg)
     true, _ = masked_bce(S, Y, M, W, TW)
-    d = sum(tw * sum(w * _h(aux[b, t].item(), min(5 * p[b, t].item(), 1.0)) for b, w in enumerate([1, 3])) / 4
-            for t, tw in enumerate([1.0, 0.5]))
+    d = sum(
+        tw
+        * sum(w * _h(aux[b, t].item(), min(5 * p[b, t].item(), 1.0)) for b, w in enumerate([1, 3]))
+        / 4
+        for t, tw in enumerate([1.0, 0.5])
+    )
     assert out.total.item() == pytest.approx(true.item() + 10.0 * d, rel=1e-6)
     # the serving logits get no gradient from the soft label
     s, s2 = S.clone().requires_grad_(True), S.clone().requires_grad_(True)
@@ -105,7 +121,10 @@ def test_aux_head_gets_the_scaled_soft_label_and_the_serving_head_ground_truth_o
 
 def test_no_kd_is_the_trainer_loss():
     out = distill_loss(S, None, Z, Y, M, W, TW, techniques_config(""))
-    assert out.total.item() == pytest.approx(masked_bce(S, Y, M, W, TW)[0].item()) and out.distill == 0.0
+    assert (
+        out.total.item() == pytest.approx(masked_bce(S, Y, M, W, TW)[0].item())
+        and out.distill == 0.0
+    )
 
 
 def test_temperature_with_the_aux_head_is_refused():

@@ -12,13 +12,17 @@ from opengem.transfer.trainer import StudentTrainer
 
 def test_projection_keeps_the_leading_directions():
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(50, 2, generator=g) @ torch.randn(2, 6, generator=g) + 1e-3 * torch.randn(50, 6, generator=g)
+    w = torch.randn(50, 2, generator=g) @ torch.randn(2, 6, generator=g) + 1e-3 * torch.randn(
+        50, 6, generator=g
+    )
     p = project_table(w, 2)
     assert p.shape == (50, 2)
     assert torch.allclose(p @ p.T, w @ w.T, atol=1e-3)  # a rank-2 table keeps its inner products
     assert torch.equal(project_table(w, 6), w)
-    assert torch.equal(project_table(w[:, :3], 5), w[:, :3])  # a narrower teacher gives its columns only
-    assert project_table(w[:3], 4).shape == (3, 3)  # fewer rows than dims: as many directions as rows
+    # a narrower teacher gives its columns only
+    assert torch.equal(project_table(w[:, :3], 5), w[:, :3])
+    # fewer rows than dims: as many directions as rows
+    assert project_table(w[:3], 4).shape == (3, 3)
 
 
 def test_share_copies_tables_by_name_and_can_freeze(schema):
@@ -28,7 +32,8 @@ def test_share_copies_tables_by_name_and_can_freeze(schema):
     shared = share_parameters(st.backbone, teacher, ShareConfig(rescale=False, freeze=True))
     mine, theirs = st.backbone.sparse_arch.tables(), teacher.sparse_arch.tables()
     assert "t_ad_id" in shared and "domain_emb" in shared
-    assert set(shared) - {"domain_emb"} == set(mine)  # a student without towers has no sequence tables
+    # a student without towers has no sequence tables
+    assert set(shared) - {"domain_emb"} == set(mine)
     for n in mine:
         assert torch.equal(mine[n], theirs[n]) and not mine[n].requires_grad
     tr = StudentTrainer("s", st, cfg, techniques_config("kd+share", domains=("d0",)), schema, 4)

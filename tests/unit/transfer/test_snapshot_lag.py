@@ -1,4 +1,5 @@
-"""Staleness as a knob: a student of day d reads the newest snapshot that has seen up to d − 1 − lag."""
+"""Staleness as a knob: a student of day d reads the newest snapshot that has seen up to d − 1
+− lag."""
 
 import pytest
 from _transfer import gem_config, make_gem
@@ -18,7 +19,8 @@ PUBLISHED = (0, 1, 3)  # a run that published after days 0, 1 and 3 (day 2's pub
 
 @pytest.fixture
 def gem_run(schema, tmp_path):
-    """A run directory with three snapshots, each a different model: (run, sha256 per snapshot day)."""
+    """A run directory with three snapshots, each a different model: (run, sha256 per
+    snapshot day)."""
     run = tmp_path / "gem"
     run.mkdir()
     save_config(run, Config(model=gem_config()))
@@ -32,9 +34,12 @@ def gem_run(schema, tmp_path):
     return run, shas
 
 
-@pytest.mark.parametrize("day, lag, want", [(4, 0, 3), (4, 1, 1), (4, 2, 1), (4, 3, 0), (2, 0, 1), (1, 0, 0),
+@pytest.mark.parametrize("day, lag, want",
+                         [(4, 0, 3), (4, 1, 1), (4, 2, 1), (4, 3, 0), (2, 0, 1), (1, 0, 0),
                                             (9, 0, 3), (3, 0, 1)])
-def test_lag_selects_the_newest_snapshot_that_has_seen_up_to_d_minus_1_minus_lag(gem_run, day, lag, want):
+def test_lag_selects_the_newest_snapshot_that_has_seen_up_to_d_minus_1_minus_lag(
+    gem_run, day, lag, want
+):
     run, shas = gem_run
     path, meta = teacher_snapshot(run, day, lag)
     assert path.name == f"day-{want:05d}" and meta["last_day"] == want <= day - 1 - lag
@@ -57,10 +62,12 @@ def test_negative_lag_is_refused():
     with pytest.raises(ConfigError, match="snapshot_lag .* must be >= 0, got -1"):
         TransferConfig(snapshot_lag=-1).validate()
     with pytest.raises(ConfigError, match="got -2"):
-        apply_prefixed_overrides({"": Config(), "transfer": TransferConfig()}, ["transfer.snapshot_lag=-2"])
+        apply_prefixed_overrides({"": Config(), "transfer": TransferConfig()},
+                                 ["transfer.snapshot_lag=-2"])
     with pytest.raises(ConfigError, match="got -1"):
         teacher_snapshot(".", 4, -1)
-    trees = apply_prefixed_overrides({"": Config(), "transfer": TransferConfig()}, ["transfer.snapshot_lag=2"])
+    trees = apply_prefixed_overrides({"": Config(), "transfer": TransferConfig()},
+                                     ["transfer.snapshot_lag=2"])
     assert trees["transfer"].snapshot_lag == 2 and TransferConfig().snapshot_lag is None
 
 

@@ -20,7 +20,11 @@ def test_select_rows_matches_collating_those_rows(schema):
     b = make_batch(schema, 10)
     rows = torch.tensor([1, 4, 7])
     s = select_rows(b, rows)
-    assert s.batch_size == 3 and torch.equal(s.dense, b.dense[rows]) and torch.equal(s.user_id, b.user_id[rows])
+    assert (
+        s.batch_size == 3
+        and torch.equal(s.dense, b.dense[rows])
+        and torch.equal(s.user_id, b.user_id[rows])
+    )
     full, part = b.sequences.to_dict(), s.sequences.to_dict()
     for k in full:
         want = [full[k].to_dense()[i].tolist() for i in rows.tolist()]

@@ -19,9 +19,13 @@ from opengem.recipes import student_recipe, student_recipe_names
 
 
 def test_presets_grow_along_one_dial(schema):
-    sizes = [count_parameters(build_gem(schema, student_recipe(n).model))["total"] for n in student_recipe_names()]
+    sizes = [count_parameters(build_gem(schema, student_recipe(n).model))["total"]
+             for n in student_recipe_names()]
     assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
-    assert not student_recipe("vm_xs").model.use_sequences and student_recipe("vm_s").model.use_sequences
+    assert (
+        not student_recipe("vm_xs").model.use_sequences
+        and student_recipe("vm_s").model.use_sequences
+    )
     assert student_recipe("tiny").recipe == "tiny"  # a trainer recipe is a (large) student too
     with pytest.raises(ValueError, match="vm_xs"):
         student_recipe("vm_xxl")
@@ -54,7 +58,8 @@ def test_grad_scale_is_identity_forward_scaled_backward():
 
 def _aux_grads(schema, beta):
     cfg = student_recipe("vm_xs")
-    st = build_student(schema, cfg, [0.1, 0.01], seed=0, aux_heads=HeadsConfig(trunk_dims=(8,), task_dims=(4,)),
+    st = build_student(schema, cfg, [0.1, 0.01], seed=0,
+                       aux_heads=HeadsConfig(trunk_dims=(8,), task_dims=(4,)),
                        aux_grad_scale=beta)
     _, aux = st.forward_train(make_batch(schema))
     aux.sum().backward()  # the distillation head's loss only
@@ -76,7 +81,8 @@ def test_gradient_scaling_scales_the_backbone_gradient_not_the_heads(schema):
 
 
 def test_aux_head_starts_at_the_scaled_base_rate(schema):
-    st = build_student(schema, student_recipe("vm_xs"), [0.1, 0.01], aux_heads=HeadsConfig(trunk_dims=(8,)),
+    st = build_student(schema, student_recipe("vm_xs"), [0.1, 0.01],
+                       aux_heads=HeadsConfig(trunk_dims=(8,)),
                        aux_label_scale=3.0)
     assert torch.sigmoid(st.aux.out_b[0, 0]).item() == pytest.approx(0.3, rel=1e-5)
     assert serving_module(st).gem is st.backbone and st.forward(make_batch(schema)).shape == (16, 2)

@@ -30,17 +30,21 @@ def test_teacher_runs_once_per_example_for_several_students_and_is_not_updated(s
     rates, n_slice, _ = slice_rates(data, schema, "valid", [0, 1])
     stream = SliceStream(data, "valid", schema, [0, 1], teacher, 16, seed=0)
     names = ["kd", "kd+aux+adapter", "kd+rep+share", ""]
-    trainers = [make_trainer(n or "alone", student_recipe("vm_xs"), techniques_config(n, domains=("d0", "d1")),
+    trainers = [make_trainer(n or "alone", student_recipe("vm_xs"),
+                             techniques_config(n, domains=("d0", "d1")),
                              schema, teacher, rates, stream.steps) for n in names]
     train_students(trainers, stream)
     assert sum(calls) == n_slice == teacher.rows == 96  # every example scored exactly once ...
-    assert len(calls) == teacher.calls == 1  # ... in one call (a 2048-row chunk), shared by 4 students ...
-    assert all(tr.examples == 96 and tr.step_n == 6 for tr in trainers)  # ... stepping on 16-row pieces
+    # ... in one call (a 2048-row chunk), shared by 4 students ...
+    assert len(calls) == teacher.calls == 1
+    # ... stepping on 16-row pieces
+    assert all(tr.examples == 96 and tr.step_n == 6 for tr in trainers)
     stream2 = SliceStream(data, "valid", schema, [0, 1], teacher, 16, seed=0, teacher_batch=16)
     train_students(trainers[:2], stream2)
     assert teacher.calls == 1 + 6 and teacher.rows == 2 * 96  # one call per 16-row batch
     assert params_sha256(teacher.model) == sha  # the teacher did not learn
-    ev = evaluate_students(trainers, SliceStream(data, "test", schema, [0, 1], teacher, 64, shuffle=False,
+    ev = evaluate_students(trainers,
+                           SliceStream(data, "test", schema, [0, 1], teacher, 64, shuffle=False,
                                                  update_cache=False), schema, rates)
     assert ev["kd"]["all/click"]["n"] == 64 and ev["teacher@kd"]["all/click"]["n"] == 64
     assert params_sha256(teacher.model) == sha
@@ -51,8 +55,8 @@ def test_students_of_one_surface_read_only_their_rows(schema, tmp_path):
     teacher = TeacherService(make_gem(schema))
     rates, n_slice, n_all = slice_rates(data, schema, "valid", [1])
     stream = SliceStream(data, "valid", schema, [1], teacher, 32, seed=0)
-    tr = make_trainer("s", student_recipe("vm_xs"), techniques_config("kd", domains=("d1",)), schema, teacher,
-                      rates, stream.steps)
+    tr = make_trainer("s", student_recipe("vm_xs"), techniques_config("kd", domains=("d1",)),
+                      schema, teacher, rates, stream.steps)
     train_students([tr], stream)
     assert 0 < n_slice < n_all and tr.examples == n_slice == teacher.rows
     assert rates["click"] == pytest.approx(rates["d1/click"])  # NE's normaliser is the slice's rate
@@ -108,9 +112,11 @@ def test_an_online_domain_fm_teaches_each_batch_before_it_learns_from_it(schema,
     rates, _, _ = slice_rates(data, schema, "valid", [0, 1])
     stream = SliceStream(data, "valid", schema, [0, 1], gem, 32, seed=0)
     doms = ("d0", "d1")
-    fm = make_trainer("fm", student_recipe("vm_s"), techniques_config("kd", domains=doms), schema, gem, rates, 3)
+    fm = make_trainer("fm", student_recipe("vm_s"), techniques_config("kd", domains=doms), schema,
+                      gem, rates, 3)
     live = SimpleNamespace(model=fm.student.backbone, feature_dim=fm.student.backbone.feature_dim)
-    vm = make_trainer("vm", student_recipe("vm_xs"), techniques_config("kd", domains=doms), schema, live, rates, 3)
+    vm = make_trainer("vm", student_recipe("vm_xs"), techniques_config("kd", domains=doms), schema,
+                      live, rates, 3)
     seen, real_step = [], vm.step
 
     def spy(batch, tout):
@@ -121,4 +127,5 @@ def test_an_online_domain_fm_teaches_each_batch_before_it_learns_from_it(schema,
     vm.step = spy
     train_students([fm], stream, {"fm": [vm]})
     assert len(seen) == 3 and vm.examples == 96 and gem.rows == 96 and gem.calls == 1
-    assert all(not torch.allclose(given, after) for given, after in seen)  # taught with pre-update scores
+    # taught with pre-update scores
+    assert all(not torch.allclose(given, after) for given, after in seen)

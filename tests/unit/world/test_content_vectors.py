@@ -1,5 +1,6 @@
-"""The synthetic world's optional ad content vectors (``click.content_dim``): off by default, a linear
-part of the click logit when on, in the oracle's structure, and learnable through the X_0 token."""
+"""The synthetic world's optional ad content vectors (``click.content_dim``): off by default, a
+linear part of the click logit when on, in the oracle's structure, and learnable through the
+X_0 token."""
 
 from __future__ import annotations
 
@@ -36,18 +37,23 @@ def test_the_vector_is_a_column_and_a_linear_click_term(tmp_path):
     assert schema.embeddings == (EmbeddingFeature("ad_content", 8, "ad"),)
     world = world_from_manifest(DatasetManifest.load(tmp_path / "d"))
     plain = World(world_config("tiny", seed=0))
-    assert np.array_equal(world.ad_quality, plain.ad_quality)  # every other draw is the default world's
+    # every other draw is the default world's
+    assert np.array_equal(world.ad_quality, plain.ad_quality)
     t = pq.read_table(tmp_path / "d" / "shards" / m.files[0].path.split("/")[-1])
     vec = np.stack(t.column("ad_content").to_pylist()).astype(np.float32)
     ad = t.column("ad_id").to_numpy()
     assert np.array_equal(vec, world.ad_content[ad])
-    assert np.allclose(world.content_effect, world.ad_content.astype(np.float64) @ world.content_weight)
+    assert np.allclose(world.content_effect,
+                       world.ad_content.astype(np.float64) @ world.content_weight)
     assert abs(np.linalg.norm(world.content_weight) - 1.5) < 1e-9
     assert 1.2 < world.content_effect.std() < 1.8
     # the oracle reads the k floats as linear columns
     layout = Layout(world, "click")
     assert layout.dense_names[-8:] == [f"ad_content_{j}" for j in range(8)]
-    assert "oracle" in m.source["stats"] and m.source["stats"]["oracle"]["valid"]["all/click"]["ne"] < 1
+    assert (
+        "oracle" in m.source["stats"]
+        and m.source["stats"]["oracle"]["valid"]["all/click"]["ne"] < 1
+    )
     # the term is in the world's click logit, last
     from opengem.world.generate import columns_from_table
     c = columns_from_table(t)
@@ -57,9 +63,9 @@ def test_the_vector_is_a_column_and_a_linear_click_term(tmp_path):
 
 @pytest.mark.slow
 def test_gem_with_the_vector_beats_gem_without_it(tmp_path):
-    """Measured (1,500 users, content_sigma 1.5, one epoch of the ``tiny`` recipe, valid all/click NE,
-    2-core shared machine): with 0.870 / 0.889, without 0.892 / 0.917 (training seeds 0 / 1), a gap of
-    0.022 / 0.028; ~60 s for both runs. The assertion asks for 0.01."""
+    """Measured (1,500 users, content_sigma 1.5, one epoch of the ``tiny`` recipe, valid all/click
+    NE, 2-core shared machine): with 0.870 / 0.889, without 0.892 / 0.917 (training seeds 0 / 1), a
+    gap of 0.022 / 0.028; ~60 s for both runs. The assertion asks for 0.01."""
     from opengem.config import apply_overrides
     from opengem.evaluation.evaluate import evaluate_model
     from opengem.recipes import recipe
@@ -77,13 +83,16 @@ def test_gem_with_the_vector_beats_gem_without_it(tmp_path):
         if f.name != "schema.json":
             (without / f.name).symlink_to(f)
     schema = FeatureSchema.load(tmp_path / "with")
-    dataclasses.replace(schema, embeddings=()).save(without / "schema.json")  # the column stays, unread
+    # the column stays, unread
+    dataclasses.replace(schema, embeddings=()).save(without / "schema.json")
     ne = {}
     for name in ("with", "without"):
         run = tmp_path / f"run-{name}"
-        train(apply_overrides(recipe("tiny"), ["train.threads=1", "train.progress=false"]), tmp_path / name, run)
+        train(apply_overrides(recipe("tiny"), ["train.threads=1", "train.progress=false"]),
+              tmp_path / name, run)
         model, _, s = load_run_model(run)
-        m = evaluate_model(model, s, tmp_path / name, "valid", load_base_rates(run), progress=False)["metrics"]
+        m = evaluate_model(model, s, tmp_path / name, "valid", load_base_rates(run),
+                           progress=False)["metrics"]
         ne[name] = m["all/click"]["ne"]
     logging.disable(logging.NOTSET)
     assert ne["with"] < ne["without"] - 0.01, json.dumps(ne)

@@ -15,7 +15,8 @@ from tests.unit.world.test_mismatched_objective import DEFAULT_DIGEST, _digest
 
 
 def test_option_off_is_the_default_world_byte_for_byte(tmp_path):
-    m = generate(world_config("tiny", seed=5, overrides=["sizes.num_users=150", "dense_missing.rate=0.0"]),
+    m = generate(world_config("tiny", seed=5,
+                              overrides=["sizes.num_users=150", "dense_missing.rate=0.0"]),
                  tmp_path, progress=False, layout="v1")
     assert _digest(tmp_path, m) == DEFAULT_DIGEST and "dense_missing" not in m.source["config"]
 
@@ -23,8 +24,8 @@ def test_option_off_is_the_default_world_byte_for_byte(tmp_path):
 def test_missing_values_follow_the_label_drivers_and_leave_the_labels_alone(tmp_path):
     over = ["sizes.num_users=400"]
     base = generate(world_config("tiny", seed=2, overrides=over), tmp_path / "a", progress=False)
-    m = generate(world_config("tiny", seed=2, overrides=over + ["dense_missing.rate=0.3"]), tmp_path / "b",
-                 progress=False)
+    m = generate(world_config("tiny", seed=2, overrides=over + ["dense_missing.rate=0.3"]),
+                 tmp_path / "b", progress=False)
     a, b = (pa.concat_tables([pq.read_table(p / f.path) for f in mm.files]) for p, mm in
             ((tmp_path / "a", base), (tmp_path / "b", m)))
     for c in ("p_click", "click", "conversion", "ad_age"):

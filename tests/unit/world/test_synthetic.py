@@ -15,7 +15,13 @@ import pytest
 
 from opengem.data.parquet import DatasetManifest
 from opengem.features.schema import FeatureSchema
-from opengem.world.generate import WorldConfig, build_schema, columns_from_table, generate, world_from_manifest
+from opengem.world.generate import (
+    WorldConfig,
+    build_schema,
+    columns_from_table,
+    generate,
+    world_from_manifest,
+)
 from opengem.world.latent import (
     ORGANIC_EVENT_WEIGHTS,
     World,
@@ -44,7 +50,8 @@ def tiny(tmp_path_factory):
 
 
 def _digest(path, manifest):
-    return {f.path: hashlib.sha256((path / f.path).read_bytes()).hexdigest() for f in manifest.files}
+    return {f.path: hashlib.sha256((path / f.path).read_bytes()).hexdigest()
+            for f in manifest.files}
 
 
 def test_same_seed_same_bytes_other_seed_differs(tmp_path):
@@ -52,7 +59,9 @@ def test_same_seed_same_bytes_other_seed_differs(tmp_path):
     _, b = _gen(tmp_path / "b", "sizes.num_users=200", seed=3)
     _, c = _gen(tmp_path / "c", "sizes.num_users=200", seed=4)
     assert _digest(tmp_path / "a", a) == _digest(tmp_path / "b", b)
-    assert (tmp_path / "a" / "dataset.json").read_text() == (tmp_path / "b" / "dataset.json").read_text()
+    assert (tmp_path / "a" / "dataset.json").read_text() == (
+        tmp_path / "b" / "dataset.json"
+    ).read_text()
     assert _read(tmp_path / "a", a).equals(_read(tmp_path / "b", b))
     ta, tc = _read(tmp_path / "a", a), _read(tmp_path / "c", c)
     assert not ta.equals(tc)
@@ -66,7 +75,9 @@ def _check_calibrated(p, y, bins):
         sel = slice(None) if k is None else which == k
         exp, got = p[sel].sum(), y[sel].sum()
         sd = np.sqrt((p[sel] * (1 - p[sel])).sum())
-        assert abs(got - exp) <= 4 * sd + 1, f"bin {k}: {got} labels vs expected {exp:.1f} ± {sd:.1f}"
+        assert abs(got - exp) <= 4 * sd + 1, (
+            f"bin {k}: {got} labels vs expected {exp:.1f} ± {sd:.1f}"
+        )
 
 
 def test_prob_columns_are_the_label_probabilities(tmp_path):
@@ -94,7 +105,8 @@ def _lists(t, name):
 
 
 def test_histories_well_formed_and_truncated_to_most_recent(tmp_path):
-    cfg, m = _gen(tmp_path / "short", "behaviour.organic_max_len=64", "behaviour.ads_max_len=8", seed=1)
+    cfg, m = _gen(tmp_path / "short", "behaviour.organic_max_len=64", "behaviour.ads_max_len=8",
+                  seed=1)
     _, m_full = _gen(tmp_path / "full", seed=1)
     world = World(cfg)
     t, t_full = _read(tmp_path / "short", m), _read(tmp_path / "full", m_full)
@@ -172,7 +184,8 @@ def test_true_model_reads_only_the_stored_row(tiny):
             num += w * (world.item_category[item] == r["category"][0])
         assert mvals[i] == pytest.approx(num / den, rel=1e-12, abs=1e-15)
 
-    # appending a matching "view" one second before the request moves the logit by exactly beta_seq·Δm
+    # appending a matching "view" one second before the request moves the logit by
+    # exactly beta_seq·Δm
     for i in rows[:5]:
         r = _row(c, i)
         item = np.flatnonzero(world.item_category == r["category"][0])[0]
@@ -190,7 +203,9 @@ def test_true_model_reads_only_the_stored_row(tiny):
         assert dz == pytest.approx(cfg.click.beta_seq * (m2 - m1), rel=1e-6, abs=1e-9)
         assert dz > 0
     shares = m.source["stats"]["click_logit_var_share"]
-    assert shares["sequence"] > 0.1 and shares["ad_quality"] > 0.03 and shares["surface_format"] > 0.03
+    assert (
+        shares["sequence"] > 0.1 and shares["ad_quality"] > 0.03 and shares["surface_format"] > 0.03
+    )
 
 
 def _den(world, r):
@@ -204,27 +219,35 @@ def test_schema_round_trip_and_column_types(tiny):
     schema = build_schema(cfg)
     assert FeatureSchema.from_dict(json.loads(schema.to_json())) == schema
     assert FeatureSchema.load(path) == schema
-    assert {f.name for f in schema.sparse} == {"age", "gender", "country", "device", "segment", "ad_id",
-                                               "advertiser_id", "campaign_id", "category", "format",
-                                               "position", "hour"}
-    assert [f.name for f in schema.dense] == ["user_activity", "ad_age", "ad_quality", "hour_sin", "hour_cos"]
+    assert {f.name for f in schema.sparse} == {"age", "gender", "country", "device", "segment",
+                                               "ad_id", "advertiser_id", "campaign_id", "category",
+                                               "format", "position", "hour"}
+    assert [f.name for f in schema.dense] == ["user_activity", "ad_age", "ad_quality", "hour_sin",
+                                              "hour_cos"]
     assert [s.name for s in schema.sequences] == ["organic", "ads"]
     assert schema.domains.names == ("feed", "video", "messaging")
     t = pq.read_table(path / m.files[0].path)
     types = {
         "user_id": pa.int64(), "request_ts": pa.int64(), "day": pa.int32(), "domain": pa.int64(),
-        **{f.name: pa.int64() for f in schema.sparse}, **{f.name: pa.float32() for f in schema.dense},
-        **{c: pa.list_(pa.int64()) for s in schema.sequences for c in (s.item_column, s.event_column, s.ts_column)},
+        **{f.name: pa.int64() for f in schema.sparse},
+        **{f.name: pa.float32() for f in schema.dense},
+        **{c: pa.list_(pa.int64()) for s in schema.sequences
+           for c in (s.item_column, s.event_column, s.ts_column)},
         "organic.category": pa.list_(pa.int64()), "ads.advertiser_id": pa.list_(pa.int64()),
-        "click": pa.int8(), "conversion": pa.int8(), "p_click": pa.float64(), "p_conversion": pa.float64(),
+        "click": pa.int8(), "conversion": pa.int8(), "p_click": pa.float64(),
+        "p_conversion": pa.float64(),
     }
     assert set(schema.columns()) == set(t.column_names) == set(types)
     for name, ty in types.items():
         assert t.schema.field(name).type == ty, name
     # event attributes are the item's category / the engaged ad's advertiser
     world = World(cfg)
-    assert (_lists(t, "organic.category")[0] == world.item_category[_lists(t, "organic.item")[0]]).all()
-    assert (_lists(t, "ads.advertiser_id")[0] == world.ad_advertiser[_lists(t, "ads.item")[0]]).all()
+    assert (
+        _lists(t, "organic.category")[0] == world.item_category[_lists(t, "organic.item")[0]]
+    ).all()
+    assert (
+        _lists(t, "ads.advertiser_id")[0] == world.ad_advertiser[_lists(t, "ads.item")[0]]
+    ).all()
     assert (_lists(t, "organic.category")[1] == _lists(t, "organic.item")[1]).all()
     plain = build_schema(world_config("tiny", overrides=["behaviour.event_attributes=false"]))
     assert all(not s.attributes for s in plain.sequences)
@@ -239,12 +262,17 @@ def test_manifest_layout_and_stats(tiny):
     cfg, path, m = tiny
     n_blocks = -(-cfg.sizes.num_users // cfg.sizes.users_per_block)
     assert sorted(f.path for f in m.files) == sorted(
-        f"shards/d{d:03d}-b{b:05d}.parquet" for d in range(cfg.sizes.num_days) for b in range(n_blocks))
+        f"shards/d{d:03d}-b{b:05d}.parquet" for d in range(cfg.sizes.num_days)
+        for b in range(n_blocks))
     assert m.splits == {"train": [0, 1], "valid": [2], "test": [3]}
     loaded = DatasetManifest.load(path)
     assert loaded.source["config"] == json.loads(json.dumps(loaded.source["config"]))
     st = loaded.source["stats"]
-    assert sum(st["rows"][s] for s in ("train", "valid", "test")) == st["rows"]["all"] == sum(f.rows for f in m.files)
+    assert (
+        sum(st["rows"][s] for s in ("train", "valid", "test"))
+        == st["rows"]["all"]
+        == sum(f.rows for f in m.files)
+    )
     assert 0.5 * cfg.click.target_ctr < st["ctr"]["all"] < 1.5 * cfg.click.target_ctr
     assert st["new_ad_row_share"]["train"] == 0 and st["new_ad_row_share"]["test"] > 0
     o = st["seq_len"]["organic"]
@@ -264,7 +292,8 @@ def test_manifest_layout_and_stats(tiny):
     ({"behaviour.interest_drift": float("nan")}, "behaviour.interest_drift"),
     ({"behaviour.event_attributes": 1}, "behaviour.event_attributes"),
     ({"sizes.start_ts": 5}, "sizes.start_ts"),
-    ({"impressions.target_frac": 0.9, "impressions.retarget_frac": 0.3}, "impressions.retarget_frac"),
+    ({"impressions.target_frac": 0.9, "impressions.retarget_frac": 0.3},
+     "impressions.retarget_frac"),
 ])
 def test_bad_config_names_the_dotted_field(changes, match, tmp_path):
     cfg = world_config("tiny")
@@ -281,5 +310,7 @@ def test_config_from_manifest_dict_nested_and_flat():
     cfg = world_config("tiny", seed=4, overrides=["click.target_ctr=0.05"])
     nested = json.loads(json.dumps(dataclasses.asdict(cfg)))
     assert WorldConfig.from_dict(nested) == cfg
-    flat = {"seed": 4, **{k: v for part in nested.values() if isinstance(part, dict) for k, v in part.items()}}
-    assert WorldConfig.from_dict({**flat, "retired_knob": 1}) == cfg  # a dataset written before the nesting
+    flat = {"seed": 4,
+            **{k: v for part in nested.values() if isinstance(part, dict) for k, v in part.items()}}
+    # a dataset written before the nesting
+    assert WorldConfig.from_dict({**flat, "retired_knob": 1}) == cfg

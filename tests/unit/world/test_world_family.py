@@ -38,13 +38,17 @@ from opengem.world.structure import (
     draw_structure,
 )
 
-TODAY_TERMS = ["surface", "position", "hour", "ad_quality", "ad_drift", "ad_novelty", "surface_format",
-               "segment_category", "age_format", "country_cluster", "sequence", "ads_history", "user"]
+TODAY_TERMS = ["surface", "position", "hour", "ad_quality", "ad_drift", "ad_novelty",
+               "surface_format", "segment_category", "age_format", "country_cluster", "sequence",
+               "ads_history", "user"]
 # Written by the code before the family existed (commit 547ab50): calibrated intercepts, Σ p_click,
 # Σ p_conversion, clicks, conversions and rows of the tiny world, sampling seeds 0 and 1. The shard
-# and schema.json bytes were identical too (sha256; a pyarrow upgrade would change those, not these).
-TODAY = {0: (-4.841532192212744, -4.0679012023421475, 161.36718782327796, 13.50058964223086, 149, 10, 3972),
-         1: (-6.3491608314852215, -4.178709918537413, 164.0303622612227, 16.83601751623943, 156, 16, 4039)}
+# and schema.json bytes were identical too (sha256; a pyarrow upgrade would change those,
+# not these).
+TODAY = {0: (-4.841532192212744, -4.0679012023421475, 161.36718782327796, 13.50058964223086, 149,
+             10, 3972),
+         1: (-6.3491608314852215, -4.178709918537413, 164.0303622612227, 16.83601751623943, 156, 16,
+             4039)}
 
 
 def _gen(path, *overrides, oracle=False, seed=0):
@@ -76,8 +80,10 @@ def test_structure_seed_zero_is_todays_world(seed, tmp_path):
     counts = int(t["click"].to_numpy().sum()), int(t["conversion"].to_numpy().sum()), t.num_rows
     assert counts == (clicks, convs, rows)
     world = world_from_manifest(m)
-    _, _, ct, vt = probabilities(world, columns_from_table(pq.read_table(tmp_path / m.files[0].path)))
-    assert list(ct) == TODAY_TERMS and list(vt) == ["advertiser", "segment_category", "sequence", "surface"]
+    _, _, ct, vt = probabilities(world,
+                                 columns_from_table(pq.read_table(tmp_path / m.files[0].path)))
+    assert list(ct) == TODAY_TERMS and list(vt) == ["advertiser", "segment_category", "sequence",
+                                                    "surface"]
     assert world_config("tiny").structure_seed == 0
 
 
@@ -92,11 +98,19 @@ def test_the_distribution_covers_every_form():
         for h in st.click.history:
             assert 1 <= h.tau_hours <= 720
             seen.add((h.stream, h.form, h.key))
-        seen |= {("shape", e.shape) for e in st.click.numeric} | {("position", st.click.position.form)}
+        seen |= {("shape", e.shape) for e in st.click.numeric} | {
+            ("position", st.click.position.form)
+        }
         assert 0.25 * cfg.click.ad_drift <= st.drift.ad <= 2 * cfg.click.ad_drift
-    assert {("position", f) for f in POSITION_FORMS} <= seen and {("shape", s) for s in NUMERIC_SHAPES} <= seen
+    assert {("position", f) for f in POSITION_FORMS} <= seen and {
+        ("shape", s) for s in NUMERIC_SHAPES
+    } <= seen
     for form in HISTORY_FORMS[:3]:
-        assert {("organic", form, "category"), ("ads", form, "advertiser"), ("ads", form, "category")} <= seen
+        assert {
+            ("organic", form, "category"),
+            ("ads", form, "advertiser"),
+            ("ads", form, "category"),
+        } <= seen
 
 
 def test_structure_seeds_differ_in_form_not_in_entities(tmp_path):
@@ -148,7 +162,11 @@ def test_manifest_carries_the_structure(world7):
     assert d == json.loads(json.dumps(d))
     assert WorldStructure.from_dict(d) == structure_for(cfg) == World(cfg).structure
     assert world_from_manifest(loaded).structure == structure_for(cfg)
-    assert d["seed"] == 7 and d["click"]["interactions"] and d["click"]["history"][0]["form"] in HISTORY_FORMS
+    assert (
+        d["seed"] == 7
+        and d["click"]["interactions"]
+        and d["click"]["history"][0]["form"] in HISTORY_FORMS
+    )
 
 
 def test_oracle_between_base_rate_and_bayes(world7):
@@ -158,8 +176,12 @@ def test_oracle_between_base_rate_and_bayes(world7):
         e = o[split]["all/click"]
         assert e["ne_bayes"] < e["ne"] < 1 and 0 < e["captured"] < 1, (split, e)
         assert 0 < e["captured_expected"] < 1
-        for key, e in o[split].items():  # a tiny split's few conversions: its drawn labels may favour the oracle
-            assert e["ne_expected"] is None or e["ne_expected"] > e["ne_bayes_expected"], (split, key)
+        # a tiny split's few conversions: its drawn labels may favour the oracle
+        for key, e in o[split].items():
+            assert e["ne_expected"] is None or e["ne_expected"] > e["ne_bayes_expected"], (
+                split,
+                key,
+            )
         assert {"feed/click", "video/click", "messaging/click"} <= set(o[split])
     assert set(o["l2"].values()) <= set(map(float, o["valid_logloss"]["click"]))
     assert o["train_rows"]["click"] == m.source["stats"]["rows"]["train"]
@@ -167,9 +189,9 @@ def test_oracle_between_base_rate_and_bayes(world7):
 
 
 def test_the_oracle_reads_no_latent_cluster(tmp_path):
-    # World 0 crosses country with the advertiser's cluster, which no column holds: the oracle's cross
-    # is country × advertiser_id (what a learner sees), and its rows do not move when the latent
-    # cluster assignment does.
+    # World 0 crosses country with the advertiser's cluster, which no column holds: the oracle's
+    # cross is country × advertiser_id (what a learner sees), and its rows do not move when the
+    # latent cluster assignment does.
     from opengem.world.oracle import Layout
 
     cfg, m = _gen(tmp_path, "sizes.num_users=200")
@@ -210,7 +232,8 @@ def test_the_l2_choice_never_reads_test(world7):
     rng = np.random.default_rng(0)
 
     def design(split, n=200):
-        return Design(split, rng.integers(0, 5, (1, n)), rng.normal(size=(n, 2)), (rng.random(n) < 0.3) * 1.0)
+        return Design(split, rng.integers(0, 5, (1, n)), rng.normal(size=(n, 2)),
+                      (rng.random(n) < 0.3) * 1.0)
 
     fit, losses = choose_l2(design("train"), design("valid"), num_weights=5)
     assert fit.l2 in losses
@@ -225,9 +248,13 @@ def test_cli_world_seed(tmp_path):
                  "sizes.num_users=200"]) == 0
     m = DatasetManifest.load(out)
     assert m.source["config"]["structure_seed"] == 7
-    assert m.source["structure"] == structure_for(world_config("tiny", overrides=["structure_seed=7"])).to_dict()
+    assert (
+        m.source["structure"]
+        == structure_for(world_config("tiny", overrides=["structure_seed=7"])).to_dict()
+    )
     assert "oracle" in m.source["stats"]
     assert m.layout == LAYOUT_V2  # the CLI's default: histories joined from the event logs on read
-    shard = ShardReader(out, m, FeatureSchema.load(out)).read(m.files[0], FeatureSchema.load(out).columns())
+    shard = ShardReader(out, m,
+                        FeatureSchema.load(out)).read(m.files[0], FeatureSchema.load(out).columns())
     stats = history_stats(world_from_manifest(m), columns_from_table(shard))
     assert stats  # a structure with a history effect

@@ -29,7 +29,8 @@ def test_worlds_differ_only_along_the_dial():
     configs = {n: dataclasses.asdict(world_config(n)) for n in world_names()}
     for a, b in itertools.combinations(world_names(), 2):
         diff = differing(configs[a], configs[b])
-        assert all(k.startswith("sizes.") or k in DIAL_EXTRA for k in diff), f"{a} vs {b}: {sorted(diff)}"
+        assert all(k.startswith("sizes.") or k in DIAL_EXTRA
+                   for k in diff), f"{a} vs {b}: {sorted(diff)}"
 
 
 def test_preset_sizes_and_seed():
@@ -46,9 +47,10 @@ def test_preset_sizes_and_seed():
 
 def test_overrides_are_parsed_by_the_fields_type():
     cfg = world_config("tiny", overrides=["sizes.num_users=250", "click.target_ctr=0.05",
-                                          "behaviour.event_attributes=false", "behaviour.max_events=1e3", "seed=9"])
-    assert (cfg.sizes.num_users, cfg.click.target_ctr, cfg.behaviour.event_attributes, cfg.behaviour.max_events,
-            cfg.seed) == (250, 0.05, False, 1000, 9)
+                                          "behaviour.event_attributes=false",
+                                          "behaviour.max_events=1e3", "seed=9"])
+    assert (cfg.sizes.num_users, cfg.click.target_ctr, cfg.behaviour.event_attributes,
+            cfg.behaviour.max_events, cfg.seed) == (250, 0.05, False, 1000, 9)
     assert world_config("tiny").sizes.num_users == 400  # the preset is untouched
 
 
@@ -74,7 +76,20 @@ def test_unknown_preset():
 
 
 def test_generate_command_line_reports_a_flat_key(tmp_path, capsys):
-    assert main(["--quiet", "generate", "--preset", "tiny", "--out", str(tmp_path / "w"), "num_users=50"]) == 2
+    assert (
+        main(
+            [
+                "--quiet",
+                "generate",
+                "--preset",
+                "tiny",
+                "--out",
+                str(tmp_path / "w"),
+                "num_users=50",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "unknown config key 'num_users'" in err and "sizes.num_users" in err
     assert not (tmp_path / "w").exists()
