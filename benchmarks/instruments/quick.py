@@ -23,12 +23,10 @@ real (``opengem.train.trainer.train``, no evaluation hooks, two passes) at negat
 - ``loader_over_train_step_examples_per_s``: on the same batches at the same batch size (the
   ``tiny`` recipe's 128), the loader's examples/s (``ShardLoader`` as the trainer builds it,
   prefetch off so the time is the loader's own: Parquet → ``Batch``) over the training step's
-  examples/s (``train_step``:
-  forward, loss, backward, clipping, both optimizers, no data wait); per round 6 batches loaded
-  then trained, the ratio per round, median of 7 rounds with ``..._min_max``. Above 1,
-  the loader keeps ahead of training by that factor. (Before issue 46 the figure divided the
-  loader's examples/s by the trainer's whole-loop examples/s, first steps and logging included, two
-  measurements of different things; it is gone.)
+  examples/s (``train_step``: forward, loss, backward, clipping, both optimizers, no data wait);
+  per round 6 batches loaded then trained, the ratio per round, median of 7 rounds with
+  ``..._min_max``. Above 1, the loader keeps ahead of training by that factor (docs/speed.md
+  says what the figure it replaced mixed).
 - ``downsampling``: rows read/s and trained/s at rates 1 and 0.1 (as ``benchmarks/downsampling.py``
   counts them), and all/click calibration (Σp/Σy) on valid at 0.1, corrected (what every stage
   reads) and raw. The full comparison (rate 0.5, NE, equal steps, seeds) stays
