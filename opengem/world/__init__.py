@@ -5,6 +5,7 @@ pipeline (that is ``opengem.data``).
     latent.py      the latent side: entities, users, behaviour streams, the true click/conversion models
     generate.py    impressions and Parquet shards with their true probabilities (``WorldConfig``)
     presets.py     named world sizes (tiny, demo, small, large): ``world_config("demo", seed=1)``
+    wide.py        family 2's history effects (similarity, fatigue, repeat, last-k)
     oracle.py      a world's exact-structure logistic fit: what a model's captured is divided by
     signal.py      which of a world's true terms a model has learned (per-term slopes)
 

@@ -51,8 +51,10 @@ seconds, day 0 starts at ``cfg.sizes.start_ts``):
    (``opengem.world.structure``: which pairs interact at what rank, how each history acts,
    numeric shapes, position form, surface tables, conversion terms, drift scales); the draws of
    steps 1–4 stay as they were, but for the drifts' scales and, through the interest drift, the
-   rows. ``opengem generate`` then fits an oracle with the world's exact structure on the train rows
-   (``opengem.world.oracle``); its NE and ``captured`` per split land in ``source.stats.oracle``.
+   rows. ``family=2`` widens the menu (item-level similarity, fatigue, repeat engagement,
+   last-k; ``opengem.world.wide``) without moving a family-1 draw. ``opengem generate`` then
+   fits an oracle with the world's exact structure on the train rows (``opengem.world.oracle``);
+   its NE and ``captured`` per split land in ``source.stats.oracle``.
 
 Everything the true models read is in the row: ``synthetic_world.probabilities(world, cols)``
 recomputes the probability columns from a shard (``columns_from_table``) and the calibrated world
@@ -246,6 +248,9 @@ class WorldConfig:
         conversion: the true conversion-given-click model (``ConversionModel``).
         structure_seed: the functional form of the true models (``opengem.world.structure``):
             0 is today's demo world; another seed draws which terms exist and how each acts.
+        family: the menu the structure draws from: 1 (today's) or 2, which adds item-level
+            similarity, fatigue, repeat engagement and last-k (``structure.WideEffects``), drawn
+            from their own generator so the family-1 part of the form is unchanged.
         surface_task: a surface's own objective the FM does not train on (``SurfaceTask``; off).
         dense_missing: missing-not-at-random dense values (``DenseMissing``; off).
     """
@@ -257,6 +262,7 @@ class WorldConfig:
     click: ClickModel = field(default_factory=ClickModel)
     conversion: ConversionModel = field(default_factory=ConversionModel)
     structure_seed: int = 0
+    family: int = 1  # 1: not in the manifest either
     # off: not in the manifest (``source_config``)
     surface_task: SurfaceTask = field(default_factory=SurfaceTask)
     # off: not in the manifest either
@@ -278,11 +284,11 @@ class WorldConfig:
         """From ``asdict`` (a manifest's ``source.config``); unknown keys are ignored. A flat dict
         (manifests written before the config was nested) maps by field name: names are unique across
         the parts."""
-        top = ("seed", "structure_seed")
+        top = {"seed": 0, "structure_seed": 0, "family": 1}
         parts = {f.name: f.default_factory for f in fields(cls) if f.name not in top}
         flat = not any(isinstance(d.get(p), dict) for p in parts)
         given = {p: d if flat else d.get(p, {}) for p in parts}
-        return cls(**{k: d.get(k, 0) for k in top},
+        return cls(**{k: d.get(k, v) for k, v in top.items()},
                    **{p: kind(**{f.name: given[p][f.name] for f in fields(kind)
                                                                if f.name in given[p]}) for p,
                       kind in parts.items()})
@@ -328,6 +334,8 @@ class WorldConfig:
         for n in ("click.target_ctr", "conversion.target_cvr"):
             if not 0 < leaves[n][1] < 1:
                 bad(n, "must be in (0, 1)")
+        if self.family not in (1, 2):
+            bad("family", "must be 1 or 2")
         if not 0 <= leaves["dense_missing.rate"][1] < 1:
             bad("dense_missing.rate", "must be in [0, 1)")
         for n in ("behaviour.conversion_event_prob", "impressions.campaign_main_category_prob",
@@ -708,6 +716,8 @@ def manifest_config(cfg: WorldConfig) -> dict:
         del d["surface_task"]
     if not cfg.dense_missing.rate > 0:
         del d["dense_missing"]
+    if cfg.family == 1:
+        del d["family"]
     return d
 
 

@@ -33,6 +33,7 @@ from opengem.world.structure import (
     NumericEffect,
     WorldStructure,
     draw_structure,
+    draw_wide,
     today_structure,
 )
 
@@ -40,6 +41,8 @@ DAY = 86400
 TAG_GLOBAL, TAG_BLOCK, TAG_DAY, TAG_STRUCTURE = 0, 1, 2, 3
 # the optional ad content vectors (click.content_dim > 0); 4 is the oracle's subsample
 TAG_CONTENT = 5
+# family 2 (``opengem.world.wide``): its structure draws, its item and ad vectors
+TAG_WIDE, TAG_ITEM_VECTORS = 9, 10
 
 SURFACES = ("feed", "video", "messaging")
 FORMATS = ("image", "video", "carousel", "text")
@@ -67,10 +70,14 @@ def rng_for(seed: int, *tags: int) -> np.random.Generator:
 
 def structure_for(cfg) -> WorldStructure:
     """The world's functional form: today's for ``structure_seed`` 0, else
-    drawn (``draw_structure``)."""
+    drawn (``draw_structure``); family ≥ 2 adds ``draw_wide``'s effects from their own generator."""
     if cfg.structure_seed == 0:
-        return today_structure(cfg)
-    return draw_structure(cfg, rng_for(cfg.structure_seed, TAG_STRUCTURE))
+        st = today_structure(cfg)
+    else:
+        st = draw_structure(cfg, rng_for(cfg.structure_seed, TAG_STRUCTURE))
+    if cfg.family >= 2:
+        st.wide = draw_wide(rng_for(cfg.structure_seed, TAG_WIDE))
+    return st
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -248,6 +255,13 @@ class World:
             w = crng.normal(0, 1, click.content_dim)
             self.content_weight = click.content_sigma * w / np.linalg.norm(w)
             self.content_effect = self.ad_content.astype(np.float64) @ self.content_weight
+
+        # Family 2's item and ad vectors, from their own generator: no family-1 draw moves.
+        self.item_vectors = self.ad_vectors = None
+        if st.wide is not None and st.wide.similarity is not None:
+            from opengem.world.wide import item_vectors  # wide builds on this module
+
+            self.item_vectors, self.ad_vectors = item_vectors(self, st.wide.similarity)
 
         self.live_by_category = LiveAds(self.ad_category, launch, C, self.window_end)
         self.live_by_advertiser = LiveAds(self.ad_advertiser, launch, A, self.window_end)
@@ -450,6 +464,10 @@ def history_stats(world: World, c: dict) -> dict[tuple, np.ndarray]:
     for h in [*st.click.history, *st.conversion.history]:
         if h.form != "none" and h.spec() not in out:
             out[h.spec()] = history_statistic(world, c, h)
+    if st.wide is not None:
+        from opengem.world.wide import wide_stats  # wide builds on this module
+
+        out.update(wide_stats(world, c))
     return out
 
 
@@ -513,6 +531,10 @@ def click_terms(world: World, c: dict, stats: dict) -> dict[str, np.ndarray]:
     # last: without content vectors the sum is the one it always was
     if world.content_effect is not None:
         terms["content"] = world.content_effect[ad]
+    if world.structure.wide is not None:  # after all: a family-1 sum is untouched
+        from opengem.world.wide import wide_terms
+
+        terms.update(wide_terms(world.structure.wide, stats))
     return terms
 
 

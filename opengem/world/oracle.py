@@ -13,7 +13,9 @@ and from the world's id attributes, nothing latent):
   history statistic of every history effect (true form, τ and match key), the true transform of
   every numeric effect and ``hour_sin`` / ``hour_cos`` (the hour term is linear in them) as scalar
   columns; with ad content vectors (``click.content_dim`` = k > 0) the k floats of the row's
-  ``ad_content`` (the content term is linear in them);
+  ``ad_content`` (the content term is linear in them); in a family-2 world the exact statistic of
+  each ``WideEffects`` term that is on (``opengem.world.wide``; the similarity column reads the
+  items' and ads' latent vectors, the one latent value the oracle sees);
 * conversion given click: one-hot ``advertiser_id`` and ``domain``, the crosses of its pairs and its
   history statistic, fitted on the clicked train rows; p(conversion) = p_click · p_cvr.
 
@@ -124,6 +126,9 @@ class Layout:
         self.num_weights = int(self.offsets[-1])
         self.dense_names = ([f"hour_{k}" for k in ("sin", "cos")] if model == "click" else []) + \
             [e.name for e in self.numeric] + [f"{h.stream}_{h.form}" for h in self.history]
+        # family 2's terms are β·statistic: one exact scalar column each (click only)
+        self.wide = (list(st.wide.on()) if model == "click" and st.wide is not None else [])
+        self.dense_names += [f"wide_{name}" for name in self.wide]
         self.content = model == "click" and world.ad_content is not None
         if self.content:
             self.dense_names += [f"ad_content_{j}" for j in range(world.ad_content.shape[1])]
@@ -144,6 +149,7 @@ class Layout:
         cols = [c["hour_sin"], c["hour_cos"]] if self.model == "click" else []
         cols += [numeric_transform(e, c[e.feature]) for e in self.numeric]
         cols += [stats[h.spec()] for h in self.history]
+        cols += [stats["wide", name] for name in self.wide]
         if self.content:  # the row's ad_content column: the ad's vector, row-major k floats per row
             vals, lens = c["ad_content"]
             cols += list(np.asarray(vals, dtype=np.float64).reshape(n, -1).T)

@@ -11,6 +11,11 @@ from the ``ClickModel`` / ``ConversionModel`` knobs (``today_structure``); any o
 by ``draw_structure``, whose docstring is the distribution. Develop on structure seeds 0–99; report
 on seeds ≥ 1000 that no choice was made on.
 
+``WorldConfig.family`` widens the menu: family 1 (the default) is the menu above; family 2 adds
+``WideEffects`` (item-level similarity, fatigue, repeat engagement, last-k), drawn by
+``draw_wide`` from its own generator (``rng_for(structure_seed, TAG_WIDE)``), so the family-1 part
+of a family-2 structure is exactly the family-1 draw of its seed.
+
 Fields an interaction may cross (values read from the row by ``synthetic_world.field_values``):
 user / context ``segment, age, gender, country, device, domain`` (the surface),
 ``hour_bucket`` (``hour // 4``) × ad ``category, format, advertiser_cluster`` (the advertiser's
@@ -142,6 +147,67 @@ class Drift:
 
 
 @dataclass
+class Similarity:
+    """Item-level similarity (family 2): ``beta · s``, s = Σ_e w_e·⟨v_item(e), v_ad⟩ / (1 + Σ_e w_e)
+    over the row's stored ``stream`` events, w_e = event-type weight × exp(−Δt/τ). Every item and ad
+    has a unit ``dim``-vector: its category's unit vector plus ``spread`` × noise, renormalised, so
+    same-category pairs are similar (⟨·,·⟩ ≈ 1/(1 + spread²)) but not equal, and categories are
+    similar to each other by chance (⟨·,·⟩ ~ ±1/√dim)."""
+
+    stream: str  # organic | ads
+    tau_hours: float
+    beta: float
+    dim: int
+    spread: float
+
+
+@dataclass
+class Fatigue:
+    """−beta·log1p(n), n = the row's stored events (both streams) in the last ``window_hours``."""
+
+    window_hours: float
+    beta: float
+
+
+@dataclass
+class Repeat:
+    """+beta·[a stored ads-stream event of the ad's advertiser within the last ``days`` days]."""
+
+    days: int
+    beta: float
+
+
+@dataclass
+class LastK:
+    """beta · (share of the row's last min(k, n) stored organic events whose category is the
+    ad's; 0 without events)."""
+
+    k: int
+    beta: float
+
+
+@dataclass
+class WideEffects:
+    """Family 2's click history effects; ``None`` = off. Each is one term of the click logit, named
+    after its field, added after every family-1 term."""
+
+    similarity: Similarity | None = None
+    fatigue: Fatigue | None = None
+    repeat: Repeat | None = None
+    last_k: LastK | None = None
+
+    def on(self) -> dict[str, object]:
+        """The effects that are on, by term name, in term order."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> WideEffects:
+        kinds = {"similarity": Similarity, "fatigue": Fatigue, "repeat": Repeat, "last_k": LastK}
+        return cls(**{k: None if d.get(k) is None else kind(**d[k]) for k, kind in kinds.items()})
+
+
+@dataclass
 class WorldStructure:
     """A world's functional form (module docstring): ``seed`` is the structure seed it was
     drawn from."""
@@ -150,14 +216,20 @@ class WorldStructure:
     click: ClickStructure
     conversion: ConversionStructure
     drift: Drift
+    wide: WideEffects | None = None  # family 2's effects; None: a family-1 world
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """A family-1 structure has no ``wide`` key: its manifest is the one it always was."""
+        d = asdict(self)
+        if self.wide is None:
+            del d["wide"]
+        return d
 
     def validate(self) -> WorldStructure:
         """Term names must be unique within each model (the logit is a dict of named terms)."""
         fixed = ["surface", "position", "hour", "ad_quality", "ad_drift", "surface_format", "user",
                  "sequence", "ads_history"]
+        fixed += list(self.wide.on()) if self.wide is not None else []
         for model, names in (("click", fixed + [e.name for e in self.click.numeric[1:]]
                               + [it.name for it in self.click.interactions]),
                              ("conversion", ["advertiser", "surface", "sequence", "ads_history"]
@@ -181,7 +253,8 @@ class WorldStructure:
             conversion=ConversionStructure(
                 v["advertiser_sigma"], [Interaction(**x) for x in v["interactions"]],
                 [HistoryEffect(**x) for x in v["history"]], v["surface"]),
-            drift=Drift(**d["drift"]))
+            drift=Drift(**d["drift"]),
+            wide=None if d.get("wide") is None else WideEffects.from_dict(d["wide"]))
 
 
 def today_structure(cfg) -> WorldStructure:
@@ -299,6 +372,27 @@ def draw_structure(cfg, rng: np.random.Generator) -> WorldStructure:
         conversion=ConversionStructure(cvr_sigma, cvr_inter, cvr_history, cvr_surface), drift=drift)
 
 
-__all__ = ["AD_FIELDS", "USER_FIELDS", "ClickStructure", "ConversionStructure", "Drift",
-           "HistoryEffect", "Interaction", "NumericEffect", "PositionEffect", "WorldStructure",
-           "draw_structure", "today_structure"]
+def draw_wide(rng: np.random.Generator, on_prob: float = 0.6) -> WideEffects:
+    """Family 2's effects (``rng = rng_for(structure_seed, TAG_WIDE)``). Each class is on with
+    probability ``on_prob``; its parameters are drawn whether it is on or not, so one class's switch
+    moves no other class's draw:
+
+    * similarity: stream organic / ads (0.7 / 0.3), τ logU[1 h, 30 d], beta U[1.5, 4], vector dim
+      U{4..16}, spread U[0.3, 1.5];
+    * fatigue: window 1 h, beta U[0.3, 1];
+    * repeat: D U{1..14} days, beta U[0.3, 1];
+    * last-k: k U{1..5}, beta U[0.5, 2].
+    """
+    on = rng.random(4) < on_prob
+    sim = Similarity(("organic", "ads")[int(rng.random() < 0.3)], _log_u(rng, 1.0, 720.0),
+                     _u(rng, 1.5, 4.0), int(rng.integers(4, 17)), _u(rng, 0.3, 1.5))
+    fatigue = Fatigue(1.0, _u(rng, 0.3, 1.0))
+    repeat = Repeat(int(rng.integers(1, 15)), _u(rng, 0.3, 1.0))
+    last_k = LastK(int(rng.integers(1, 6)), _u(rng, 0.5, 2.0))
+    return WideEffects(*(e if o else None for e, o in zip((sim, fatigue, repeat, last_k), on)))
+
+
+__all__ = ["AD_FIELDS", "USER_FIELDS", "ClickStructure", "ConversionStructure", "Drift", "Fatigue",
+           "HistoryEffect", "Interaction", "LastK", "NumericEffect", "PositionEffect", "Repeat",
+           "Similarity", "WideEffects", "WorldStructure", "draw_structure", "draw_wide",
+           "today_structure"]
