@@ -36,10 +36,11 @@ Training writes config, schema and base rates on rank 0 once its resume checks p
 it trains, checkpoints on every rank, final.json last. ``load_run_model`` is how every stage gets
 the trained model back: rebuilt from config.json and schema.json, the latest checkpoint loaded, the
 down-sampling correction (if any) and then the recalibration offsets (if any, fitted on top of the
-corrected model) added to the heads' output biases, so evaluation, export, serving and teachers all
-read the corrected, recalibrated model while the checkpoint itself is never changed.
+corrected model) added to the output biases (GEM's heads', a peer's own ``out_b``), so
+evaluation, export, serving and teachers all read the corrected, recalibrated model while the
+checkpoint itself is never changed.
 
-The maths of both corrections (offsets folded into the heads, the down-sampling offsets, the
+The maths of both corrections (offsets folded into the output biases, the down-sampling offsets, the
 trainer's ``LogitShift``) is ``opengem.model.logit_shift``'s; this module reads and writes
 their records.
 
@@ -66,8 +67,7 @@ from opengem.checkpoint import (
 from opengem.config import Config
 from opengem.features.schema import SCHEMA_FILE, FeatureSchema
 from opengem.model.build import build_gem, materialize
-from opengem.model.heads import Heads
-from opengem.model.logit_shift import downsampling_offsets, fold_offsets, offset_groups
+from opengem.model.logit_shift import LogitOutput, downsampling_offsets, fold_offsets, offset_groups
 
 __all__ = [
     "BASE_RATES_FILE", "CHECKPOINTS", "CONFIG_FILE", "DOWNSAMPLING_FILE", "EVALUATION_FILE",
@@ -244,13 +244,13 @@ def _is_final(run: Path, snapshot: Path) -> bool:
 def apply_recalibration(
     model: torch.nn.Module, run_dir: str | Path, schema: FeatureSchema
 ) -> dict | None:
-    """Add the run's fitted offsets (if any) to the heads' output biases; returns the
-    file's record."""
+    """Add the run's fitted offsets (and slopes, if any) to the model's output biases
+    (``logit_shift.fold_offsets``); returns the file's record."""
     return fold_offsets(model, load_recalibration(run_dir), schema)
 
 
 # ------------------------------------------------------------------------------------- down-sampling
-def downsampling_record(heads: Heads, schema: FeatureSchema, rates: dict[str, float],
+def downsampling_record(heads: LogitOutput, schema: FeatureSchema, rates: dict[str, float],
                         counts: dict) -> dict:
     """What ``RUN/downsampling.json`` holds: rate and weight per domain, the offsets, rows read
     and kept."""
@@ -266,5 +266,5 @@ def downsampling_record(heads: Heads, schema: FeatureSchema, rates: dict[str, fl
 def apply_downsampling(
     model: torch.nn.Module, run_dir: str | Path, schema: FeatureSchema
 ) -> dict | None:
-    """Add the run's down-sampling correction (if it down-sampled) to the heads' output biases."""
+    """Add the run's down-sampling correction (if it down-sampled) to the model's output biases."""
     return fold_offsets(model, load_downsampling(run_dir), schema)

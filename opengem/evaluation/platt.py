@@ -15,7 +15,8 @@ of ~150 clicks would fit noise), on the task's *final* probability (for a chaine
 the conditional: the same form for models with and without an ESMM chain, GBDT included), by
 maximum likelihood (Newton, no prior: two numbers from thousands of rows) with the slope kept ≥ 0,
 so a fit never reverses a model's ranking. The pipeline's own
-recalibration (``evaluation.recalibrate``) stays an offset per (domain, task) folded into the heads.
+recalibration (``evaluation.recalibrate``) stays an offset per (domain, task) folded into each
+model's output biases (GEM's heads', a peer's ``out_b``), for GEM and the peers alike.
 """
 
 from __future__ import annotations

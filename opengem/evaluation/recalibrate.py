@@ -1,5 +1,6 @@
 """Recalibration: a logit offset per (domain, task) (``platt``: also a slope per task) from
-held-out days.
+held-out days, for every model the trainer trains (GEM, its students' backbones, the peers: any
+``opengem.model.logit_shift.LogitOutput``).
 
 Legend: R rows of the fitting split, T tasks, G output groups (domains, or 1 with shared heads).
 
@@ -14,17 +15,18 @@ task's own logit before chaining,
 task by task in schema order (a chained task is fitted with its parent's offsets in place). The
 prior σ (``prior_std``, 0.1, about the spread of the offsets across training seeds) keeps a slice
 with few labels near 0, where a loose prior fits noise. The offsets are written to
-``RUN/recalibration.json``; ``opengem.run.load_run_model`` adds them to ``heads.out_b``, so
-evaluation, export, serving and teachers all read the recalibrated model, and the checkpoint itself
-is never changed. The fitting split must not be the evaluation split: ``valid`` (the days between
-train and test). What it did on the demo world is in docs/experiments.md.
+``RUN/recalibration.json``; ``opengem.run.load_run_model`` adds them to the output biases ``out_b``
+(GEM's heads', a peer's own), so evaluation, export, serving and teachers all read the recalibrated
+model, and the checkpoint itself is never changed. The fitting split must not be the evaluation
+split: ``valid`` (the days between train and test). What it did on the demo world is in
+docs/experiments.md.
 
 ``form="platt"`` (``opengem recalibrate --form platt``) adds one slope per task: each task's own
 logit becomes a_t (raw − m_t) + m_t + δ_{g,t}, m_t its mean on the split. An offset cannot shrink
 logits that are too spread (a model that ranks well but saw few positives; ``evaluation.platt``
-measures it across models). The slope is per task, not per (domain, task), because the FwFM
-shortcut's weights are shared by the domains and must be scaled with the heads' when the fit is
-folded (``opengem.run.apply_recalibration``). The prior on δ is unchanged; a_t > 0 has none.
+measures it across models). The slope is per task, not per (domain, task), because the weights it
+is folded into are shared by the domains (GEM's FwFM shortcut, a peer's OverArch output layer;
+``opengem.run.apply_recalibration``). The prior on δ is unchanged; a_t > 0 has none.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from opengem.data.loader import ShardLoader
 from opengem.discipline import require_tuning_split
 from opengem.evaluation import EVAL_BATCH
 from opengem.features.schema import FeatureSchema
-from opengem.model.logit_shift import RecalibrationError, gem_heads, offset_groups
+from opengem.model.logit_shift import RecalibrationError, gem_heads, offset_groups, own_logits
 from opengem.progress import progress_bar
 from opengem.run import load_run_model, save_recalibration
 
@@ -49,30 +51,22 @@ FORMS = ("offset", "platt")
 def head_inputs(model: torch.nn.Module, schema: FeatureSchema, data_dir: str | Path, split: str,
                 batch_size: int, progress: bool = True) -> dict[str, torch.Tensor]:
     """Each row's raw (pre-chain) logits [R, T], output group [R], labels, label mask [R, T], weight
-    and user id [R] on ``split``, read through a forward hook on the heads (any model with
-    GEM heads)."""
-    heads = gem_heads(model)
+    and user id [R] on ``split`` (``own_logits``: any model with a ``LogitOutput``)."""
+    gem_heads(model)  # a model without one stops before the split is read
     loader = ShardLoader(data_dir, split, batch_size, schema, shuffle=False, epochs=1,
                          max_seq_len=model.max_seq_len(), prefetch=2)
-    seen: list[tuple] = []
-    hook = heads.register_forward_hook(lambda m, args, out: seen.append(args))
     parts: dict[str, list[torch.Tensor]] = {k: []
                                             for k in ("raw", "group", "labels", "mask", "weights",
                                                       "user_id")}
-    try:
-        for batch in progress_bar(loader, desc=f"recalibrate on {split}", unit="batch",
-                                  disable=not progress):
-            seen.clear()
-            model(batch)
-            feats, domain, *rest = seen[0]
-            parts["raw"].append(heads.raw_logits(feats, domain, *rest).double())
-            parts["group"].append(heads.output_group(domain))
-            parts["labels"].append(batch.labels.double())
-            parts["mask"].append(batch.label_mask)
-            parts["weights"].append(batch.weights.double())
-            parts["user_id"].append(batch.user_id)
-    finally:
-        hook.remove()
+    for batch in progress_bar(loader, desc=f"recalibrate on {split}", unit="batch",
+                              disable=not progress):
+        raw, group = own_logits(model, batch)
+        parts["raw"].append(raw.double())
+        parts["group"].append(group)
+        parts["labels"].append(batch.labels.double())
+        parts["mask"].append(batch.label_mask)
+        parts["weights"].append(batch.weights.double())
+        parts["user_id"].append(batch.user_id)
     if not parts["raw"]:
         raise RecalibrationError(f"{data_dir}: split {split!r} has no rows to fit the "
                                  f"recalibration on")

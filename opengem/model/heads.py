@@ -112,6 +112,13 @@ class Heads(nn.Module):
             for t, b in enumerate(base_rate_logits(base_rates, self.parent, self.tasks)):
                 self.out_b[:, t] = b
 
+    @torch.no_grad()
+    def scale_(self, a_T: torch.Tensor) -> None:
+        """Multiply each task's output weights and biases by ``a_T`` [T], in place (a Platt
+        slope folded in, ``opengem.model.logit_shift.fold_offsets``)."""
+        self.out_w.mul_(a_T.to(self.out_w.dtype)[None, :, None])
+        self.out_b.mul_(a_T.to(self.out_b.dtype)[None, :])
+
     def forward(self, feats_BF: torch.Tensor, domain_B: torch.Tensor,
                 shortcut_BT: torch.Tensor | None = None) -> torch.Tensor:
         """logits [B, T]; ``shortcut_BT`` (low-order logits, see ``LowOrderShortcut``) is added to

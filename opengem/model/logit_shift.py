@@ -1,7 +1,14 @@
-"""Logit corrections on the GEM heads: per-(group, task) offsets (and per-task slopes) folded into
-the output biases, and the same shift applied from outside a model whose parameters stay untouched.
+"""Logit corrections on a model's output: per-(group, task) offsets (and per-task slopes) folded
+into the output biases, and the same shift applied from outside a model whose parameters stay
+untouched.
 
-Legend: B rows, T tasks, G output groups of the heads (the domains, or one with shared heads).
+Legend: B rows, T tasks, G output groups (the domains, or one with GEM's shared heads).
+
+Any model whose output is a logit per task for each row's domain takes them, through the small
+interface ``LogitOutput``: GEM's ``Heads`` (``out_b``, the output layer's bias per (group, task)),
+and the peer baselines themselves (``PeerModel.out_b``, a per-(domain, task) bias that is 0 as
+trained), so every model the trainer trains is corrected and recalibrated alike (``gem_heads``
+finds it; a model without one is a ``RecalibrationError``).
 
 Two corrections use them, both read from a run's files by ``opengem.run``: the recalibration fitted
 on held-out days (``evaluation.recalibrate``) and the negative down-sampling correction.
@@ -23,14 +30,17 @@ the run's record says ``exact: false`` then, and a recalibration fitted on top c
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 import torch.nn.functional as F
 
 from opengem.features.schema import FeatureSchema
 from opengem.model.heads import Heads, chained_logit, log1mexp
 
-__all__ = ["LogitShift", "RecalibrationError", "downsampling_offsets", "fold_offsets", "gem_heads",
-           "offset_groups", "offsets_tensor", "shift_logits", "slopes_tensor"]
+__all__ = ["LogitOutput", "LogitShift", "RecalibrationError", "downsampling_offsets",
+           "fold_offsets", "gem_heads", "offset_groups", "offsets_tensor", "own_logits",
+           "shift_logits", "slopes_tensor"]
 
 
 class RecalibrationError(ValueError):
@@ -38,22 +48,60 @@ class RecalibrationError(ValueError):
     says why."""
 
 
-def gem_heads(model: torch.nn.Module) -> Heads:
-    """The GEM heads a recalibration offset is added to (GEM and a student's backbone have them)."""
+@runtime_checkable
+class LogitOutput(Protocol):
+    """What the corrections need of a model's output layer: ``out_b`` [G, T], added to each row's
+    own (pre-chain) logits at its output group; ``parent`` (the task each task is chained below, or
+    −1); ``output_group(domain_B)`` → [B]; ``chain(raw_BT)`` → final logits [B, T]; ``scale_(a_T)``,
+    each task's own logit times a_T, in place. A model that is its own ``LogitOutput`` (a peer) also
+    gives ``raw_logits(batch)`` → [B, T], its own logits with ``out_b`` added."""
+
+    parent: list[int]
+    out_b: torch.Tensor
+
+    def output_group(self, domain_B: torch.Tensor) -> torch.Tensor: ...
+
+    def chain(self, raw_BT: torch.Tensor) -> torch.Tensor: ...
+
+    def scale_(self, a_T: torch.Tensor) -> None: ...
+
+
+def gem_heads(model: torch.nn.Module) -> LogitOutput:
+    """The output a correction is added to: the GEM heads (GEM and a student's backbone have them),
+    else the model itself when it is a ``LogitOutput`` (the peer baselines)."""
     heads = getattr(model, "heads", None)
-    if not isinstance(heads, Heads):
-        raise RecalibrationError(f"{type(model).__name__} has no GEM heads to recalibrate (peer "
-                                 f"baselines have none)")
-    return heads
+    if isinstance(heads, Heads):
+        return heads
+    if isinstance(model, LogitOutput):
+        return model
+    raise RecalibrationError(f"{type(model).__name__} has no GEM heads and no per-(domain, task) "
+                             "output bias (LogitOutput): nothing to add a logit correction to")
 
 
-def offset_groups(heads: Heads, schema: FeatureSchema) -> list[str]:
+def own_logits(model: torch.nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's own (pre-chain) logits [B, T], the folded corrections included, and its output
+    group [B]; GEM's are read through a forward hook on its heads."""
+    heads = gem_heads(model)
+    if heads is model:
+        return model.raw_logits(batch), model.output_group(batch.domain)
+    seen: list[tuple] = []
+    hook = heads.register_forward_hook(lambda m, args, out: seen.append(args))
+    try:
+        model(batch)
+    finally:
+        hook.remove()
+    feats, domain, *rest = seen[0]
+    return heads.raw_logits(feats, domain, *rest), heads.output_group(domain)
+
+
+def offset_groups(heads: LogitOutput, schema: FeatureSchema) -> list[str]:
     """The names of the heads' output groups, the first half of an offset's key: the domains, or
     ``["all"]`` with shared heads."""
     return list(schema.domains.names) if heads.out_b.shape[0] == schema.num_domains else ["all"]
 
 
-def offsets_tensor(heads: Heads, offsets: dict[str, float], schema: FeatureSchema) -> torch.Tensor:
+def offsets_tensor(heads: LogitOutput, offsets: dict[str, float],
+                   schema: FeatureSchema) -> torch.Tensor:
     """{"<group>/<task>": δ} → [G, T] in the heads' layout (``offset_groups``)."""
     groups = offset_groups(heads, schema)
     out = torch.zeros(len(groups), len(schema.task_names), dtype=torch.float64)
@@ -80,16 +128,16 @@ def slopes_tensor(slopes: dict[str, float], schema: FeatureSchema) -> torch.Tens
 
 def fold_offsets(model: torch.nn.Module, record: dict | None, schema: FeatureSchema) -> dict | None:
     """Fold a record into the model: each task's own logit scaled by ``slopes`` (if the record has
-    them: the heads' output weights and biases and the shortcut's weights for that task), then the
-    per-(group, task) ``offsets`` added to the output biases; returns the record."""
+    them: ``LogitOutput.scale_``, and GEM's shortcut weights for that task, which add to the heads'
+    logits), then the per-(group, task) ``offsets`` added to the output biases; returns
+    the record."""
     if record is None:
         return None
     heads = gem_heads(model)
     with torch.no_grad():
         if record.get("slopes"):
             a_T = slopes_tensor(record["slopes"], schema).to(heads.out_b.dtype)
-            heads.out_w.mul_(a_T[None, :, None])
-            heads.out_b.mul_(a_T[None, :])
+            heads.scale_(a_T)
             shortcut = getattr(model, "shortcut", None)
             for lin in (shortcut.linear, shortcut.pairs) if shortcut is not None else ():
                 if lin is not None:
@@ -98,7 +146,7 @@ def fold_offsets(model: torch.nn.Module, record: dict | None, schema: FeatureSch
     return record
 
 
-def downsampling_offsets(heads: Heads, schema: FeatureSchema,
+def downsampling_offsets(heads: LogitOutput, schema: FeatureSchema,
                          rates: dict[str, float]) -> torch.Tensor:
     """[G, T] logit offsets that undo negative down-sampling at ``rates`` ({domain: r};
     module docstring):
@@ -134,18 +182,15 @@ def shift_logits(logits_BT: torch.Tensor, delta_BT: torch.Tensor,
 
 
 class LogitShift(torch.nn.Module):
-    """``model`` with per-(group, task) offsets on its heads' own logits, without touching its
-    parameters (sharded ones included): what the trainer's held-out evaluations score when negatives
-    are down-sampled, so they read the corrected model as every later stage does."""
+    """``model`` with per-(group, task) offsets on its own logits (``LogitOutput``), without
+    touching its parameters (sharded ones included): what the trainer's held-out evaluations score
+    when negatives are down-sampled, so they read the corrected model as every later stage does."""
 
     def __init__(self, model: torch.nn.Module, delta_GT: torch.Tensor):
         super().__init__()
         heads = gem_heads(model)
-        self.model, self.parent, self.shared = (
-            model,
-            list(heads.parent),
-            heads.cfg.domain_mode != "output",
-        )
+        # a bound method, not the module: registering it would list the model's modules twice
+        self.model, self.parent, self.output_group = model, list(heads.parent), heads.output_group
         self.register_buffer("delta_GT", delta_GT.double(), persistent=False)
 
     def max_seq_len(self):
@@ -153,6 +198,6 @@ class LogitShift(torch.nn.Module):
 
     def forward(self, batch) -> torch.Tensor:
         z = self.model(batch)
-        g = torch.zeros_like(batch.domain) if self.shared else batch.domain
+        g = self.output_group(batch.domain)
         delta = self.delta_GT.to(z.device)[g.to(z.device)]
         return shift_logits(z.double(), delta, self.parent).to(z.dtype)

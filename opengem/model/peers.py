@@ -10,7 +10,7 @@ D dim, T tasks, N events of one stream (jagged).
     batch.dense ─► DenseNormalizer ─► DenseArch (torchrec)   ─► [B, D] ───────────────────────┘
         ─► InteractionArch (dlrm: dot products)  | InteractionDCNArch (dlrm_dcn: low-rank DCN-v2)
            | ConcatInteraction (din: the concatenation)
-        ─► OverArch (torchrec) ─► [B, T] raw logits ─► task chaining ─► logits [B, T]
+        ─► OverArch (torchrec) + out_b[domain] ─► [B, T] raw logits ─► chaining ─► logits [B, T]
 
 pool/row is the mean of a row's events (dlrm, dlrm_dcn) or DIN's candidate-weighted sum (din,
 ``opengem.model.din``). ``model.arch`` = ``dlrm`` | ``dlrm_dcn`` | ``din`` selects one
@@ -37,6 +37,13 @@ are adapted:
   one output per task; a task that ``requires`` another is chained as GEM's heads chain it
   (``heads.chain_required``): p(conversion) = p(click) · σ(own logit) ≤ p(click), trained on all
   impressions. Output biases start at the base rates, as GEM's do.
+- Corrections: ``out_b`` [G, T] (G domains), a per-(domain, task) bias added to each row's own
+  logits, 0 as trained (the OverArch's bias is per task: the architecture is DLRM's). The
+  down-sampling correction and ``opengem recalibrate``'s offsets are folded into it, the Platt
+  slopes into the OverArch's output layer (``scale_``), as GEM's are into its heads
+  (``opengem.model.logit_shift.LogitOutput``): every stage compares the models corrected alike. A
+  buffer, not a parameter (nothing trains it), but in the state dict, so a model's weights carry
+  its corrections wherever they go.
 - DLRM-DCN: torchrec's ``LowRankCrossNet`` with ``DCN_LAYERS`` layers of rank
   ``DCN_RANK_PER_DIM × D`` over the (n + 1)·D concatenation.
 
@@ -112,6 +119,7 @@ class PeerModel(TableModel):
             self.inter_arch, self.feature_dim = self._interaction(cfg.arch, n, D)
             hidden = [*cfg.heads.trunk_dims, *cfg.heads.task_dims] or [4 * D]
             self.over_arch = OverArch(self.feature_dim, [*hidden, len(schema.tasks)])
+            self.register_buffer("out_b", torch.zeros(schema.num_domains, len(schema.tasks)))
         self.parent = [schema.task_names.index(t.requires)
                        if (t.requires and cfg.heads.chain_required) else -1
                        for t in schema.tasks]
@@ -156,6 +164,7 @@ class PeerModel(TableModel):
             self.inter_arch.triu_indices = torch.triu_indices(F + 1, F + 1, offset=1,
                                                               device=self.domain_emb.weight.device)
         self.sparse_arch.init_weights(seed)
+        self.out_b.zero_()  # no correction: the model as trained
         if base_rates is not None:
             self._init_bias(base_rates)
 
@@ -184,10 +193,31 @@ class PeerModel(TableModel):
         dense = torch.cat(parts, dim=1) if parts else batch.dense.new_ones(B, 1)
         return self.inter_arch(self.dense_arch(dense), torch.cat(tokens, dim=1))
 
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """logits [B, T] in schema task order."""
+    def raw_logits(self, batch: Batch) -> torch.Tensor:
+        """[B, T] each task's own logit before chaining, its row's ``out_b`` added."""
         raw = self.over_arch(self.features(batch))
+        return raw + self.out_b[self.output_group(batch.domain)].to(raw.dtype)
+
+    def output_group(self, domain_B: torch.Tensor) -> torch.Tensor:
+        """Which row of ``out_b`` each row uses: its domain."""
+        return domain_B
+
+    def chain(self, raw_BT: torch.Tensor) -> torch.Tensor:
+        """[B, T] final logits: a chained task's is logit(p(parent) · p(task | parent))."""
         out: list[torch.Tensor] = []
         for t, p in enumerate(self.parent):
-            out.append(raw[:, t] if p < 0 else chained_logit(out[p], raw[:, t]))
+            out.append(raw_BT[:, t] if p < 0 else chained_logit(out[p], raw_BT[:, t]))
         return torch.stack(out, dim=1)
+
+    @torch.no_grad()
+    def scale_(self, a_T: torch.Tensor) -> None:
+        """Each task's own logit times ``a_T`` [T], in place: the OverArch's output row and bias of
+        that task, and its ``out_b`` (a Platt slope, ``opengem.model.logit_shift.fold_offsets``)."""
+        last = self.over_arch.model[-1]
+        last.weight.mul_(a_T.to(last.weight.dtype)[:, None])
+        last.bias.mul_(a_T.to(last.bias.dtype))
+        self.out_b.mul_(a_T.to(self.out_b.dtype)[None, :])
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """logits [B, T] in schema task order."""
+        return self.chain(self.raw_logits(batch))

@@ -180,7 +180,6 @@ def rec_domains(evaluation: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["model.arch=dlrm"], "no GEM heads"),
     (["model.heads.domain_mode=shared", 'data.negative_rate_by_domain={"feed": 0.5}'],
      "domain_mode=output"),
     (['data.negative_rate_by_domain={"nowhere": 0.5}'], "unknown domain 'nowhere'"),
