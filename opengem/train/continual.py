@@ -44,7 +44,6 @@ import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from opengem.checkpoint import CheckpointError, latest_checkpoint, save_snapshot, snapshot_dir
 from opengem.config import Config, ConfigError, apply_overrides
@@ -61,9 +60,7 @@ from opengem.run import (
     load_final,
 )
 from opengem.train.resume import truncate_metrics
-
-if TYPE_CHECKING:  # state.py imports this module (DayStream)
-    from opengem.train.state import TrainState
+from opengem.train.state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -313,16 +310,22 @@ def _new_leg(r: TrainState, stream: DayStream, saved: dict,
 
 
 # ---------------------------------------------------------------------------------- publishing
+def stream_of(state: TrainState) -> DayStream | None:
+    """The run's stream when it trains one (a ``DayStream`` loader), else None (a plain run)."""
+    return state.loader if isinstance(state.loader, DayStream) else None
+
+
 class DayEnd:
     """When a stream publishes: after the step that ends a day (``DayStream.day_ended``), before a
     checkpoint of that step can say the day is done. A plain run (no stream) never is."""
 
     def due(self, state: TrainState) -> bool:
-        return state.stream is not None and state.stream.day_ended
+        stream = stream_of(state)
+        return stream is not None and stream.day_ended
 
     def publish(self, state: TrainState) -> Path:
         """The snapshot of every day the stream has finished (``publish``)."""
-        return publish(state, state.stream.completed)
+        return publish(state, stream_of(state).completed)
 
 
 def publish(r: TrainState, days: list[int]) -> Path:

@@ -45,16 +45,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from opengem.config import ConfigError, TrainConfig
 from opengem.parallel.launch import DistInfo, comm_device, min_over_ranks
-
-if TYPE_CHECKING:  # state.py imports this module (EvalHook)
-    from opengem.train.state import TrainState
+from opengem.train.state import TrainState
 
 
 class Evaluator(Protocol):

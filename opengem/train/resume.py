@@ -11,7 +11,7 @@ import signal
 import threading
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Self
+from typing import Self
 
 import numpy as np
 import torch
@@ -20,9 +20,7 @@ from opengem.checkpoint import CheckpointError
 from opengem.data.loader import ShardLoader
 from opengem.parallel.launch import min_over_ranks
 from opengem.run import METRICS_FILE
-
-if TYPE_CHECKING:  # state.py imports this module (SigtermFlag)
-    from opengem.train.state import TrainState
+from opengem.train.state import TrainState
 
 log = logging.getLogger(__name__)
 

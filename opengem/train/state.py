@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -26,12 +27,26 @@ from opengem.config import Config
 from opengem.data.loader import ShardLoader
 from opengem.features.schema import FeatureSchema
 from opengem.parallel.launch import DistInfo
-from opengem.train.continual import DayEnd, DayStream
 from opengem.train.ema import DenseEMA, dense_ema
-from opengem.train.hooks import CheckpointEvery, EvalHook
 from opengem.train.optim import Schedule
-from opengem.train.resume import SigtermFlag
 from opengem.train.soft_labels import SoftLabels, soft_labels
+
+
+class Due(Protocol):
+    """A part of the loop that says, after each step, whether it acts now: the checkpoint cadence
+    (``hooks.CheckpointEvery``), a stream's day end (``continual.DayEnd``), pre-emption
+    (``resume.SigtermFlag``). They read the state, so they sit above this module, not in it."""
+
+    def due(self, state: TrainState) -> bool: ...
+
+
+class Positioned(Protocol):
+    """What a checkpoint saves of a loader (a ``ShardLoader`` or a stream's ``DayStream``) or of the
+    held-out evaluations (``hooks.EvalHook``)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 @dataclass
@@ -68,25 +83,24 @@ class TrainState:
     model: torch.nn.Module
     optimizers: list
     sparse: object | None
-    loader: ShardLoader | DayStream
+    loader: ShardLoader | Positioned
     schedule: Schedule
     total: int
+    checkpoints: Due
+    day_end: Due
+    sigterm: Due
     step: int = 0
     examples: int = 0
     start_examples: int = 0
     resumed: dict = field(default_factory=dict)
-    evals: EvalHook | None = None
-    day_end: DayEnd = field(default_factory=DayEnd)
-    sigterm: SigtermFlag = field(default_factory=SigtermFlag)
+    evals: Positioned | None = None
     eval_s: float = 0.0
     publish_end: bool = False
     downsampling: dict | None = None
     ema: DenseEMA = field(init=False)
     soft: SoftLabels | None = field(init=False)
-    checkpoints: CheckpointEvery = field(init=False)
 
     def __post_init__(self) -> None:
-        self.checkpoints = CheckpointEvery(self.cfg.train.ckpt_every)
         self.ema = dense_ema(self.model, self.cfg.train.ema_decay)
         t = self.cfg.train
         self.soft = soft_labels(t.soft_label_runs, t.soft_label_weight, self.schema,
@@ -95,10 +109,6 @@ class TrainState:
     @property
     def distributed(self) -> bool:
         return self.sparse is not None
-
-    @property
-    def stream(self) -> DayStream | None:
-        return self.loader if isinstance(self.loader, DayStream) else None
 
     def identity(self) -> dict:
         """What a checkpoint must match to be resumed by this run (``load_checkpoint`` checks)."""

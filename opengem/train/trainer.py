@@ -100,16 +100,18 @@ from opengem.run import (
     save_schema,
 )
 from opengem.train.continual import (
+    DayEnd,
     DayStream,
     check_stream_config,
     continue_config,
     publish,
     start_stream,
+    stream_of,
 )
-from opengem.train.hooks import EvalHook, Evaluator
+from opengem.train.hooks import CheckpointEvery, EvalHook, Evaluator
 from opengem.train.observe import RunLog
 from opengem.train.optim import Schedule, build_optimizers
-from opengem.train.resume import EXIT_PREEMPTED, Preempted, resume_run
+from opengem.train.resume import EXIT_PREEMPTED, Preempted, SigtermFlag, resume_run
 from opengem.train.state import TrainState
 from opengem.train.step import TrainingError, train_step
 
@@ -128,6 +130,12 @@ def state_sha256(state: dict[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def loop_parts(cfg: Config) -> tuple[CheckpointEvery, DayEnd, SigtermFlag]:
+    """The parts the loop asks after each step whether they are due, in ``TrainState``'s order:
+    the checkpoint cadence, a stream's day end, pre-emption."""
+    return CheckpointEvery(cfg.train.ckpt_every), DayEnd(), SigtermFlag()
 
 
 def params_sha256(model: torch.nn.Module) -> str:
@@ -209,7 +217,7 @@ def _train(cfg: Config, data_dir: Path, run: Path, resume: bool, info: DistInfo,
     # Built before a checkpoint is loaded: Schedule keeps the config's base lrs.
     schedule = Schedule(optimizers, total, cfg.optim)
     r = TrainState(cfg, schema, run, info, model, optimizers, sparse, loader, schedule, total,
-                   publish_end=publish_end)
+                   *loop_parts(cfg), publish_end=publish_end)
     if sampling is not None:
         try:  # before any step: a correction that cannot be served must not cost a training run
             r.downsampling = downsampling_record(gem_heads(model), schema, sampling[0], sampling[1])
@@ -317,7 +325,8 @@ def _train_stream(cfg: Config, data_dir: Path, run: Path, resume: bool, info: Di
                        max_seq_len=model.max_seq_len(), quarantine_dir=run / QUARANTINE_DIR,
                        prefetch=cfg.data.prefetch)
     schedule = Schedule(optimizers, 0, cfg.optim)  # its horizon is set by start_stream
-    r = TrainState(cfg, schema, run, info, model, optimizers, sparse, loader, schedule, 0)
+    r = TrainState(cfg, schema, run, info, model, optimizers, sparse, loader, schedule, 0,
+                   *loop_parts(cfg))
     if cfg.train.evaluates:
         r.evals = EvalHook(cfg.train, evaluator, rates, info)
 
@@ -562,10 +571,10 @@ def _finish(r: TrainState, wall: float) -> dict:
     # not a pause
     if r.publish_end and (r.step >= r.total or r.loader.state_dict()["epoch"] >= r.loader.epochs):
         publish(r, sorted({f.day for f in r.loader.files}))
-    if r.stream is not None or r.publish_end:
+    if stream_of(r) is not None or r.publish_end:
         snaps = list_snapshots(r.run)
         final["days"] = (
-            r.stream.completed if r.stream is not None else (snaps[-1][1]["days"] if snaps else [])
+            stream_of(r).completed if stream_of(r) is not None else (snaps[-1][1]["days"] if snaps else [])
         )
         final["snapshot"] = snaps[-1][0].name if snaps else None
     if r.info.is_main:

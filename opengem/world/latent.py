@@ -36,13 +36,22 @@ from opengem.world.structure import (
     draw_wide,
     today_structure,
 )
-
-DAY = 86400
-TAG_GLOBAL, TAG_BLOCK, TAG_DAY, TAG_STRUCTURE = 0, 1, 2, 3
-# the optional ad content vectors (click.content_dim > 0); 4 is the oracle's subsample
-TAG_CONTENT = 5
-# family 2 (``opengem.world.wide``): its structure draws, its item and ad vectors
-TAG_WIDE, TAG_ITEM_VECTORS = 9, 10
+from opengem.world.units import (  # noqa: F401 (the world's units, used here and read from here)
+    ADS_EVENT_WEIGHTS,
+    DAY,
+    ORGANIC_EVENT_WEIGHTS,
+    TAG_BLOCK,
+    TAG_CONTENT,
+    TAG_DAY,
+    TAG_GLOBAL,
+    TAG_ITEM_VECTORS,
+    TAG_STRUCTURE,
+    TAG_WIDE,
+    decay,
+    rng_for,
+    row_of,
+    share,
+)
 
 SURFACES = ("feed", "video", "messaging")
 FORMATS = ("image", "video", "carousel", "text")
@@ -52,8 +61,6 @@ NUM_POSITIONS, NUM_HOURS = 8, 24
 NUM_AGES, NUM_GENDERS, NUM_COUNTRIES, NUM_DEVICES = 8, 3, 20, 4
 
 ORGANIC_EVENT_PROBS = np.array([0.80, 0.12, 0.04, 0.04])
-ORGANIC_EVENT_WEIGHTS = np.array([1.0, 2.0, 3.0, 2.5])  # w_type in the sequence-match term
-ADS_EVENT_WEIGHTS = np.array([1.0, 3.0])  # click, conversion in the ads-history term
 AGE_PROBS = np.array([0.06, 0.16, 0.20, 0.18, 0.15, 0.12, 0.08, 0.05])
 GENDER_PROBS = np.array([0.49, 0.49, 0.02])
 DEVICE_PROBS = np.array([0.55, 0.35, 0.07, 0.03])
@@ -62,10 +69,6 @@ SURFACE_SHARES = np.array([0.5, 0.3, 0.2])  # mean of the per-user surface prefe
 DEVICE_BIAS = np.array([0.0, 0.1, -0.15, -0.3])  # times cfg.click.beta_device
 HOUR_PEAK = 20.0  # hour of day with the highest CTR
 HOUR_BUCKET = 4  # hours per value of the hour_bucket interaction field
-
-
-def rng_for(seed: int, *tags: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence([int(seed), *[int(t) for t in tags]]))
 
 
 def structure_for(cfg) -> WorldStructure:
@@ -400,27 +403,15 @@ def numeric_transform(e: NumericEffect, x: np.ndarray) -> np.ndarray:
     raise ValueError(f"unknown numeric shape {e.shape!r}")
 
 
-def _row_of(lengths: np.ndarray) -> np.ndarray:
-    return np.repeat(np.arange(len(lengths)), lengths)
-
-
-def _decay(type_weights, events, ts, request_ts, row, tau_hours) -> np.ndarray:
-    return type_weights[events] * np.exp(-(request_ts[row] - ts) / (tau_hours * 3600.0))
-
-
-def _share(w, match, row, n) -> np.ndarray:
-    return np.bincount(row, w * match, minlength=n) / (1.0 + np.bincount(row, w, minlength=n))
-
-
 def sequence_match(world: World, items, events, ts, lengths, request_ts, ad_category,
                    tau_hours=None) -> np.ndarray:
     """m = Σ w·decay·[cat(item) = cat(ad)] / (1 + Σ w·decay) over the row's stored organic events,
     with w = ORGANIC_EVENT_WEIGHTS[event] and decay = exp(−(request_ts − ts) / τ); τ defaults to
     ``click.seq_tau_hours`` (structure seed 0's organic history)."""
-    row = _row_of(lengths)
+    row = row_of(lengths)
     tau = world.cfg.click.seq_tau_hours if tau_hours is None else tau_hours
-    w = _decay(ORGANIC_EVENT_WEIGHTS, events, ts, request_ts, row, tau)
-    return _share(w, world.item_category[items] == ad_category[row], row, len(lengths))
+    w = decay(ORGANIC_EVENT_WEIGHTS, events, ts, request_ts, row, tau)
+    return share(w, world.item_category[items] == ad_category[row], row, len(lengths))
 
 
 def history_statistic(world: World, c: dict, h: HistoryEffect) -> np.ndarray:
@@ -428,7 +419,7 @@ def history_statistic(world: World, c: dict, h: HistoryEffect) -> np.ndarray:
     ``h.stream`` events."""
     items, lengths = c[f"{h.stream}.item"]
     events, ts, t = c[f"{h.stream}.event"][0], c[f"{h.stream}.ts"][0], c["request_ts"]
-    row, n = _row_of(lengths), len(lengths)
+    row, n = row_of(lengths), len(lengths)
     if h.stream == "organic":
         match, type_weights = (
             world.item_category[items] == c["category"][row],
@@ -448,9 +439,9 @@ def history_statistic(world: World, c: dict, h: HistoryEffect) -> np.ndarray:
         out = np.zeros(n)
         out[r[last]] = np.exp(-(t[r[last]] - ts[idx[last]]) / (h.tau_hours * 3600.0))
         return out
-    w = _decay(type_weights, events, ts, t, row, h.tau_hours)
+    w = decay(type_weights, events, ts, t, row, h.tau_hours)
     if h.form == "share":
-        return _share(w, match, row, n)
+        return share(w, match, row, n)
     if h.form == "log_count":
         return np.log1p(np.bincount(row, w * match, minlength=n))
     raise ValueError(f"history form {h.form!r} has no statistic")

@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from opengem.world.latent import (
+from opengem.world.structure import Fatigue, LastK, Repeat, Similarity, WideEffects
+from opengem.world.units import (
     ADS_EVENT_WEIGHTS,
     DAY,
     ORGANIC_EVENT_WEIGHTS,
     TAG_ITEM_VECTORS,
-    _decay,
-    _row_of,
-    _share,
+    decay,
     rng_for,
+    row_of,
+    share,
 )
-from opengem.world.structure import Fatigue, LastK, Repeat, Similarity, WideEffects
 
 SIGN = {"similarity": 1.0, "fatigue": -1.0, "repeat": 1.0, "last_k": 1.0}
 CHUNK = 1 << 20  # events per gather: bounds the [events, dim] temporaries on long histories
@@ -65,19 +65,19 @@ def similarity(world, c: dict, e: Similarity) -> np.ndarray:
     """Σ_e w_e·⟨v_item(e), v_ad⟩ / (1 + Σ_e w_e) over the row's stored ``e.stream`` events."""
     items, lengths = c[f"{e.stream}.item"]
     events, ts = c[f"{e.stream}.event"][0], c[f"{e.stream}.ts"][0]
-    row = _row_of(lengths)
+    row = row_of(lengths)
     organic = e.stream == "organic"
     vectors = world.item_vectors if organic else world.ad_vectors
     weights = ORGANIC_EVENT_WEIGHTS if organic else ADS_EVENT_WEIGHTS
-    w = _decay(weights, events, ts, c["request_ts"], row, e.tau_hours)
+    w = decay(weights, events, ts, c["request_ts"], row, e.tau_hours)
     dot = _rowwise_dot(vectors, items, world.ad_vectors, c["ad_id"][row])
-    return _share(w, dot, row, len(lengths))
+    return share(w, dot, row, len(lengths))
 
 
 def _recent(c: dict, stream: str, seconds: float) -> tuple[np.ndarray, np.ndarray]:
     """(row of each stored event, whether it is at most ``seconds`` before its request)."""
     lengths = c[f"{stream}.item"][1]
-    row = _row_of(lengths)
+    row = row_of(lengths)
     return row, c["request_ts"][row] - c[f"{stream}.ts"][0] <= seconds
 
 
@@ -102,7 +102,7 @@ def repeat(world, c: dict, e: Repeat) -> np.ndarray:
 def last_k(world, c: dict, e: LastK) -> np.ndarray:
     """Share of the row's last min(k, n) stored organic events whose item's category is the ad's."""
     items, lengths = c["organic.item"]
-    row = _row_of(lengths)
+    row = row_of(lengths)
     pos = np.arange(len(items)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     last = pos >= lengths[row] - e.k  # stored events are in time order
     match = world.item_category[items] == c["category"][row]

@@ -20,7 +20,7 @@ from opengem.train.hooks import CheckpointEvery, EvalHook
 from opengem.train.optim import Schedule, build_optimizers
 from opengem.train.resume import SigtermFlag
 from opengem.train.state import TrainState
-from opengem.train.trainer import params_sha256, train
+from opengem.train.trainer import loop_parts, params_sha256, train
 
 CPU = DistInfo(0, 1, 0, 1, torch.device("cpu"), None)
 
@@ -45,7 +45,7 @@ def _state(cfg, data, run) -> TrainState:
     d = cfg.data
     loader = ShardLoader(data, d.train_split, d.batch_size, schema, seed=d.seed)
     return TrainState(cfg, schema, run, CPU, model, optimizers, None, loader,
-                      Schedule(optimizers, 10, cfg.optim), 10)
+                      Schedule(optimizers, 10, cfg.optim), 10, *loop_parts(cfg))
 
 
 def test_restore_puts_a_fresh_state_where_the_checkpoint_left_off(tiny, tmp_path):
