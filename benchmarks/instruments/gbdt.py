@@ -5,6 +5,11 @@ Legend: n rows of a split, k features, T tasks.
     ShardLoader (GEM's, unshuffled) ─► Batch ─► features ─► X [n, k] ─► one LightGBM per task ─► p [n, T]
         ─► MetricAccumulator with the train split's base rates (what ``evaluate_run`` computes)
 
+History: ``history="practitioner"`` (the default) adds ``instruments.history_features``' columns,
+the summaries an ads team writes by hand (decayed matches at five τ, last-event match, counts in
+windows, repeat engagement per advertiser, shares of the last k events); ``"basic"`` keeps the
+handful below (``batch_features``). Either way the search budget is the same ``GRID``.
+
 Rows come through ``opengem.data.loader.ShardLoader`` → ``Batch`` in the evaluator's order, so
 quarantined rows, OOV ids and history caps are GEM's. ``lightgbm`` is a benchmark dependency only
 (``pip install 'opengem[bench]'``); this module imports it on first use, so the package (and this
@@ -31,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from instruments.history_features import WINDOWS_S, PractitionerHistory, check_history
 from opengem.data.base_rates import train_base_rates
 from opengem.data.batch import Batch
 from opengem.data.loader import ShardLoader
@@ -48,7 +54,6 @@ GRID = tuple({"learning_rate": lr, "num_leaves": leaves} for lr in (0.03, 0.1)
 # a ceiling only: early stopping ends every fit long before it on the worlds we run
 MAX_ROUNDS = 3000
 PATIENCE = 50  # rounds without a better tuning-split log loss before a fit stops
-WINDOWS_S = (("1h", 3600.0), ("24h", 86400.0), ("7d", 604800.0))
 # rows per loader batch while building features (the result does not depend on it)
 FEATURE_BATCH = 4096
 
@@ -82,7 +87,8 @@ class GBDTRows:
     true_probs: np.ndarray | None
 
 
-def feature_names(schema: FeatureSchema) -> tuple[list[str], list[str]]:
+def feature_names(schema: FeatureSchema,
+                  history: str = "practitioner") -> tuple[list[str], list[str]]:
     """(every feature name in column order, the categorical ones)."""
     cats = [f.name for f in schema.sparse if not f.multi_hot] + [schema.domains.column]
     names = [f.name for f in schema.dense] + cats
@@ -91,7 +97,19 @@ def feature_names(schema: FeatureSchema) -> tuple[list[str], list[str]]:
         names += [f"{s.name}.n_last_{w}" for w, _ in WINDOWS_S]
         for col, feat, _ in match_attributes(schema, s.name):
             names += [f"{col}.n_match_{feat}", f"{col}.since_last_match_s"]
+    if check_history(history) == "practitioner":
+        extra, keep = _practitioner(schema, names)
+        names += [extra.names[i] for i in keep]
     return names, cats
+
+
+def _practitioner(schema: FeatureSchema,
+                  basic: list[str]) -> tuple[PractitionerHistory, list[int]]:
+    """The practitioner's columns and which of them to add: a name already among the basic ones
+    (the window counts ``{stream}.n_last_{w}``) is the same count, kept once."""
+    extra = PractitionerHistory(schema)
+    have = set(basic)
+    return extra, [i for i, n in enumerate(extra.names) if n not in have]
 
 
 def _count(row: torch.Tensor, keep: torch.Tensor, B: int) -> torch.Tensor:
@@ -128,7 +146,8 @@ def stream_features(batch: Batch, schema: FeatureSchema, stream: str) -> list[to
     return cols
 
 
-def batch_features(batch: Batch, schema: FeatureSchema) -> np.ndarray:
+def batch_features(batch: Batch, schema: FeatureSchema,
+                   history: str = "practitioner") -> np.ndarray:
     """[B, k] float64 features of one batch (``feature_names`` order).
 
     These are the features a practitioner hands a GBDT, generic by construction: the dense values
@@ -137,7 +156,8 @@ def batch_features(batch: Batch, schema: FeatureSchema) -> np.ndarray:
     event attribute that shares its vocabulary with a candidate-side sparse feature (GEM's target
     match, ``match_attributes``), how many events match the candidate and how long since the last
     match. Nothing depends on how a synthetic world draws its labels. Multi-hot ids are left out
-    (LightGBM has no set-valued categorical).
+    (LightGBM has no set-valued categorical). ``history="practitioner"`` appends
+    ``instruments.history_features``' columns (those not already here).
     """
     sparse = batch.sparse.to_dict()
     cols = [batch.dense.double()[:, i] for i in range(len(schema.dense))]
@@ -145,27 +165,33 @@ def batch_features(batch: Batch, schema: FeatureSchema) -> np.ndarray:
     cols.append(batch.domain.double())
     for s in schema.sequences:
         cols += stream_features(batch, schema, s.name)
-    return torch.stack(cols, dim=1).numpy()
+    X = torch.stack(cols, dim=1)
+    if check_history(history) == "practitioner":
+        extra, keep = _practitioner(schema, feature_names(schema, "basic")[0])
+        X = torch.cat([X, extra.batch(batch)[:, keep]], dim=1)
+    return X.numpy()
 
 
 def features(data_dir: str | Path, split: str, schema: FeatureSchema | None = None,
              max_seq_len: dict[str, int] | None = None, batch_size: int = FEATURE_BATCH,
-             columns=None) -> GBDTRows:
+             columns=None, history: str = "practitioner") -> GBDTRows:
     """``split`` of ``data_dir`` read through GEM's loader (unshuffled, one pass) as ``GBDTRows``.
 
     ``max_seq_len`` caps each stream's history as a GEM run's loader does (default: the schema's).
     ``columns``: an object with ``names``, ``categorical`` and ``batch(batch) -> [B, k]`` that
-    builds X in place of this module's features (``bench.linear.LinearColumns``).
+    builds X in place of this module's features (``bench.linear.LinearColumns``); ``history``
+    picks this module's history columns (``batch_features``) and is ignored with ``columns``.
     """
     schema = schema or FeatureSchema.load(data_dir)
-    names, cats = feature_names(schema) if columns is None else (columns.names, columns.categorical)
+    names, cats = (feature_names(schema, history) if columns is None
+                   else (columns.names, columns.categorical))
     loader = ShardLoader(data_dir, split, batch_size, schema, shuffle=False, epochs=1,
                          max_seq_len=max_seq_len)
     parts: dict[str, list[np.ndarray]] = {k: []
                                           for k in ("X", "labels", "mask", "domain", "user_id",
                                                     "true_probs")}
     for batch in loader:
-        parts["X"].append(batch_features(batch, schema) if columns is None
+        parts["X"].append(batch_features(batch, schema, history) if columns is None
                           else columns.batch(batch))
         parts["labels"].append(batch.labels.numpy())
         parts["mask"].append(batch.label_mask.numpy())
@@ -273,7 +299,7 @@ def _check_grid(grid: list[dict]) -> list[dict]:
 
 def run_gbdt(data_dir: str | Path, grid: list[dict] | None = None, seed: int = 0, threads: int = 1,
              tune_split: str = "valid", max_seq_len: dict[str, int] | None = None,
-             score_test: bool = True) -> dict:
+             score_test: bool = True, history: str = "practitioner") -> dict:
     """Tune LightGBM on ``tune_split`` over ``grid`` (default ``GRID``), then read test once (not at
     all without ``score_test``: a search over development worlds never needs it).
 
@@ -281,7 +307,8 @@ def run_gbdt(data_dir: str | Path, grid: list[dict] | None = None, seed: int = 0
     point's metrics on ``tune_split``, "chosen": its params and rounds, "trials": every point's
     rounds and tuning-split log losses, "wall_s": the whole run (features, fits, scoring)}; with
     ``score_test`` also "metrics_platt", the test metrics after a per-task Platt fit on
-    ``tune_split`` (``evaluation.platt``), and its "platt" parameters.
+    ``tune_split`` (``evaluation.platt``), and its "platt" parameters. ``history``: which history
+    columns (``batch_features``).
     """
     t0 = time.perf_counter()
     require_tuning_split(tune_split, "the LightGBM grid point (learning rate × num_leaves)")
@@ -291,7 +318,9 @@ def run_gbdt(data_dir: str | Path, grid: list[dict] | None = None, seed: int = 0
         require_dev_world(int(schema.meta["seed"]), "the LightGBM grid point")
     _lightgbm()
     rates = train_base_rates(data_dir, schema, "train")
-    train, valid = (features(data_dir, s, schema, max_seq_len) for s in ("train", tune_split))
+    check_history(history)
+    train, valid = (features(data_dir, s, schema, max_seq_len, history=history)
+                    for s in ("train", tune_split))
     c = choice_task(schema)
     trials, best = [], None
     for point in grid:
@@ -306,7 +335,7 @@ def run_gbdt(data_dir: str | Path, grid: list[dict] | None = None, seed: int = 0
     _, point, models, p_valid, rounds = best
     out = {}
     if score_test:
-        test = features(data_dir, REPORT_SPLIT, schema, max_seq_len)
+        test = features(data_dir, REPORT_SPLIT, schema, max_seq_len, history=history)
         p_test = predict(models, test, schema)
         out["metrics"] = metrics(p_test, test, schema, rates)
         # as evaluation.platt does for a neural run

@@ -21,7 +21,12 @@ Columns, generic (built from the schema alone, nothing from how a synthetic worl
   stream GEM's own history counters (``HistoryCounts.stream_counts``: per event type and decay τ in
   ``DECAY_HOURS``, over all events and those matching the candidate, log1p of the decayed sums and
   the newest such event's e^(−age/τ)) and per τ and matched attribute the share Σ matching / (1 +
-  Σ all).
+  Σ all); with ``history="practitioner"`` (the default) also ``instruments.history_features``'
+  columns, the counts among them as log1p. Those overlap the counters without repeating one: its
+  ``decay_{τ}`` sums are the counters' per-event-type sums added up before the log1p, and its
+  ``since_match_log1p_h`` is a function of the counters' ``newest`` (the largest over types); the
+  window counts, repeat engagement per event type, last-event match, last-k shares and the item
+  match (``ads.item`` ≡ ``ad_id``; the counters match attributes only) are new.
 
 Tasks as the LightGBM peer has them (``bench.gbdt``): one model per task, a chained task's fitted on
 the rows where the required label is 1 and read as p(required) · p(task | required).
@@ -50,6 +55,7 @@ from instruments.gbdt import (
     task_parents,
     task_rows,
 )
+from instruments.history_features import PractitionerHistory, check_history
 from opengem.data.base_rates import train_base_rates
 from opengem.data.batch import Batch
 from opengem.discipline import REPORT_SPLIT, require_tuning_split
@@ -70,9 +76,11 @@ USER_SIDE = ("user", "context")
 class LinearColumns:
     """The peer's columns for one schema (module docstring): ``groups`` (name, cells, source), the
     numeric ``names``, and ``batch(batch)`` → [B, G + K] float64 (G local cell ids, then
-    K numbers)."""
+    K numbers). ``history``: ``"practitioner"`` adds ``instruments.history_features``' columns,
+    ``"basic"`` leaves them out."""
 
-    def __init__(self, schema: FeatureSchema, max_cross_cells: int = MAX_CROSS_CELLS):
+    def __init__(self, schema: FeatureSchema, max_cross_cells: int = MAX_CROSS_CELLS,
+                 history: str = "practitioner"):
         self.schema = schema
         single = [f for f in schema.sparse if not f.multi_hot]
         rows = {f.name: f.vocab_size + 1 for f in single}
@@ -99,6 +107,9 @@ class LinearColumns:
                      for h in DECAY_HOURS]
             names += [f"{s}.log1p_sum.{c}" for c in cells] + [f"{s}.newest.{c}" for c in cells]
             names += [f"{s}.share.{col}.tau{h:g}h" for col in sel[1:] for h in DECAY_HOURS]
+        self.history = (PractitionerHistory(schema) if check_history(history) == "practitioner"
+                        else None)
+        names += self.history.names if self.history is not None else []
         self.names = [name for name, _, _ in groups] + names
         self.categorical = [name for name, _, _ in groups]
 
@@ -134,6 +145,10 @@ class LinearColumns:
             cols.append(torch.stack([dense, signed_log(dense)], 2).flatten(1))
         for s in self.schema.sequences:
             cols += self._stream(batch, s.name)
+        if self.history is not None:
+            x = self.history.batch(batch)
+            # counts are heavy-tailed: a linear weight on the raw count is set by the tail
+            cols.append(torch.where(torch.tensor(self.history.counts), torch.log1p(x), x))
         return torch.cat(cols, 1).numpy()
 
     def design(self, split: str, rows: GBDTRows, sel: np.ndarray, task: int) -> Design:
@@ -173,16 +188,28 @@ class Fitted:
     paths: list
     rows: dict[str, GBDTRows]
     probs: dict[str, np.ndarray]
+    history: str = "practitioner"
+
+    def valid_loss(self) -> float:
+        """The chosen λ's valid log loss, summed over tasks: what the history set is chosen by."""
+        return sum(min(path.values()) for path in self.paths)
 
 
 def fit_data(data_dir: str | Path, tune_split: str = "valid",
              max_seq_len: dict[str, int] | None = None,
-             score_test: bool = True, batch_size: int = FEATURE_BATCH) -> Fitted:
+             score_test: bool = True, batch_size: int = FEATURE_BATCH,
+             history: str = "auto") -> Fitted:
     """Fit on train with λ chosen on ``tune_split``; rows and probabilities of it and
-    (``score_test``) test."""
+    (``score_test``) test. ``history``: as ``LinearColumns`` has it, or ``"auto"``: the set of
+    history columns with the lower valid loss, chosen as λ is (with ~85 more columns on a few
+    thousand rows, λ rises and shrinks the id crosses, so more columns can read worse on valid)."""
     require_tuning_split(tune_split, "the logistic regression's L2 strength")
+    if history == "auto":
+        tried = [fit_data(data_dir, tune_split, max_seq_len, False, batch_size, h)
+                 for h in ("basic", "practitioner")]
+        history = min(tried, key=Fitted.valid_loss).history
     schema = FeatureSchema.load(data_dir)
-    cols = LinearColumns(schema)
+    cols = LinearColumns(schema, history=history)
     train, valid = (features(data_dir, s, schema, max_seq_len, batch_size, cols)
                     for s in ("train", tune_split))
     fits, paths = fit(train, valid, cols, tune_split)
@@ -190,12 +217,13 @@ def fit_data(data_dir: str | Path, tune_split: str = "valid",
     if score_test:
         rows[REPORT_SPLIT] = features(data_dir, REPORT_SPLIT, schema, max_seq_len, batch_size, cols)
     return Fitted(schema, fits, paths, rows,
-                  {s: predict(fits, r, cols, s) for s, r in rows.items()})
+                  {s: predict(fits, r, cols, s) for s, r in rows.items()}, history)
 
 
 def run_linear(data_dir: str | Path, tune_split: str = "valid",
                max_seq_len: dict[str, int] | None = None,
-               score_test: bool = True, batch_size: int = FEATURE_BATCH) -> dict:
+               score_test: bool = True, batch_size: int = FEATURE_BATCH,
+               history: str = "auto") -> dict:
     """Fit on train with λ chosen on ``tune_split``, then read test once (not
     without ``score_test``).
 
@@ -203,7 +231,7 @@ def run_linear(data_dir: str | Path, tune_split: str = "valid",
     "valid", "chosen": {"l2": task → λ}, "trials": [{"l2": task → {λ: valid log loss}}], "wall_s"}.
     """
     t0 = time.perf_counter()
-    lr = fit_data(data_dir, tune_split, max_seq_len, score_test, batch_size)
+    lr = fit_data(data_dir, tune_split, max_seq_len, score_test, batch_size, history)
     schema, valid, p_valid = lr.schema, lr.rows[tune_split], lr.probs[tune_split]
     rates = train_base_rates(data_dir, schema, "train")
     out = {}
@@ -216,7 +244,8 @@ def run_linear(data_dir: str | Path, tune_split: str = "valid",
         out["platt"] = platt.as_dict(schema.task_names)
     names = schema.task_names
     return {**out, "valid": metrics(p_valid, valid, schema, rates),
-            "chosen": {"l2": {names[t]: f.l2 for t, f in enumerate(lr.fits)}},
+            "chosen": {"l2": {names[t]: f.l2 for t, f in enumerate(lr.fits)},
+                       "history": lr.history},
             "trials": [{"l2": {names[t]: {str(k): v for k, v in p.items()} for t,
                                p in enumerate(lr.paths)}}],
             "wall_s": round(time.perf_counter() - t0, 3)}

@@ -51,6 +51,7 @@ from instruments.ops import median_min_max, sequence_side_case, spread
 from instruments.race import (
     RATES,
     budget_config,
+    fresh_model,
     race,
     train_with_evals,
     training_examples_per_s,
@@ -65,7 +66,6 @@ from opengem.model.build import build_gem, count_parameters, materialize
 from opengem.ops.quantize import quantize_tables, table_bytes
 from opengem.recipes import recipe
 from opengem.run import load_base_rates, load_run_model
-from opengem.train.optim import build_optimizers
 from opengem.train.step import train_step
 from opengem.train.trainer import train
 from opengem.world.generate import generate
@@ -89,13 +89,7 @@ def loader_and_step_examples_per_s(cfg, data: Path, batches: int = LOADER_BATCHE
     examples/s ÷ step examples/s per round (= step seconds ÷ load seconds: the rows are
     the same)."""
     schema = FeatureSchema.load(data)
-    torch.manual_seed(cfg.train.seed)
-    model = materialize(build_gem(schema, cfg.model), seed=cfg.train.seed)
-    opts = [
-        o
-        for o in build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim)
-        if o
-    ]
+    model, opts = fresh_model(cfg, schema)
     it = iter(ShardLoader(data, cfg.data.train_split, cfg.data.batch_size, schema,
                           shuffle=cfg.data.shuffle,
                           seed=cfg.data.seed, epochs=1000, max_seq_len=model.max_seq_len(),

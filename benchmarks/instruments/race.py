@@ -215,17 +215,19 @@ def widen_to_params(cfg: Config, schema: FeatureSchema, target_dense: int) -> Co
     raise ValueError(f"no head width gives {target_dense:,} dense parameters for {cfg.model.arch}")
 
 
+def fresh_model(cfg: Config, schema: FeatureSchema) -> tuple[torch.nn.Module, list]:
+    """A model of ``cfg``'s arch on one process, seeded as the trainer seeds it, and its optimizers."""
+    torch.manual_seed(cfg.train.seed)
+    model = materialize(build_gem(schema, cfg.model), seed=cfg.train.seed)
+    dense, sparse = build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim)
+    return model, [o for o in (dense, sparse) if o]
+
+
 def training_examples_per_s(cfg: Config, data: Path, steps: int = 12, warmup: int = 3) -> float:
     """The trainer's step (``opengem.train.step.train_step``: forward, loss, backward, clipping,
     both optimizers) of any arch on one process, timed alone: examples/s (median step)."""
     schema = FeatureSchema.load(data)
-    torch.manual_seed(cfg.train.seed)
-    model = materialize(build_gem(schema, cfg.model), seed=cfg.train.seed)
-    opts = [
-        o
-        for o in build_optimizers(model.dense_parameters(), model.sparse_parameters(), cfg.optim)
-        if o
-    ]
+    model, opts = fresh_model(cfg, schema)
     batches = iter(ShardLoader(data, cfg.data.train_split, cfg.data.batch_size, schema,
                                shuffle=True, epochs=1000,
                                drop_last=True, max_seq_len=model.max_seq_len()))
