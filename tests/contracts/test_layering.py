@@ -43,9 +43,8 @@ def test_layout_lists_every_room():
     rooms = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
              if (p.suffix == ".py" and p.stem != "__init__")
              or (p.is_dir() and (p / "__init__.py").exists())}
-    assert rooms - {"__main__"} <= set(order), (
-        f"rooms missing from the README's layout: {rooms - set(order)}"
-    )
+    missing = rooms - {"__main__"} - set(order)
+    assert not missing, f"rooms missing from the README's layout: {missing}"
 
 
 def test_no_module_imports_one_listed_below_it():
