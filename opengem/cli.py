@@ -57,12 +57,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_checkpoint(parser: argparse.ArgumentParser, whose: str = "the run's model") -> None:
-    # run.CHECKPOINTS, spelled here so that parsing imports no
-    # torch (tests/unit/test_cli_surface.py)
+    # run.CHECKPOINTS, spelled here so that parsing imports no torch (test_cli_surface.py)
     parser.add_argument("--checkpoint", choices=("best", "last"), default="best",
-                        help=f"{whose}: best (default) is the best held-out evaluation's "
-                             f"model when "
-                             "the run kept one (train.keep_best), else its last checkpoint; "
+                        help=f"{whose}: best (default) is the best held-out evaluation's model "
+                             "when the run kept one (train.keep_best), else its last checkpoint; "
                              "last: the last checkpoint")
 
 
