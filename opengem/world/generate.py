@@ -56,7 +56,7 @@ seconds, day 0 starts at ``cfg.sizes.start_ts``):
    fits an oracle with the world's exact structure on the train rows (``opengem.world.oracle``);
    its NE and ``captured`` per split land in ``source.stats.oracle``.
 
-Everything the true models read is in the row: ``synthetic_world.probabilities(world, cols)``
+Everything the true models read is in the row: ``latent.probabilities(world, cols)``
 recomputes the probability columns from a shard (``columns_from_table``) and the calibrated world
 (``world_from_manifest``; the structure is stored in ``source.structure``). Shards: one per (user
 block, day), ``d{day:03d}-b{block:05d}``, rows in time order; output is bit-reproducible for a
@@ -215,7 +215,7 @@ class ClickModel:
     ads_tau_hours: float = 168.0
     beta_activity: float = 0.1
     beta_device: float = 1.0
-    # Ad content vectors (``synthetic_world.World``): 0 = off (the default world is unchanged); k >
+    # Ad content vectors (``latent.World``): 0 = off (the default world is unchanged); k >
     # 0 writes an ``ad_content`` list<float32> column of k floats per row (an ``EmbeddingFeature``)
     # and adds content_sigma · ⟨v_ad, ŵ⟩ to the click logit. Kept out of the manifest while 0.
     content_dim: int = 0

@@ -368,7 +368,7 @@ class UserBlock:
 
 # ------------------------------------------------------------------------------ the true models
 def field_size(cfg, name: str) -> int:
-    """How many values an interaction field has (fields: ``world_structure``'s module docstring)."""
+    """How many values an interaction field has (fields: ``structure``'s module docstring)."""
     s = cfg.sizes
     return {"segment": s.num_segments, "age": NUM_AGES, "gender": NUM_GENDERS,
             "country": NUM_COUNTRIES, "device": NUM_DEVICES, "domain": len(SURFACES),

@@ -70,7 +70,7 @@ from opengem.world.structure import AD_FIELDS, USER_FIELDS
 log = logging.getLogger(__name__)
 
 MAX_TRAIN_ROWS = 4_000_000  # beyond, fit on a subsample of users (demo: 497k rows, small: ~2.1M)
-TAG_ORACLE = 4  # rng tag of that subsample, after synthetic_world's
+TAG_ORACLE = 4  # rng tag of that subsample, after latent's
 REPORTED = ("ne", "ne_bayes", "captured", "auc")
 # the world's own interaction pairs | every user field × observable ad field
 CROSSES = ("true", "all")

@@ -1,6 +1,6 @@
 """Which parts of a synthetic world's signal a model has learned (synthetic data only).
 
-The world's true click logit is a sum of named terms (``synthetic_world.click_terms``: surface,
+The world's true click logit is a sum of named terms (``latent.click_terms``: surface,
 position, ad quality, segment × category, sequence match, ads history, …), and the conditional
 conversion logit likewise. Regressing the model's logit on the centred terms (least squares, all
 terms at once) gives one slope per term: 1 means the model reproduces that term at full strength,

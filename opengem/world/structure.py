@@ -16,7 +16,7 @@ on seeds ≥ 1000 that no choice was made on.
 ``draw_wide`` from its own generator (``rng_for(structure_seed, TAG_WIDE)``), so the family-1 part
 of a family-2 structure is exactly the family-1 draw of its seed.
 
-Fields an interaction may cross (values read from the row by ``synthetic_world.field_values``):
+Fields an interaction may cross (values read from the row by ``latent.field_values``):
 user / context ``segment, age, gender, country, device, domain`` (the surface),
 ``hour_bucket`` (``hour // 4``) × ad ``category, format, advertiser_cluster`` (the advertiser's
 cluster, an attribute of the ``advertiser_id`` feature), ``advertiser_id``.
