@@ -26,6 +26,12 @@ Variants (``tiny`` recipe overrides), one change each from ``shipped``:
   before ``shortcut_pairs=unit``).
 - ``fvfm`` / ``linear_shortcut`` / ``no_shortcut``: the low-order shortcut's form; ``init_02``: id
   tables start at N(0, 0.2²); ``wide``: 8 FM and 8 LC tokens of rank 8 instead of the recipe's 4.
+- ``item_match``: the target match also compares each ads event's item with the candidate's
+  ``ad_id`` (``model.target_match_items``); ``target_tokens``: one X_0 token per stream, the
+  candidate in the stream's matched tables (``model.target_tokens``); ``item_tokens``: both.
+
+``--family 2`` draws the worlds from the wider family (``opengem.world.wide``: item similarity,
+fatigue, repeat engagement, last-k) instead of the first.
 
 Each is one ``bench.tune.train_point`` at the recipe's learning rates (early stopping and the best
 checkpoint on valid). Per variant: best valid NE (all/click, all/conversion),
@@ -68,10 +74,13 @@ VARIANTS: dict[str, list[str]] = {
     "no_shortcut": ["model.shortcut=none"],
     "init_02": ["model.sparse.init_std=0.2"],
     "wide": ["model.wukong.num_fm=8", "model.wukong.num_lc=8", "model.wukong.fm_rank=8"],
+    "item_match": ["model.target_match_items=true"],
+    "target_tokens": ["model.target_tokens=true"],
+    "item_tokens": ["model.target_match_items=true", "model.target_tokens=true"],
 }
 
 
-def world(root: Path, w: int, users: int) -> Path:
+def world(root: Path, w: int, users: int, family: int = 1) -> Path:
     from opengem.data.parquet import MANIFEST
     from opengem.discipline import require_dev_world
     from opengem.world.generate import generate
@@ -79,10 +88,11 @@ def world(root: Path, w: int, users: int) -> Path:
     from opengem.world.presets import world_config
 
     require_dev_world(w, "the model choices")
-    out = root / f"w{w}-u{users}"
+    out = root / (f"w{w}-u{users}" + (f"-f{family}" if family != 1 else ""))
     if not (out / MANIFEST).exists():
         cfg = world_config("tiny", seed=w,
-                           overrides=[f"sizes.num_users={users}", f"structure_seed={w}"])
+                           overrides=[f"sizes.num_users={users}", f"structure_seed={w}",
+                                      *([f"family={family}"] if family != 1 else [])])
         generate(cfg, out, progress=False, observer=OracleCollector)
     return out
 
@@ -130,6 +140,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--variants", nargs="*", default=list(VARIANTS))
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--family", type=int, default=1, help="the world family (1 or 2)")
     p.add_argument("--quick", action="store_true", help="world 0, 1,500 users, 1 epoch")
     args = p.parse_args()
     if args.quick:
@@ -137,8 +148,9 @@ def main() -> None:
     if "shipped" not in args.variants:
         args.variants = ["shipped", *args.variants]
     root = Path(args.out)
-    datas = {w: world(root / "data", w, args.users) for w in args.worlds}
-    jobs = [(v, str(datas[w]), str(root / "runs" / f"w{w}-u{args.users}-e{args.epochs}" / v), w,
+    datas = {w: world(root / "data", w, args.users, args.family) for w in args.worlds}
+    tag = f"w{{}}-u{args.users}-e{args.epochs}" + (f"-f{args.family}" if args.family != 1 else "")
+    jobs = [(v, str(datas[w]), str(root / "runs" / tag.format(w) / v), w,
              args.epochs)
             for w in args.worlds for v in args.variants]
     with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
@@ -165,7 +177,8 @@ def main() -> None:
               f"{t['d_ne_conversion_vs_shipped'][0]:>+10.4f}±{t['d_ne_conversion_vs_shipped'][1]:<7.4f} "
               f"{t['better_worlds_click']:>3}/{len(args.worlds)} "
               f"{(t['captured_over_oracle_click'] or [float('nan')])[0]:>10.3f}")
-    print(json.dumps({"benchmark": "model_choices", "worlds": args.worlds, "users": args.users,
+    print(json.dumps({"benchmark": "model_choices", "worlds": args.worlds, "family": args.family,
+                      "users": args.users,
                       "epochs": args.epochs, "split": "valid", "variants": table}))
 
 

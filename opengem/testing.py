@@ -33,6 +33,19 @@ def tiny_schema(num_domains: int = 2, with_probs: bool = True, streams: int = 2)
     )
 
 
+def item_matched_schema(num_ads: int = 4) -> FeatureSchema:
+    """``tiny_schema`` whose stream ``s1`` holds ad ids (``matches="ad_id"``), with few ads so
+    random rows hold events of the candidate's own ad."""
+    import dataclasses
+
+    base = tiny_schema()
+    sparse = tuple(dataclasses.replace(f, vocab_size=num_ads) if f.name == "ad_id" else f
+                   for f in base.sparse)
+    s0, s1 = base.sequences
+    return dataclasses.replace(base, sparse=sparse, sequences=(
+        s0, dataclasses.replace(s1, item_vocab_size=num_ads, matches="ad_id")))
+
+
 def random_table(schema: FeatureSchema, n: int, seed: int = 0,
                  lengths: dict[str, np.ndarray] | None = None) -> pa.Table:
     """``n`` valid random rows for ``schema``; ``lengths`` fixes per-stream history lengths."""

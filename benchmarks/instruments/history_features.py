@@ -60,9 +60,12 @@ def check_history(history: str) -> str:
 
 
 def item_pair(schema: FeatureSchema, stream: str) -> list[tuple[str, str, int]]:
-    """[(item column, ad-side feature, OOV id)] when the stream's items share an ad-side id's
-    vocabulary (the first such feature not already matched through an attribute), else []."""
+    """[(item column, ad-side feature, OOV id)]: the feature the schema declares the items' id
+    space (``SequenceStream.matches``); in a schema without the declaration, the first ad-side
+    feature of the same vocabulary not already matched through an attribute; else []."""
     s = schema.stream(stream)
+    if s.matches is not None:
+        return [(s.item_column, s.matches, s.item_vocab_size)]
     taken = {feat for _, feat, _ in match_attributes(schema, stream)}
     for f in schema.sparse:
         if (f.group == "ad" and not f.multi_hot and f.vocab_size == s.item_vocab_size

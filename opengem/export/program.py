@@ -148,6 +148,15 @@ class ServingGEM(nn.Module):
             newest.append((flag_CL[:, :, None] * w_CLE).amax(1))
         return torch.cat(out + newest if hc.recency else out, dim=1)
 
+    def target_tokens(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[C, S_t, D]: ``GEM.target_tokens``, each candidate's ids in its streams' tables."""
+        out = []
+        for s in self.gem.token_streams:
+            out.append(sum(self._rows(f"t_{s}_{col.split('.', 1)[1]}",
+                                      self._ids(self._cand_ids(x, feat), col))
+                           for col, feat, _ in self.match_pairs[s]))
+        return torch.stack(out, dim=1)
+
     def first_tokens(self, x: dict[str, torch.Tensor], tower: nn.Module, name: str,
                      toks: list[torch.Tensor],
                      x_sum_CSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,6 +201,8 @@ class ServingGEM(nn.Module):
         if gem.history_counts is not None:
             tokens.append(gem.history_counts([self.history_counts(x, s)
                                               for s in gem.streams]).unsqueeze(1))
+        if getattr(gem, "token_streams", None):
+            tokens.append(self.target_tokens(x))
         if gem.embedding_proj is not None:
             tokens += embedding_tokens(gem.embedding_proj, self.schema, x["embeddings"])
         x_BND = gem.x0(tokens)

@@ -89,10 +89,17 @@ class EmbeddingFeature:
 
 @dataclass(frozen=True)
 class EventAttribute:
-    """A categorical attribute carried by every event of a stream (e.g. the item's category)."""
+    """A categorical attribute carried by every event of a stream (e.g. the item's category).
+
+    ``matches`` names the single-valued sparse feature whose id space the attribute shares (the
+    organic item's category ≡ the ad's ``category``): the model then compares each event's value
+    with the candidate's. Unset, an attribute named like such a feature with the same vocabulary
+    matches it (the rule schemas written before the field rely on).
+    """
 
     name: str
     vocab_size: int
+    matches: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,10 @@ class SequenceStream:
     num_event_types: int
     max_len: int
     attributes: tuple[EventAttribute, ...] = ()
+    # the single-valued sparse feature whose id space the items share (an ad-engagement stream's
+    # ad ids ≡ the candidate's ``ad_id``): the model compares each event's item with the
+    # candidate's; None: the items are their own id space (organic content)
+    matches: str | None = None
 
     def attribute_column(self, attr: EventAttribute) -> str:
         return f"{self.name}.{attr.name}"
@@ -290,6 +301,11 @@ class FeatureSchema:
                     raise SchemaError(f"stream {s.name!r} attribute name {a.name!r} must "
                                       f"match {_NAME.pattern}")
                 _positive_int(a.vocab_size, f"stream {s.name!r} attribute {a.name!r} vocab_size")
+                if a.matches is not None:
+                    self._check_match(a.matches, a.vocab_size,
+                                      f"stream {s.name!r} attribute {a.name!r}")
+            if s.matches is not None:
+                self._check_match(s.matches, s.item_vocab_size, f"stream {s.name!r} items")
         if not self.tasks:
             raise SchemaError("schema needs at least one task")
         task_names = {t.name for t in self.tasks}
@@ -313,9 +329,25 @@ class FeatureSchema:
             raise SchemaError(f"schema version {self.version} not supported "
                               f"(expected {SCHEMA_VERSION})")
 
+    def _check_match(self, feature: str, vocab_size: int, what: str) -> None:
+        f = next((f for f in self.sparse if f.name == feature), None)
+        if f is None or f.multi_hot:
+            raise SchemaError(f"{what}: matches {feature!r}, which is not a single-valued sparse "
+                              f"feature; have {[g.name for g in self.sparse if not g.multi_hot]}")
+        if f.vocab_size != vocab_size:
+            raise SchemaError(f"{what}: matches {feature!r} but its vocab_size {vocab_size} is not "
+                              f"the feature's {f.vocab_size} (one id space has one size)")
+
     # -------------------------------------------------------------- (de)serialise
     def to_dict(self) -> dict:
         d = asdict(self)
+        # unset matches are not written: schemas without them keep their fingerprint
+        for s in d["sequences"]:
+            if s["matches"] is None:
+                s.pop("matches")
+            for a in s["attributes"]:
+                if a["matches"] is None:
+                    a.pop("matches")
         # schemas without embeddings read (and hash) as they did before the kind
         if not self.embeddings:
             d.pop("embeddings")

@@ -19,8 +19,9 @@ attribute named after a single-valued sparse feature of the same vocabulary (``o
 stream; q is the sum of the stream's own attribute rows at the candidate's ids, the space the event
 tokens are summed in. A stream with no such attribute has no shared table, so q there is a learned
 projection of the candidate-side (``group="ad"``) sparse tokens; with none of those either, q = 0.
-The item column is never matched: the schema does not say which sparse feature, if any, shares
-its vocabulary (GEM does not match it either).
+Where the schema declares a stream's items an impression feature's ids (``SequenceStream.matches``:
+the ads stream's items are ad ids) and ``model.target_match_items`` is on, q also holds the item
+table's row at the candidate's id: DIN's own query (the candidate goods id in the behaviours' table).
 """
 
 from __future__ import annotations
@@ -84,10 +85,10 @@ class DINPooling(nn.Module):
     ``SparseArch.forward_sequences``'s output, ``x_BnD`` its ``forward_sparse`` tokens.
     """
 
-    def __init__(self, schema: FeatureSchema, streams: list[str], dim: int):
+    def __init__(self, schema: FeatureSchema, streams: list[str], dim: int, items: bool = False):
         super().__init__()
         self.streams = streams
-        self.match = {s: match_attributes(schema, s) for s in streams}
+        self.match = {s: match_attributes(schema, s, items) for s in streams}
         self.ad_tokens = [i for i, f in enumerate(schema.sparse) if f.group == "ad"]
         self.units = nn.ModuleDict({s: LocalActivationUnit(dim) for s in streams})
         self.project = nn.ModuleDict({s: nn.Linear(len(self.ad_tokens) * dim, dim, bias=False)

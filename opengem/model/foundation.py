@@ -49,6 +49,12 @@ class GEMConfig:
     shortcut_pairs: str = "unit"
     # flag events whose attribute equals the candidate's feature of that name
     target_match: bool = True
+    # the target match also compares each event's item with the candidate's id where the schema
+    # declares the items that feature's ids (``SequenceStream.matches``)
+    target_match_items: bool = False
+    # one X_0 token per stream with matched columns: the candidate looked up in the stream's own
+    # tables (``GEM.target_tokens``)
+    target_tokens: bool = False
     # HistoryCounts token; () = off
     count_decay_hours: tuple[float, ...] = (1.0, 24.0, 168.0, 720.0)
     # HistoryCounts also reads e^(−age of the newest event/τ), per type, all and matched; off: its
@@ -97,22 +103,29 @@ class GEMConfig:
         self.heads.validate()
 
 
-def match_attributes(schema: FeatureSchema, stream: str) -> list[tuple[str, str, int]]:
-    """(attribute column, sparse feature, OOV id) for each attribute of ``stream`` named after a
-    single-valued sparse feature with the same vocabulary.
+def match_attributes(schema: FeatureSchema, stream: str,
+                     items: bool = False) -> list[tuple[str, str, int]]:
+    """(event column, sparse feature, OOV id) for each attribute of ``stream`` that shares a
+    single-valued sparse feature's id space (``EventAttribute.matches``, or unset: named after one
+    with the same vocabulary), then, with ``items``, the item column when the schema declares
+    the items an impression feature's ids (``SequenceStream.matches``).
 
     Target match (a choice; the public record is silent, dossier §11): each event token gets a
     learned vector per attribute equal to the candidate's own id — "this organic event is in the
-    ad's category", "this ads engagement was with the same advertiser" — SIM's hard search as a
-    token feature. With the towers' attention sink, a time-decayed share of matching events is one
-    attention read. ``model.target_match=false`` turns it off.
+    ad's category", "this ads engagement was with the same advertiser", "this user clicked this
+    very ad" — SIM's hard search as a token feature. With the towers' attention sink, a
+    time-decayed share of matching events is one attention read. ``model.target_match=false``
+    turns it off; ``model.target_match_items`` decides the item column.
     """
     feats = {f.name: f for f in schema.sparse}
+    s = schema.stream(stream)
     out = []
-    for a in schema.stream(stream).attributes:
-        f = feats.get(a.name)
+    for a in s.attributes:
+        f = feats.get(a.matches or a.name)
         if f is not None and not f.multi_hot and f.vocab_size == a.vocab_size:
-            out.append((schema.stream(stream).attribute_column(a), f.name, f.vocab_size))
+            out.append((s.attribute_column(a), f.name, f.vocab_size))
+    if items and s.matches is not None:
+        out.append((s.item_column, s.matches, s.item_vocab_size))
     return out
 
 
@@ -307,14 +320,16 @@ class GEM(TableModel):
             self.dense_norm = norm
             self.domain_emb = nn.Embedding(schema.num_domains, D)
             self.streams = [s.name for s in schema.sequences] if cfg.use_sequences else []
-            self.match_pairs = {name: match_attributes(schema, name) if cfg.target_match else []
-                                for name in self.streams}
+            self.match_pairs = {name: match_attributes(schema, name, cfg.target_match_items)
+                                if cfg.target_match else [] for name in self.streams}
             self.history_counts = (HistoryCounts(schema, self.streams, self.match_pairs,
                                                  cfg.count_decay_hours, D,
                                                  cfg.count_recency)
                                    if cfg.count_decay_hours and self.streams else None)
+            self.token_streams = ([n for n in self.streams if self.match_pairs[n]]
+                                  if cfg.target_tokens else [])
             n_x = (len(schema.sparse) + (cfg.dense_tokens if F else 0) + 1
-                   + (self.history_counts is not None)
+                   + (self.history_counts is not None) + len(self.token_streams)
                    + len(schema.embeddings))
             self.input_norm = (TokenRMSNorm(n_x, D, n_norm=len(schema.sparse)
                                                     if cfg.input_norm == "rms_ids" else None,
@@ -390,9 +405,39 @@ class GEM(TableModel):
                         lengths))
         if counts:
             tokens.append(self.history_counts(counts).unsqueeze(1))
+        if self.token_streams:
+            tokens.append(self.target_tokens(batch))
         if self.embedding_proj is not None:
             tokens += embedding_tokens(self.embedding_proj, self.schema, batch.embeddings)
         return self.x0(tokens), seqs
+
+    def target_tokens(self, batch: Batch) -> torch.Tensor:
+        """[B, S_t, D]: per stream with matched columns (``token_streams``), the sum of its
+        matched tables' rows at the candidate's ids, the candidate in the stream's event space.
+
+        Why (``model.target_tokens``, a choice; the public record is silent): the towers' pooling
+        queries and CLS tokens come from X_0, where the ad is its ``ad_id`` row, learned apart
+        from the ads stream's item table; this token puts the candidate in the table its events
+        are embedded with (DIN's query, item-level target attention), so an event and the
+        candidate can be compared directly. Looked up through the stream's own (possibly
+        sharded) collection: one event per row, the candidate's id, under every matched key.
+        """
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        B, seq, cand = batch.batch_size, batch.sequences, batch.sparse.to_dict()
+        matched = {col: feat for s in self.token_streams for col, feat, _ in self.match_pairs[s]}
+        values, lengths = [], []
+        for k in seq.keys():  # noqa: SIM118 (a KJT, not a dict)
+            on = k in matched
+            if on:
+                values.append(cand[matched[k]].values())
+            lengths.append(torch.full((B,), int(on), dtype=torch.int32,
+                                      device=seq.values().device))
+        kjt = KeyedJaggedTensor(keys=seq.keys(), values=torch.cat(values),
+                                lengths=torch.cat(lengths))
+        emb = self.sparse_arch.lookup_sequence_ids(kjt)
+        return torch.stack([sum(emb[col].values() for col, _, _ in self.match_pairs[s])
+                            for s in self.token_streams], dim=1)
 
     def x0(self, tokens: list[torch.Tensor]) -> torch.Tensor:
         """X_0 [B, n_x, D] from its token groups, through ``input_norm`` (serving builds it

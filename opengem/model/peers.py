@@ -113,9 +113,8 @@ class PeerModel(TableModel):
             self.dense_arch = DenseArch(max(norm.out_features + schema.embedding_dim, 1),
                                         [4 * D, D])
             self.dense_norm = norm  # GEM's, so peers see the same inputs
-            self.pool = (
-                DINPooling(schema, self.streams, D) if cfg.arch == "din" and self.streams else None
-            )
+            self.pool = (DINPooling(schema, self.streams, D, cfg.target_match_items)
+                         if cfg.arch == "din" and self.streams else None)
             self.inter_arch, self.feature_dim = self._interaction(cfg.arch, n, D)
             hidden = [*cfg.heads.trunk_dims, *cfg.heads.task_dims] or [4 * D]
             self.over_arch = OverArch(self.feature_dim, [*hidden, len(schema.tasks)])

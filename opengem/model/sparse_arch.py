@@ -212,13 +212,18 @@ class SparseArch(nn.Module):
         per_feature = self.ebc(self._admit(self._hash(sparse))).to_dict()
         return torch.stack([per_feature[f.name] for f in self.schema.sparse], dim=1)
 
+    def lookup_sequence_ids(self, ids: KeyedJaggedTensor) -> dict:
+        """column → JaggedTensor of ``ids``' rows in the sequence tables (``ids`` keyed as the
+        batch's sequences)."""
+        return self.ec(self._hash(ids))
+
     def forward_sequences(
         self, sequences: KeyedJaggedTensor
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """stream → (values [N, D] = item + event-type + attribute embeddings, lengths [B])."""
         if self.ec is None:
             return {}
-        out = self.ec(self._hash(sequences))
+        out = self.lookup_sequence_ids(sequences)
         res = {}
         for s in self.schema.sequences:
             item = out[s.item_column]

@@ -399,7 +399,9 @@ def build_schema(cfg: WorldConfig) -> FeatureSchema:
         ads_attrs = {"attributes": (EventAttribute("advertiser_id", sizes.num_advertisers),)}
     seqs = [SequenceStream("organic", sizes.num_content_items, len(ORGANIC_EVENTS),
                            beh.organic_max_len, **org_attrs),
-            SequenceStream("ads", n_ads, len(ADS_EVENTS), beh.ads_max_len, **ads_attrs)]
+            # its items are ad ids: the candidate's own id space
+            SequenceStream("ads", n_ads, len(ADS_EVENTS), beh.ads_max_len, **ads_attrs,
+                           matches="ad_id")]
     tasks = [Task("click", "click", "p_click"),
              Task("conversion", "conversion", "p_conversion", requires="click")]
     embeddings = (

@@ -224,6 +224,71 @@ def test_target_match_flags_events_equal_to_the_candidate():
     assert 0 < flags.sum() < len(cats)  # the seeded rows hold both cases
 
 
+def test_item_match_flags_events_of_the_candidates_own_item():
+    """Where the schema declares a stream's items the candidate's ``ad_id`` and
+    ``target_match_items`` is on, the item column is one more matched column (after the
+    attributes), flagged where the event's item is the row's ad; off, nothing changes."""
+    import dataclasses
+
+    from opengem.model.foundation import match_attributes
+    from opengem.testing import item_matched_schema
+
+    schema = item_matched_schema()
+    assert match_attributes(schema, "s1") == []
+    assert match_attributes(schema, "s1", items=True) == [("s1.item", "ad_id", 4)]
+    assert match_attributes(schema, "s0", items=True) == [("s0.category", "category", 5)]
+    base = _gem(schema=schema)
+    assert base.match_pairs["s1"] == []
+    model = _gem(dataclasses.replace(base.cfg, target_match_items=True), schema)
+    b = _batch(schema, n=6, lengths={"s1": np.array([3, 0, 2, 4, 1, 5])})
+    seq, sp = b.sequences.to_dict(), b.sparse.to_dict()
+    lengths = seq["s1.item"].lengths()
+    flags = model._match_flags(b, "s1", lengths)
+    items, cand = seq["s1.item"].values().tolist(), sp["ad_id"].values().tolist()
+    rows = [r for r, n in enumerate(lengths.tolist()) for _ in range(n)]
+    assert flags[:, 0].tolist() == [float(i == cand[r] and i != 4) for i, r in zip(items, rows)]
+    assert 0 < flags.sum() < len(items)
+    assert torch.isfinite(model(b)).all()
+
+
+def test_target_tokens_are_the_candidate_in_each_streams_tables():
+    """``target_tokens``: one X_0 token per stream with matched columns, the sum of those
+    columns' tables at the candidate's ids (s0: its category table; s1, items matched: its item
+    table at the ad id); every parameter still learns."""
+    import dataclasses
+
+    from opengem.testing import item_matched_schema
+
+    schema = item_matched_schema()
+    base = _gem(schema=schema)
+    model = _gem(dataclasses.replace(base.cfg, target_match_items=True, target_tokens=True),
+                 schema)
+    assert model.token_streams == ["s0", "s1"]
+    b = _batch(schema, n=5)
+    got = model.target_tokens(b)
+    t, cand = model.sparse_arch.tables(), b.sparse.to_dict()
+    torch.testing.assert_close(got[:, 0], t["t_s0_category"][cand["category"].values()])
+    torch.testing.assert_close(got[:, 1], t["t_s1_item"][cand["ad_id"].values()])
+    x, _ = model.inputs(b)
+    assert x.shape[1] == _gem(schema=schema).inputs(b)[0].shape[1] + 2
+    _check_all_params_learn(model, model(b).sum())
+
+
+def test_din_query_holds_the_candidates_item_row():
+    """DIN with the item matched: the query is the stream's item table at the candidate's ad id
+    (DIN's own query), plus its matched attributes' rows."""
+    from opengem.testing import item_matched_schema
+
+    schema = item_matched_schema()
+    cfg = GEMConfig(arch="din", embedding_dim=D, target_match_items=True)
+    model = materialize(build_gem(schema, cfg), seed=0, base_rates=[0.1, 0.01])
+    b = _batch(schema, n=5)
+    x = model.sparse_arch.forward_sparse(b.sparse, 5)
+    q = model.pool.query("s1", b, x, model.sparse_arch)
+    table = model.sparse_arch.tables()["t_s1_item"]
+    torch.testing.assert_close(q, table[b.sparse.to_dict()["ad_id"].values()])
+
+
 def test_history_counts_are_decayed_counts_per_event_type_all_and_matched():
     """HistoryCounts: per row, Σ e^(−age/τ) over events of each type, over all events and over those
     whose attribute equals the candidate's (OOV never matches), against a loop over the rows."""

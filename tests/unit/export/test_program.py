@@ -164,6 +164,25 @@ def test_target_match_is_exercised():
     assert diff < TOL
 
 
+def test_item_match_serves_as_it_trains():
+    """The item match (an ads stream holding the candidate's own ad ids) and the target tokens
+    serve as GEM scores them: a history of one candidate's ad and not the other's, with the
+    history counts on."""
+    from opengem.testing import item_matched_schema
+
+    schema = item_matched_schema()
+    model = _model(schema, count_decay_hours=(0.5, 24.0), target_match_items=True,
+                   target_tokens=True)
+    assert model.match_pairs["s1"] == [("s1.item", "ad_id", 4)]
+    assert model.token_streams == ["s0", "s1"]
+    req = synthetic_request(schema, 2, 6, seed=5)
+    req["candidates"][0]["ad_id"], req["candidates"][1]["ad_id"] = 1, 2
+    req["s1.item"] = [1, 1, 3, 1, 0, 1]
+    reqs = [req, *_requests(schema, [(3, -1), (2, 0)], seed=21)]
+    diff, _ = _compare(model, schema, reqs)
+    assert diff < TOL
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_padded_pool_equals_jagged_pool_attention(seed):
     g = torch.Generator().manual_seed(seed)

@@ -74,3 +74,37 @@ def test_lookups():
     assert s.tasks[1] == Task("conversion", "conversion", "p_conversion", requires="click")
     with pytest.raises(SchemaError, match="no sparse feature named 'nope'"):
         s.sparse_feature("nope")
+
+
+def test_declared_matches_round_trip_and_are_checked():
+    """``matches`` (a stream's items or an attribute sharing a sparse feature's id space) is
+    written only when set, so older schemas keep their fingerprint, and must name a single-valued
+    sparse feature of the same size."""
+    import dataclasses
+
+    from opengem.features.schema import EventAttribute
+    from opengem.testing import item_matched_schema
+
+    plain = tiny_schema()
+    assert "matches" not in json.dumps(plain.to_dict())
+    s = item_matched_schema()
+    assert FeatureSchema.from_dict(json.loads(s.to_json())) == s
+    assert s.fingerprint() != dataclasses.replace(
+        s, sequences=(s.sequences[0], dataclasses.replace(s.sequences[1], matches=None))
+    ).fingerprint()
+    s0, s1 = plain.sequences
+    for stream, message in [
+        (dataclasses.replace(s1, matches="nope"), "'nope', which is not a single-valued"),
+        (dataclasses.replace(s1, matches="tags"), "'tags', which is not a single-valued"),
+        (dataclasses.replace(s1, matches="ad_id"), "vocab_size 40 is not the feature's 30"),
+        (dataclasses.replace(s0, attributes=(EventAttribute("cat", 6, matches="category"),)),
+         "attribute 'cat': matches 'category' but its vocab_size 6"),
+    ]:
+        with pytest.raises(SchemaError, match=message):
+            dataclasses.replace(plain, sequences=(stream, s1) if stream.name == "s0"
+                                else (s0, stream))
+    shared = dataclasses.replace(s0, attributes=(EventAttribute("cat", 5, matches="category"),))
+    from opengem.model.foundation import match_attributes
+
+    schema = dataclasses.replace(plain, sequences=(shared, s1))
+    assert match_attributes(schema, "s0") == [("s0.cat", "category", 5)]
