@@ -6,7 +6,8 @@ files (CSV/TSV/Parquet), joins the users to the impressions' user ids and writes
 user buckets (``PARTITION BY``, spilling to disk under ``MEMORY_LIMIT``); then one bucket at a time
 is read back sorted by (user, time) (DuckDB ``ORDER BY``), encoded and written as that bucket's log.
 Peak memory is one bucket (``EVENTS_PER_BUCKET`` events) plus DuckDB's limit, whatever the log's
-length. The input need not be sorted: the importer sorts, and says so.
+length. The input need not be sorted: the importer sorts, and says so. Several streams
+(``sequences``) are one ``EventTable`` each, partitioned into the dataset's one bucket count.
 
 ``list_histories`` (``sequence.from: lists``) reads per-row list columns (items, per-event times),
 builds the union per-user history and checks that the v2 join over it gives back every row's list
@@ -27,7 +28,7 @@ import pyarrow.compute as pc
 
 from opengem.data.parquet import LAYOUT_V1, LAYOUT_V2, ShardWriter
 from opengem.data.sources.common import ColumnError, Vocab, history, ranges
-from opengem.features.schema import EventAttribute, SequenceStream
+from opengem.features.schema import SequenceStream
 
 log = logging.getLogger("opengem")
 
@@ -71,31 +72,38 @@ class EventTable:
     """An events table (one row per event) → the v2 event logs of one stream; see the
     module docstring.
 
-    ``user_vocab`` maps the raw user values to the impressions' ``user_id``; events of users with no
-    impression are dropped (counted). ``encoders`` are the impression columns' id encoders (the item
-    and attribute columns share them); event types get contiguous ids of the values in the log.
+    ``s`` is the stream's spec (``key`` its path in the spec, for messages). ``user_vocab`` maps
+    the raw user values to the impressions' ``user_id``; events of users with no impression are
+    dropped (counted). ``train_ts`` is each user's last train request time: a vocabulary fitted
+    on the log (``fit``) sees only the events a train row's history can hold. The id encoders of
+    the item and the attributes are given to ``stream``; event types get contiguous ids of the
+    values in the log.
     """
 
-    def __init__(self, spec: dict, base: Path, user_vocab: Vocab, row_user: np.ndarray,
-                 row_ts: np.ndarray, encoders: dict, attr_names: list[str], divisor: int):
+    def __init__(self, s: dict, base: Path, user_vocab: Vocab, row_user: np.ndarray,
+                 row_ts: np.ndarray, divisor: int, key: str = "sequence",
+                 train_ts: np.ndarray | None = None):
         import duckdb  # the out-of-core sort and partitioning; only this importer needs it
 
-        s = spec["sequence"]
-        self.s, self.encoders, self.attr_names = s, encoders, attr_names
+        self.s, self.key = s, key
         self.files = [base / f for f in s["files"]]
         self.cols = {"user": s["user"], "time": s["time"], "item": s["item"]}
         if "event" in s:
             self.cols["event"] = s["event"]
-        self.cols |= {f"a{i}": a for i, a in enumerate(s["attributes"])}
+        self.cols |= {f"a{i}": a if isinstance(a, str) else a["column"]
+                      for i, a in enumerate(s["attributes"])}
         self._tmp = tempfile.TemporaryDirectory(prefix="opengem-import-")
         self.con = duckdb.connect(config={"memory_limit": MEMORY_LIMIT, "threads": 1,
                                           "temp_directory": str(Path(self._tmp.name) / "spill")})
         self.duckdb_error = duckdb.Error
+        never = np.iinfo(np.int64).min
         users = pa.table({"u": pa.array(user_vocab.values.astype(str)),
-                          "uid": pa.array(np.arange(len(user_vocab)))})
+                          "uid": pa.array(np.arange(len(user_vocab))),
+                          "train_ts": pa.array(np.full(len(user_vocab), never)
+                                               if train_ts is None else train_ts)})
         self.con.register("users", users)
         self.row_user, self.row_ts = row_user, row_ts
-        self.last_ts = np.full(len(user_vocab), np.iinfo(np.int64).min)  # a user's last impression
+        self.last_ts = np.full(len(user_vocab), never)  # a user's last impression
         np.maximum.at(self.last_ts, row_user, row_ts)
         self.counts: dict[str, int] = {}
         self._events_view(divisor)
@@ -162,23 +170,35 @@ class EventTable:
                                   f"{hi / req_max:.0f}x the "
                                   f"impressions' last request_ts {req_max} (values from {lo}): "
                                   f"times in mixed units "
-                                  "(ms vs s)? set sequence.time_unit")
+                                  f"(ms vs s)? set {self.key}.time_unit")
             if 0 < hi < req_max / UNIT_RATIO:
                 raise ColumnError(f"{f}: column {self.cols['time']!r}: the latest time {hi} is "
                                   f"{req_max / hi:.0f}x "
                                   f"smaller than the impressions' request_ts {req_max}: times in "
-                                  f"another unit?")
+                                  f"another unit? set {self.key}.time_unit")
         self.counts["events_read"] = int(sum(r[1] for r in rows))
 
-    def partition(self, wanted: int | None = None) -> int:
+    def known(self) -> int:
+        """The events of users with an impression (the others are dropped, counted)."""
+        known = int(self.con.sql("SELECT count(*) FROM ev JOIN users ON ev.user "
+                                 "= users.u").fetchall()[0][0])
+        self.counts["events_of_users_without_impressions_dropped"] = (
+            self.counts["events_read"] - known)
+        return known
+
+    def fit(self, key: str, column: str | None = None) -> Vocab:
+        """A vocabulary of the events' ``key`` ("item" or "a<i>"; ``column`` its name in the
+        files, unused) fitted on the events a train row's
+        history can hold (strictly before the user's last train impression): an id first seen
+        later is OOV, as a new item is in production and as sparse features are fitted."""
+        values = self.con.sql(f"SELECT DISTINCT {key} FROM ev JOIN users ON ev.user = users.u "
+                              f"WHERE ev.ts < users.train_ts AND {key} IS NOT NULL").fetchall()
+        return Vocab(np.array([r[0] for r in values], dtype=str))
+
+    def partition(self, buckets: int) -> None:
         """Join users, assign buckets (user id mod B) and write the events into per-bucket files
         on disk."""
-        known = self.con.sql("SELECT count(*) FROM ev JOIN users ON ev.user "
-                             "= users.u").fetchall()[0][0]
-        self.counts["events_of_users_without_impressions_dropped"] = self.counts[
-            "events_read"
-        ] - int(known)
-        self.buckets = n_buckets(int(known), len(self.last_ts), wanted or self.s.get("buckets"))
+        self.buckets = buckets
         keys = [k for k in self.cols if k not in ("user", "time")]
         self.parts = Path(self._tmp.name) / "parts"
         self.con.sql(f"COPY (SELECT uid % {self.buckets} AS bucket, uid, ts, {', '.join(keys)}, "
@@ -186,11 +206,14 @@ class EventTable:
                      f"(FORMAT parquet, PARTITION_BY (bucket))")
         self.keys = keys
         log.info("import: %d events sorted by (user, time) and split into %d buckets by DuckDB "
-                 "(input order is not required)", known, self.buckets)
-        return self.buckets
+                 "(input order is not required)", self.counts["events_read"]
+                 - self.counts["events_of_users_without_impressions_dropped"], self.buckets)
 
-    def stream(self, name: str, max_len: int) -> SequenceStream:
-        """The stream's schema entry; event types get ids of their sorted values in the log."""
+    def stream(self, name: str, max_len: int, item: tuple, attributes: list[tuple]
+               ) -> SequenceStream:
+        """The stream's schema entry. ``item``: (encoder, matched feature or None);
+        ``attributes``: (EventAttribute, encoder) in spec order. Event types get ids of their
+        sorted values in the log."""
         if "event" in self.cols:
             values = [r[0]
                       for r in self.con.sql("SELECT DISTINCT event FROM ev WHERE event IS "
@@ -198,11 +221,10 @@ class EventTable:
             self.event_vocab = Vocab(np.array(values, dtype=str))
         else:
             self.event_vocab = None
-        attrs = tuple(EventAttribute(n, self.encoders[a].vocab_size)
-                      for n, a in zip(self.attr_names, self.s["attributes"]))
+        self.item_encoder, self.attr_encoders = item[0], [enc for _, enc in attributes]
         n_events = self.event_vocab.vocab_size if self.event_vocab else 1
-        return SequenceStream(name, self.encoders[self.s["item"]].vocab_size, n_events, max_len,
-                              attrs)
+        return SequenceStream(name, self.item_encoder.vocab_size, n_events, max_len,
+                              tuple(a for a, _ in attributes), matches=item[1])
 
     def write(self, writer: ShardWriter, stream: SequenceStream) -> None:
         """Each bucket's log, read back sorted by (user, time, then input order) and encoded."""
@@ -223,14 +245,14 @@ class EventTable:
                 raw = t.column(key).fill_null("").to_numpy(zero_copy_only=False).astype(str)
                 return encoder(raw)
 
-            cols["item"] = enc("item", self.encoders[self.s["item"]])
+            cols["item"] = enc("item", self.item_encoder)
             cols["event"] = (
                 enc("event", self.event_vocab)
                 if self.event_vocab
                 else np.zeros(len(uid), dtype=np.int64)
             )
             for i, a in enumerate(stream.attributes):
-                cols[a.name] = enc(f"a{i}", self.encoders[self.s["attributes"][i]])
+                cols[a.name] = enc(f"a{i}", self.attr_encoders[i])
             oov["item"] += int((cols["item"] == stream.item_vocab_size).sum())
             if self.event_vocab:
                 oov["event"] += int((cols["event"] == stream.num_event_types).sum())
@@ -276,9 +298,9 @@ def list_times(col: pa.ChunkedArray, where: str, divisor: int) -> np.ndarray:
     return (v // divisor).astype(np.int64)
 
 
-def read_lists(frames, spec: dict, item_encoder) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(row [E], item id [E], ts [E]) of every listed event, rows numbered across ``frames``."""
-    s = spec["sequence"]
+def read_lists(frames, s: dict, item_encoder) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row [E], item id [E], ts [E]) of every listed event of stream ``s``, rows numbered across
+    ``frames``."""
     rows, items, times, n0 = [], [], [], 0
     for name, _, table in frames:
         it, tm = table[s["column"]], table[s["times"]]
@@ -309,15 +331,17 @@ def _divisor(s: dict) -> int:
     return _TIME_UNITS[s.get("time_unit", "s")]
 
 
-def list_histories(frames, spec: dict, c: dict,
-                   item_encoder) -> tuple[SequenceStream, Storage, dict | None]:
-    """Rows' own lists → v1 history columns in ``c``, or (if every list is what the v2 join over the
-    union per-user history gives back) that history as event tables per bucket. Returns the stream,
-    the storage decision and ``{bucket: table}`` for v2 (None for v1)."""
-    s = spec["sequence"]
+def list_histories(frames, s: dict, c: dict, item_encoder, key: str = "sequence",
+                   matches: str | None = None) -> tuple[SequenceStream, Storage, dict | None]:
+    """Rows' own lists of stream ``s`` → v1 history columns in ``c`` (always: the caller may need
+    them when another stream keeps the dataset v1; a v2 dataset never writes them), and, if every
+    list is what the v2 join over the union per-user history gives back, that history as event
+    columns (user_id, ts, item, event) for the caller to bucket. Returns the stream, the storage
+    decision and those columns (None: not prefixes, v1)."""
     name, max_len = s["name"], s["max_len"]
-    row, item, ts = read_lists(frames, spec, item_encoder)
+    row, item, ts = read_lists(frames, s, item_encoder)
     user, req = c["user_id"], c["request_ts"]
+    _check_list_unit(ts, req, frames, s, key)
     late = ts >= req[row]
     counts = {"events_at_or_after_the_impression_dropped": int(late.sum())}
     row, item, ts = row[~late], item[~late], ts[~late]
@@ -330,7 +354,9 @@ def list_histories(frames, spec: dict, c: dict,
     row, item, ts = row[keep], item[keep], ts[keep]  # the newest max_len of each row, as v1 stores
     length = np.bincount(row, minlength=n_rows)
     counts["events_over_max_len_cut"] = int((~keep).sum())
-    stream = SequenceStream(name, item_encoder.vocab_size, 1, max_len)
+    stream = SequenceStream(name, item_encoder.vocab_size, 1, max_len, matches=matches)
+    c[f"{name}.item"], c[f"{name}.ts"] = (item, length), (ts, length)
+    c[f"{name}.event"] = (np.zeros(len(item), dtype=np.int64), length)
     # The union history: every distinct (user, ts, item), sorted; the v2 join over it must give each
     # row back.
     eu = user[row]
@@ -342,16 +368,11 @@ def list_histories(frames, spec: dict, c: dict,
     same = (np.array_equal(joined["item"][1], length) and np.array_equal(joined["item"][0], item)
             and np.array_equal(joined["ts"][0], ts))
     if same:
-        buckets = n_buckets(len(eu), int(user.max(initial=0)) + 1, s.get("buckets"))
-        tables = {}
-        for b in range(buckets):
-            m = eu % buckets == b
-            tables[b] = pa.table({"user_id": pa.array(eu[m]), "ts": pa.array(ets[m]),
-                                  "item": pa.array(eit[m]),
-                                  "event": pa.array(np.zeros(int(m.sum()), dtype=np.int64))})
         why = "every row's list is the time-prefix of one per-user history"
         counts["events_stored"] = len(eu)
-        return stream, Storage(LAYOUT_V2, why, buckets, counts), tables
+        log_cols = {"user_id": eu, "ts": ets, "item": eit,
+                    "event": np.zeros(len(eu), dtype=np.int64)}
+        return stream, Storage(LAYOUT_V2, why, 1, counts), log_cols
     jlen = joined["item"][1]
     bad_row = jlen != length
     ok = np.flatnonzero(~bad_row)  # rows of equal length: compare their events one by one
@@ -363,7 +384,27 @@ def list_histories(frames, spec: dict, c: dict,
     why = (f"{len(bad)} of {n_rows} rows' lists are not the time-prefix of one per-user history "
            f"(first: row {bad[0]}; "
            "features logged at serving time?): stored per row with their times")
-    c[f"{name}.item"], c[f"{name}.ts"] = (item, length), (ts, length)
-    c[f"{name}.event"] = (np.zeros(len(item), dtype=np.int64), length)
     counts["rows_not_prefixes"] = len(bad)
     return stream, Storage(LAYOUT_V1, why, 1, counts), None
+
+
+def bucket_tables(log_cols: dict, buckets: int) -> dict[int, pa.Table]:
+    """A stream's sorted event columns (``list_histories``) as one table per user bucket."""
+    out = {}
+    for b in range(buckets):
+        m = log_cols["user_id"] % buckets == b
+        out[b] = pa.table({k: pa.array(v[m]) for k, v in log_cols.items()})
+    return out
+
+
+def _check_list_unit(ts: np.ndarray, req: np.ndarray, frames, s: dict, key: str) -> None:
+    """Listed times in another unit than ``request_ts`` would all fall after (ms read as s) or
+    far before every request and leave every history silently empty: an error instead."""
+    req_max = int(req.max()) if len(req) else 0
+    if not len(ts) or req_max <= 1e8:  # not unix-like times: nothing to compare against
+        return
+    hi = int(ts.max())
+    if hi > UNIT_RATIO * req_max or 0 < hi < req_max / UNIT_RATIO:
+        raise ColumnError(f"{[f for f, _, _ in frames]} column {s['times']!r}: the latest listed "
+                          f"time {hi} vs the impressions' last request_ts {req_max}: times in "
+                          f"another unit? set {key}.time_unit")

@@ -13,15 +13,17 @@ are ``ValueError``s.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from opengem.data.parquet import LAYOUT_V2, DatasetManifest
+from opengem.data.parquet import LAYOUT_V1, LAYOUT_V2, DatasetManifest
 from opengem.data.sources.common import (
     SPLITS,
     TRAIN,
     ColumnError,
+    SpecError,
     Vocab,
     hash_ids,
     history,
@@ -35,8 +37,22 @@ from opengem.data.sources.common import (
     to_label,
     write_dataset,
 )
-from opengem.data.sources.event_log import EventTable, list_histories
-from opengem.data.sources.spec import _TIME_UNITS, check_spec, load_spec, time_divisor
+from opengem.data.sources.event_log import (
+    EventTable,
+    Storage,
+    bucket_tables,
+    list_histories,
+    n_buckets,
+)
+from opengem.data.sources.spec import (
+    _TIME_UNITS,
+    canonical,
+    check_spec,
+    id_space,
+    load_spec,
+    streams,
+    time_divisor,
+)
 from opengem.features.schema import (
     DenseFeature,
     Domains,
@@ -104,8 +120,8 @@ def convert(in_path: str | Path, out_dir: str | Path, spec: dict | str | Path,
     JSON file)."""
     spec = load_spec(spec) if isinstance(spec, (str, Path)) else check_spec(spec)
     dense = {f["column"] for f in spec["dense"]}
-    seq = spec.get("sequence", {})
-    lists = (seq["column"], seq["times"]) if seq.get("from") == "lists" else ()
+    lists = tuple(c for _, s in streams(spec) if s["from"] == "lists"
+                  for c in (s["column"], s["times"]))
     # Parquet list<float> columns stay Arrow
     lists += tuple(f["column"] for f in spec["embeddings"])
     only = set(referenced_columns(spec))
@@ -121,18 +137,23 @@ def referenced_columns(spec: dict) -> list[str]:
     cols += [f["column"] for f in spec["sparse"] + spec["dense"] + spec.get("embeddings", [])]
     cols += [spec[k] for k in ("user", "time") if k in spec]
     cols += [spec["domain"]["column"]] if "domain" in spec else []
-    seq = spec.get("sequence", {})
-    keys = {"rows": ("event",), "column": ("column",),
-            "lists": ("column", "times")}.get(seq.get("from"), ())
-    cols += [seq[k] for k in keys if k in seq]  # from events: those columns are the events table's
+    for _, seq in streams(spec):  # from events: those columns are the events table's
+        cols += [seq[k] for k in _ROW_KEYS[seq["from"]] if k in seq]
+        if seq["from"] == "rows":
+            cols += [a["column"] for a in seq["attributes"] if isinstance(a, dict)]
     return list(dict.fromkeys(cols))
+
+
+# the impression-table columns (other than sparse features) each kind of stream reads
+_ROW_KEYS = {"rows": ("event",), "column": ("column",), "lists": ("column", "times"),
+             "events": ()}
 
 
 def convert_frames(frames: list[tuple[str, int | None, dict]], spec: dict, out_dir: str | Path,
                    seed: int = 0, source: dict | None = None,
                    base: Path | None = None) -> DatasetManifest:
     """``frames``: (file name for errors, day or None, columns). The spec must be checked already.
-    ``base``: the directory the events files of ``sequence.from: events`` are relative to."""
+    ``base``: the directory the events files of streams from events are relative to."""
     c, raw, day = _parse(frames, spec, seed)
     train = day == TRAIN
     sparse: list[SparseFeature] = []
@@ -156,23 +177,7 @@ def convert_frames(frames: list[tuple[str, int | None, dict]], spec: dict, out_d
         c["domain"] = np.array([names.index(v) for v in vocab.values], dtype=np.int64)[
             vocab(raw[spec["domain"]["column"]])]
     info = {**(source or {}), "split": spec["split"], "files": [f for f, _, _ in frames]}
-    kind = spec.get("sequence", {}).get("from")
-    write: dict = {}
-    if kind == "events":
-        stream, write = _event_table(spec, c, raw, encoders, base or Path("."), info)
-        seqs = (stream,)
-    elif kind == "lists":
-        stream, storage, tables = list_histories(frames, spec, c,
-                                                 encoders[spec["sequence"]["item"]])
-        storage.report(stream.name)
-        info["storage"] = storage.to_dict()
-        seqs = (stream,)
-        if tables is not None:
-            write = {"layout": LAYOUT_V2, "buckets": storage.buckets,
-                     "events": lambda w: [w.write_events(stream.name, b, t) for b,
-                                          t in tables.items()]}
-    else:
-        seqs = (_sequence(spec, c, raw, encoders, train),) if "sequence" in spec else ()
+    seqs, write = _streams(spec, frames, c, raw, encoders, train, base or Path("."), info)
     schema = FeatureSchema(
         sparse=tuple(sparse),
         dense=tuple(DenseFeature(f["name"], f["group"], f.get("missing", "quarantine"))
@@ -180,7 +185,7 @@ def convert_frames(frames: list[tuple[str, int | None, dict]], spec: dict, out_d
         sequences=seqs,
         tasks=tuple(Task(t["name"], t["name"], requires=t.get("requires")) for t in spec["tasks"]),
         domains=Domains(tuple(names)),
-        meta={"source": (source or {}).get("kind", "generic"), "spec": spec},
+        meta={"source": (source or {}).get("kind", "generic"), "spec": canonical(spec)},
         embeddings=tuple(embeddings))
     if schema.dense_missing:  # the import report: missing values kept per feature
         info["missing"] = {schema.dense[i].name: int(np.isnan(c[schema.dense[i].name]).sum())
@@ -258,35 +263,159 @@ def _is_number(x: str) -> bool:
         return False
 
 
-def _event_table(spec: dict, c: dict, raw: dict, encoders: dict, base: Path,
-                 info: dict) -> tuple[SequenceStream, dict]:
-    """The stream of an events table and ``write_dataset``'s v2 arguments; ``info["storage"]`` is
-    filled in once the logs are written (the counts are made on the way)."""
-    s = spec["sequence"]
-    user_raw = raw[spec["user"]]
-    table = EventTable(spec, base, Vocab(user_raw), c["user_id"], c["request_ts"], encoders,
-                       [spec_name(spec, a) for a in s["attributes"]], _TIME_UNITS[s["time_unit"]])
-    buckets = table.partition()
-    stream = table.stream(s["name"], s["max_len"])
+@dataclass
+class _V2Stream:
+    """One per-user stream on its way to the log: from events (``table``) or from lists
+    (``storage`` and, if its lists are prefixes, the event columns ``log``)."""
+
+    stream: SequenceStream
+    events: int  # events to store: the bucket count follows the largest stream
+    table: EventTable | None = None
+    storage: Storage | None = None
+    log: dict | None = None
+
+
+def _streams(spec: dict, frames, c: dict, raw: dict, encoders: dict, train: np.ndarray,
+             base: Path, info: dict) -> tuple[tuple[SequenceStream, ...], dict]:
+    """Every stream of the spec (one code path per source kind, in spec order) and
+    ``write_dataset``'s layout arguments. The spec allows no mix of per-row (v1) and per-user (v2)
+    streams; v2 streams share one user bucketing (the impressions are bucketed once), so a list
+    stream whose lists are not prefixes makes the whole dataset v1, or is an error beside an
+    events stream. One stream's ``source.storage`` is that stream's; several streams' is
+    {layout, buckets, streams: {name: storage}}."""
+    todo = streams(spec)
+    if not todo:
+        return (), {}
+    if todo[0][1]["from"] in ("rows", "column"):
+        return tuple(_sequence(spec, key, s, c, raw, encoders, train) for key, s in todo), {}
+    user_vocab = Vocab(raw[spec["user"]])
+    train_ts = np.full(len(user_vocab), np.iinfo(np.int64).min)  # each user's last train request
+    np.maximum.at(train_ts, c["user_id"][train], c["request_ts"][train])
+    done: list[_V2Stream] = []
+    for key, s in todo:
+        if s["from"] == "events":
+            table = EventTable(s, base, user_vocab, c["user_id"], c["request_ts"],
+                               _TIME_UNITS[s["time_unit"]], key, train_ts)
+            n = table.known()
+            stream = table.stream(s["name"], s["max_len"], _item(spec, s, encoders, table.fit),
+                                  _attributes(spec, s, key, encoders, table.fit))
+            done.append(_V2Stream(stream, n, table=table))
+        else:
+            enc, matches = _item(spec, s, encoders, None)
+            stream, storage, log_cols = list_histories(frames, s, c, enc, key, matches)
+            done.append(_V2Stream(stream, len(log_cols["ts"]) if log_cols else 0,
+                                  storage=storage, log=log_cols))
+    seqs = [d.stream for d in done]
+    per_row = [d for d in done if d.table is None and d.log is None]
+    from_events = [d for d in done if d.table is not None]
+    if per_row and from_events:
+        d = per_row[0]
+        raise ColumnError(f"stream {d.stream.name!r}: {d.storage.why}; a stream from events is "
+                          f"stored per user (v2) and a dataset has one layout: give "
+                          f"{d.stream.name!r} as an events table, or import it in a dataset of "
+                          f"its own")
+    if per_row:  # lists only, some not prefixes: every stream keeps its rows' own lists
+        why = (f"stored per row: stream {per_row[0].stream.name!r}'s lists are not prefixes and "
+               f"a dataset has one layout")
+        _report(info, seqs, [d.storage if d.log is None else
+                             Storage(LAYOUT_V1, why, 1, d.storage.counts) for d in done],
+                LAYOUT_V1, 1)
+        return tuple(seqs), {}
+    wanted = next((s["buckets"] for _, s in todo if "buckets" in s), None)
+    buckets = n_buckets(max(d.events for d in done), len(user_vocab), wanted)
+    for d in done:
+        if d.table is not None:
+            d.table.partition(buckets)
+        else:
+            d.storage.buckets = buckets
+    if not from_events:  # lists: reported before writing, as they always were
+        _report(info, seqs, [d.storage for d in done], LAYOUT_V2, buckets)
 
     def events(writer) -> None:
-        table.write(writer, stream)
-        storage = table.storage()
-        storage.report(stream.name)
-        info["storage"] = storage.to_dict()
+        for d in done:
+            if d.table is not None:
+                d.table.write(writer, d.stream)
+                d.storage = d.table.storage()
+            else:
+                for b, t in bucket_tables(d.log, buckets).items():
+                    writer.write_events(d.stream.name, b, t)
+        if from_events:  # the counts are made on the way
+            _report(info, seqs, [d.storage for d in done], LAYOUT_V2, buckets)
 
-    return stream, {"layout": LAYOUT_V2, "buckets": buckets, "events": events}
+    return tuple(seqs), {"layout": LAYOUT_V2, "buckets": buckets, "events": events}
+
+
+def _report(info: dict, seqs: list[SequenceStream], stores: list[Storage], layout: int,
+            buckets: int) -> None:
+    for stream, storage in zip(seqs, stores):
+        storage.report(stream.name)
+    info["storage"] = stores[0].to_dict() if len(stores) == 1 else {
+        "layout": layout, "buckets": buckets,
+        "streams": {s.name: st.to_dict() for s, st in zip(seqs, stores)}}
+
+
+def _item(spec: dict, s: dict, encoders: dict, fit) -> tuple:
+    """(encoder, matched feature name or None) of a stream's items: a sparse feature's encoder
+    (``matches``, or ``item`` naming a sparse column as before ``matches`` existed: no match
+    declared, so old specs write the schema they wrote), else an id space of its own."""
+    sparse = {f["column"]: f for f in spec["sparse"]}
+    single = s["item"] if s["item"] in sparse and not sparse[s["item"]].get("multi_hot") else None
+    how, x = id_space(s, sparse, single)
+    if how == "own":
+        return _own(x, s["item"], lambda: fit("item", s["item"])), None
+    return encoders[x["column"]], x["name"] if how == "matches" else None
+
+
+def _attributes(spec: dict, s: dict, key: str, encoders: dict, fit) -> list[tuple]:
+    """(EventAttribute, encoder) per attribute of stream ``s``. An attribute of its own id space
+    named like a sparse feature of the same size would be matched with it by the model's legacy
+    name rule by accident: an error."""
+    sparse = {f["column"]: f for f in spec["sparse"]}
+    out = []
+    for i, a in enumerate(s["attributes"]):
+        if isinstance(a, str):  # a sparse column: its encoder, the legacy name rule
+            out.append((EventAttribute(spec_name(spec, a), encoders[a].vocab_size), encoders[a]))
+            continue
+        how, x = id_space(a, sparse, None)
+        if how == "matches":
+            enc = encoders[x["column"]]
+            out.append((EventAttribute(a["name"], enc.vocab_size, matches=x["name"]), enc))
+            continue
+        enc = _own(x, a["column"], lambda i=i, a=a: fit(f"a{i}", a["column"]))
+        same = [f for f in spec["sparse"] if f["name"] == a["name"] and not f.get("multi_hot")
+                and encoders[f["column"]].vocab_size == enc.vocab_size]
+        if same:
+            raise SpecError(f"{key}.attributes[{i}] {a['name']!r} (column {a['column']!r}): an "
+                            f"id space of its own, but named like the sparse feature "
+                            f"{a['name']!r} of the same vocab_size {enc.vocab_size}, so the "
+                            f"model would compare it with the candidate's {a['name']!r}: rename "
+                            f"it, or declare \"matches\": {same[0]['column']!r} if it is that "
+                            f"feature's id space")
+        out.append((EventAttribute(a["name"], enc.vocab_size), enc))
+    return out
+
+
+def _own(x: dict, column: str, fit):
+    """An id space of a stream's own: hashed, ids as given, or ``fit()``'s vocabulary."""
+    if "hash_size" in x:
+        return _Hash(x["hash_size"], column)
+    if "vocab_size" in x:
+        return _Raw(x["vocab_size"], f"column {column!r}")
+    return fit()
 
 
 def _parse(frames, spec: dict, seed: int) -> tuple[dict, dict, np.ndarray]:
     """Typed output columns (labels, dense, time, user) + the raw string columns + the day
     per row."""
     cols = referenced_columns(spec)
-    seq = spec.get("sequence", {})
     raw_cols = [f["column"] for f in spec["sparse"]] + [spec[k] for k in ("user",) if k in spec]
     raw_cols += [spec["domain"]["column"]] if "domain" in spec else []
-    seq_raw = {"rows": ("event",), "column": ("column",)}.get(seq.get("from"), ())
-    raw_cols = list(dict.fromkeys(raw_cols + [seq[k] for k in seq_raw if k in seq]))
+    for _, seq in streams(spec):
+        if seq["from"] in ("rows", "column"):
+            raw_cols += [seq[k] for k in _ROW_KEYS[seq["from"]] if k in seq]
+        if seq["from"] == "rows":
+            raw_cols += [a["column"] for a in seq["attributes"] if isinstance(a, dict)]
+    raw_cols = list(dict.fromkeys(raw_cols))
     parts: dict[str, list] = {}
     for name, _, table in frames:
         need(table, cols, name)
@@ -384,9 +513,11 @@ def _domains(spec: dict, raw: dict, frames) -> list[str]:
     return names
 
 
-def _sequence(spec: dict, c: dict, raw: dict, encoders: dict, train: np.ndarray) -> SequenceStream:
-    s = spec["sequence"]
-    name, item_enc = s["name"], encoders[s["item"]]
+def _sequence(spec: dict, key: str, s: dict, c: dict, raw: dict, encoders: dict,
+              train: np.ndarray) -> SequenceStream:
+    """A per-row (v1) stream: ``from: column`` (each row's own list) or ``from: rows`` (the
+    user's earlier rows; a vocabulary of its own is fitted on the train rows' events)."""
+    name, (item_enc, matches) = s["name"], _item(spec, s, encoders, None)
     if s["from"] == "column":
         items, lens = _multi_hot(raw[s["column"]], s["sep"], item_enc)
         row = np.repeat(np.arange(len(lens)), lens)
@@ -395,22 +526,23 @@ def _sequence(spec: dict, c: dict, raw: dict, encoders: dict, train: np.ndarray)
         c[f"{name}.item"], c[f"{name}.event"] = (items,
                                                  lens), (np.zeros(len(items), dtype=np.int64), lens)
         c[f"{name}.ts"] = (c["request_ts"][row] - k, lens)
-        return SequenceStream(name, item_enc.vocab_size, 1, s["max_len"])
+        return SequenceStream(name, item_enc.vocab_size, 1, s["max_len"], matches=matches)
     user = raw[spec["user"]]
     ev = np.ones(len(user), dtype=bool) if "only" not in s else c[s["only"]] == 1
     event_vocab = Vocab(raw[s["event"]][train]) if "event" in s else None
     cols = {"item": item_enc(raw[s["item"]])[ev],
             "event": (event_vocab(raw[s["event"]]) if event_vocab
                       else np.zeros(len(user), dtype=np.int64))[ev]}
-    attrs = tuple(EventAttribute(spec_name(spec, a), encoders[a].vocab_size)
-                  for a in s["attributes"])
-    for a, attr in zip(s["attributes"], attrs):
-        cols[attr.name] = encoders[a](raw[a])[ev]
+    attrs = _attributes(spec, s, key, encoders,
+                        lambda _, col: Vocab(raw[col][train & ev]))
+    for a, (attr, enc) in zip(s["attributes"], attrs):
+        cols[attr.name] = enc(raw[a if isinstance(a, str) else a["column"]])[ev]
     hist = history(user[ev], c["request_ts"][ev], cols, user, c["request_ts"], s["max_len"])
     for part, v in hist.items():
         c[f"{name}.{part}"] = v
     n_events = event_vocab.vocab_size if event_vocab else 1
-    return SequenceStream(name, item_enc.vocab_size, n_events, s["max_len"], attrs)
+    return SequenceStream(name, item_enc.vocab_size, n_events, s["max_len"],
+                          tuple(a for a, _ in attrs), matches=matches)
 
 
 def spec_name(spec: dict, column: str) -> str:

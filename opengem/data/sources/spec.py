@@ -61,6 +61,33 @@ bucketed out of core by DuckDB and written as layout v2 (``opengem.data.sources.
 every row's list is the time-prefix of one per-user history, else per row (v1) with the times kept.
 ``buckets``: the number of user buckets of a v2 dataset (default: from the number of events).
 
+Several streams: ``sequences``, a list of stream objects with the keys above (``sequence`` is a list
+of one; both spellings of one stream write the same dataset). Names differ. Streams from
+events/lists (stored per user, v2) and from rows/column (per row, v1) cannot be mixed: a dataset has
+one layout, and its v2 streams share one user bucketing (give ``buckets`` once). Each events stream
+reads its own ``files``. Item ids: ``item`` naming a single-valued sparse column reuses that
+feature's encoder (as before ``matches`` existed: no match declared); ``matches`` (a single-valued
+sparse feature's column or name): the items are that feature's ids, encoded with its encoder, and
+the schema says so (``SequenceStream.matches``: with ``model.target_match_items`` the model
+compares each event's item with the candidate's); from events only, an id space of the stream's
+own: ``"item_vocab": "fit"`` (the default when ``item`` is no sparse column), ``hash_size`` or
+``vocab_size`` as for sparse features.
+``fit`` takes the values of the events a train row's history can hold (before the user's last train
+impression), so an id first seen later is OOV (counted in ``source.storage``), as a new item is in
+production. An attribute is a sparse column name (its encoder; the model matches it by name with a
+feature of that name and size) or an object ``{"column", "name", "matches" | "vocab": "fit" |
+"hash_size" | "vocab_size"}`` (default: ``fit``; from rows, on the train rows' events); an
+own-vocabulary attribute named like a single-valued sparse feature of its size is an error, since
+the model would match it by that name. Example (content items of their own, ad clicks on ad ids)::
+
+    "sequences": [
+      {"name": "organic", "from": "events", "files": ["organic.parquet"], "item": "content_id",
+       "event": "action", "max_len": 200,
+       "attributes": [{"column": "cat", "name": "content_category", "matches": "cate_id"}]},
+      {"name": "ad_clicks", "from": "events", "files": ["ad_clicks.parquet"], "item": "ad",
+       "matches": "ad_id", "max_len": 50, "attributes": [{"column": "cate", "matches": "cate_id"}]}
+    ]
+
 Split: ``files`` (the ``files`` lists, day 0/1/2), ``time`` (global, by time rank; with no ``time``
 column, by row order), ``user_time``
 (each user's last rows), ``random`` (seeded); ``valid``/``test`` are shares of rows. Default:
@@ -79,8 +106,8 @@ _GROUPS = ("user", "ad", "context")
 _TIME_UNITS = {"s": 1, "ms": 1000, "us": 1_000_000}
 _KEYS = {
     "": ({"files": dict, "sep": str, "tasks": list, "sparse": list, "dense": list, "domain": dict,
-          "user": str, "time": str, "time_unit": str, "sequence": dict, "split": dict, "name": str,
-          "embeddings": list}, {"tasks"}),
+          "user": str, "time": str, "time_unit": str, "sequence": dict, "sequences": list,
+          "split": dict, "name": str, "embeddings": list}, {"tasks"}),
     "files": ({"train": list, "valid": list, "test": list}, {"train", "test"}),
     "tasks": ({"name": str, "column": str, "requires": str, "positive_at": float},
               {"name", "column"}),
@@ -94,8 +121,10 @@ _KEYS = {
     "domain": ({"column": str, "names": list}, {"column"}),
     "sequence": ({"name": str, "from": str, "item": str, "event": str, "only": str, "max_len": int,
                   "attributes": list, "column": str, "sep": str, "files": list, "user": str,
-                  "time": str, "time_unit": str,
-                  "times": str, "buckets": int}, {"item", "max_len"}),
+                  "time": str, "time_unit": str, "times": str, "buckets": int, "matches": str,
+                  "item_vocab": str, "hash_size": int, "vocab_size": int}, {"item", "max_len"}),
+    "attribute": ({"column": str, "name": str, "matches": str, "vocab": str, "hash_size": int,
+                   "vocab_size": int}, {"column"}),
     "split": ({"by": str, "valid": float, "test": float}, set()),
 }
 
@@ -159,9 +188,46 @@ def check_spec(d: object, where: str = "spec") -> dict:
         raise SpecError(f"{where}: time_unit must be one of {sorted(_TIME_UNITS)}, "
                         f"got {out['time_unit']!r}")
     out["split"] = _split(out, where)
+    if "sequence" in d and "sequences" in d:
+        raise SpecError(f"{where}: give sequence (one stream) or sequences (a list), not both")
     if "sequence" in d:
-        out["sequence"] = _sequence(out, where)
+        out["sequence"] = _sequence(out, d["sequence"], "sequence", where)
+    elif "sequences" in d:
+        seqs = [_sequence(out, s, f"sequences[{i}]", where) for i, s in enumerate(d["sequences"])]
+        if not seqs:
+            raise SpecError(f"{where}: sequences must list at least one stream (or be left out)")
+        _check_streams(seqs, where)
+        out["sequences"] = seqs
     return out
+
+
+def canonical(spec: dict) -> dict:
+    """The checked spec as ``schema.json``'s meta records it: a list of one stream as
+    ``sequence``, so both spellings of one stream write the same dataset, byte for byte."""
+    if len(spec.get("sequences", ())) != 1:
+        return spec
+    out = {k: v for k, v in spec.items() if k != "sequences"}
+    return {**out, "sequence": spec["sequences"][0]}
+
+
+def streams(spec: dict) -> list[tuple[str, dict]]:
+    """(key path for messages, stream) of every stream of a checked spec, in spec order."""
+    if "sequence" in spec:
+        return [("sequence", spec["sequence"])]
+    return [(f"sequences[{i}]", s) for i, s in enumerate(spec.get("sequences", []))]
+
+
+def id_space(x: dict, sparse: dict, legacy: str | None) -> tuple[str, object]:
+    """How a stream's items (``x`` the stream) or an attribute object (``x`` the attribute) get
+    ids: ("matches", sparse feature spec) | ("reuse", the sparse feature of column ``legacy``:
+    its encoder, no match declared, as before ``matches`` existed) | ("own", {"hash_size": N} |
+    {"vocab_size": N} | {} for a vocabulary fitted on the train period's events)."""
+    if "matches" in x:
+        return "matches", _find(sparse, x["matches"])
+    own = {k: x[k] for k in ("hash_size", "vocab_size") if k in x}
+    if own or "item_vocab" in x or "vocab" in x or legacy is None:
+        return "own", own
+    return "reuse", sparse[legacy]
 
 
 def time_divisor(spec: dict) -> int:
@@ -210,29 +276,126 @@ def _split(d: dict, where: str) -> dict:
     return s
 
 
-def _sequence(d: dict, where: str) -> dict:
-    s = _obj(d["sequence"], "sequence", where)
+def _find(sparse: dict, ref: str) -> dict:
+    """The sparse feature a (checked) ``matches`` names: the first by column or name."""
+    return next(f for f in sparse.values() if ref in (f["column"], f["name"]))
+
+
+def _matched(d: dict, ref: str, key: str, where: str) -> None:
+    """``matches`` must name a single-valued sparse feature (its column or its name): the model
+    compares one event id with the candidate's one id."""
+    for f in d["sparse"]:
+        if ref in (f["column"], f["name"]):
+            if f.get("multi_hot"):
+                raise SpecError(f"{where}: {key} {ref!r} is a multi-hot sparse feature; matches "
+                                f"names a single-valued sparse feature (one id per event)")
+            return
+    for kind in ("dense", "embeddings"):
+        if any(ref in (f["column"], f["name"]) for f in d[kind]):
+            raise SpecError(f"{where}: {key} {ref!r} is a {kind} feature; matches names a "
+                            f"single-valued sparse feature")
+    have = [f["column"] for f in d["sparse"] if not f.get("multi_hot")]
+    raise SpecError(f"{where}: {key} {ref!r} is not a feature; matches names a single-valued "
+                    f"sparse feature: one of {have}")
+
+
+def _own_vocab(x: dict, path: str, where: str, fit_key: str) -> None:
+    """At most one id space (``matches``, ``fit_key``: "fit", ``hash_size``, ``vocab_size``)."""
+    given = [k for k in ("matches", fit_key, "hash_size", "vocab_size") if k in x]
+    if len(given) > 1:
+        raise SpecError(f"{where}: {path}: give one of matches, {fit_key}, hash_size, "
+                        f"vocab_size; got {given}")
+    if x.get(fit_key, "fit") != "fit":
+        raise SpecError(f"{where}: {path}.{fit_key} must be 'fit', got {x[fit_key]!r}")
+    for k in ("hash_size", "vocab_size"):
+        if k in x and x[k] <= 0:
+            raise SpecError(f"{where}: {path}.{k} must be > 0, got {x[k]}")
+
+
+def _attributes(d: dict, s: dict, path: str, where: str) -> list:
+    """A string is a single-valued sparse column (its encoder reused; the legacy name rule may
+    match it); an object names its own column and id space (``matches``, else its own)."""
+    sparse = {f["column"]: f for f in d["sparse"]}
+    out = []
+    for i, a in enumerate(s["attributes"]):
+        if isinstance(a, str):
+            if a not in sparse or sparse[a].get("multi_hot"):
+                raise SpecError(f"{where}: {path} attribute {a!r} must be a single-valued column "
+                                f"listed under sparse (or an object with its own id space)")
+            out.append(a)
+            continue
+        key = f"{path}.attributes[{i}]"
+        if not isinstance(a, dict):
+            raise SpecError(f"{where}: {key} must be a sparse column name or an object "
+                            f"{{column, name, matches | vocab | hash_size | vocab_size}}, "
+                            f"got {a!r}")
+        a = _obj(a, "attribute", where, key)
+        a.setdefault("name", feature_name(a["column"]))
+        _own_vocab(a, key, where, "vocab")
+        if "matches" in a:
+            _matched(d, a["matches"], f"{key}.matches", where)
+        out.append(a)
+    return out
+
+
+def _check_streams(seqs: list[dict], where: str) -> None:
+    """Names unique; one layout (v2 streams and v1 streams do not mix); one user bucketing."""
+    seen: dict[str, int] = {}
+    for i, s in enumerate(seqs):
+        if s["name"] in seen:
+            raise SpecError(f"{where}: sequences[{seen[s['name']]}] and sequences[{i}] are both "
+                            f"named {s['name']!r}; give each stream its own name")
+        seen[s["name"]] = i
+    kinds = {s["from"] for s in seqs}
+    if kinds & {"events", "lists"} and kinds & {"rows", "column"}:
+        raise SpecError(f"{where}: streams from events/lists and from rows/column cannot be mixed "
+                        f"in one dataset; the first are stored once per user (layout v2), the "
+                        f"others per row (v1), and a dataset has one layout: give the rows/column "
+                        f"stream as an events table (one row per event) instead")
+    buckets = sorted({s["buckets"] for s in seqs if "buckets" in s})
+    if len(buckets) > 1:
+        raise SpecError(f"{where}: streams give different buckets {buckets}; the streams of a "
+                        f"dataset share one user bucketing: give one value")
+
+
+def _sequence(d: dict, raw: object, path: str, where: str) -> dict:
+    s = _obj(raw, "sequence", where, path)
     s.setdefault("name", "history")
     s.setdefault("from", "rows")
     s.setdefault("attributes", [])
+    if s["from"] not in ("rows", "column", "events", "lists"):
+        raise SpecError(f"{where}: {path}.from must be rows, column, events or lists, "
+                        f"got {s['from']!r}")
     sparse = {f["column"]: f for f in d["sparse"]}
-    if s["item"] not in sparse or sparse[s["item"]].get("multi_hot"):
-        raise SpecError(f"{where}: sequence.item {s['item']!r} must be a single-valued column "
-                        f"listed under sparse")
+    _own_vocab(s, path, where, "item_vocab")
+    if "matches" in s:
+        _matched(d, s["matches"], f"{path}.matches", where)
+    own = [k for k in ("item_vocab", "hash_size", "vocab_size") if k in s]
+    if own and s["from"] != "events":
+        raise SpecError(f"{where}: {path}.{own[0]}: an item vocabulary of the stream's own is "
+                        f"for streams from events; from {s['from']} the items are ids of the "
+                        f"sparse feature named by item")
+    single = s["item"] in sparse and not sparse[s["item"]].get("multi_hot")
+    if not single and (s["from"] != "events"
+                       or (s["item"] in sparse and not own and "matches" not in s)):
+        raise SpecError(f"{where}: {path}.item {s['item']!r} must be a single-valued column "
+                        f"listed under sparse" + (" (or give the stream its own item_vocab, "
+                                                 "hash_size or vocab_size, or matches)"
+                                                 if s["from"] == "events" else ""))
     if s["max_len"] <= 0:
-        raise SpecError(f"{where}: sequence.max_len must be > 0, got {s['max_len']}")
+        raise SpecError(f"{where}: {path}.max_len must be > 0, got {s['max_len']}")
     extra = {"rows": set(), "column": set(),
              "events": {"files", "user", "time", "time_unit", "buckets"},
-             "lists": {"times", "time_unit", "buckets"}}.get(s["from"], set())
+             "lists": {"times", "time_unit", "buckets"}}[s["from"]]
     stray = sorted({"files", "user", "time", "time_unit", "times", "buckets"} & set(s) - extra)
     if stray:
-        raise SpecError(f"{where}: sequence.{stray[0]} is not used with sequence "
+        raise SpecError(f"{where}: {path}.{stray[0]} is not used with sequence "
                         f"from {s['from']!r}")
     if s.get("time_unit", "s") not in _TIME_UNITS:
-        raise SpecError(f"{where}: sequence.time_unit must be one of {sorted(_TIME_UNITS)}, "
+        raise SpecError(f"{where}: {path}.time_unit must be one of {sorted(_TIME_UNITS)}, "
                         f"got {s['time_unit']!r}")
     if s.get("buckets", 1) <= 0:
-        raise SpecError(f"{where}: sequence.buckets must be > 0, got {s['buckets']}")
+        raise SpecError(f"{where}: {path}.buckets must be > 0, got {s['buckets']}")
     if s["from"] in ("events", "lists"):
         missing = [k for k in ("user", "time") if k not in d]
         if missing:
@@ -240,40 +403,30 @@ def _sequence(d: dict, where: str) -> dict:
                             f"key(s) {missing}")
         if s["from"] == "events":
             if not s.get("files") or not all(isinstance(x, str) for x in s["files"]):
-                raise SpecError(f"{where}: sequence from events needs files, a list of event "
+                raise SpecError(f"{where}: {path} from events needs files, a list of event "
                                 f"table file names")
             s.setdefault("user", d["user"])
             s.setdefault("time", d["time"])
         else:
             if "column" not in s or "times" not in s:
-                raise SpecError(f"{where}: sequence from lists needs sequence.column (items) "
-                                f"and sequence.times")
+                raise SpecError(f"{where}: {path} from lists needs {path}.column (items) "
+                                f"and {path}.times")
             if s["attributes"] or "event" in s or "only" in s:
-                raise SpecError(f"{where}: sequence from lists takes no attributes/event/only")
+                raise SpecError(f"{where}: {path} from lists takes no attributes/event/only")
         s.setdefault("time_unit", d.get("time_unit", "s"))
-        for a in s["attributes"]:
-            if a not in sparse or sparse[a].get("multi_hot"):
-                raise SpecError(f"{where}: sequence attribute {a!r} must be a single-valued column "
-                                f"listed under sparse")
     elif s["from"] == "rows":
         missing = [k for k in ("user", "time") if k not in d]
         if missing:
             raise SpecError(f"{where}: sequence from rows needs the top-level key(s) {missing}")
         tasks = [t["name"] for t in d["tasks"]]
         if "only" in s and s["only"] not in tasks:
-            raise SpecError(f"{where}: sequence.only {s['only']!r} is not a task; tasks "
+            raise SpecError(f"{where}: {path}.only {s['only']!r} is not a task; tasks "
                             f"are {tasks}")
-        for a in s["attributes"]:
-            if a not in sparse or sparse[a].get("multi_hot"):
-                raise SpecError(f"{where}: sequence attribute {a!r} must be a single-valued column "
-                                f"listed under sparse")
-    elif s["from"] == "column":
-        if "column" not in s:
-            raise SpecError(f"{where}: sequence from column needs sequence.column")
-        if s["attributes"] or "event" in s or "only" in s:
-            raise SpecError(f"{where}: sequence from column takes no attributes/event/only")
-        s.setdefault("sep", "|")
     else:
-        raise SpecError(f"{where}: sequence.from must be rows, column, events or lists, "
-                        f"got {s['from']!r}")
+        if "column" not in s:
+            raise SpecError(f"{where}: {path} from column needs {path}.column")
+        if s["attributes"] or "event" in s or "only" in s:
+            raise SpecError(f"{where}: {path} from column takes no attributes/event/only")
+        s.setdefault("sep", "|")
+    s["attributes"] = _attributes(d, s, path, where)
     return s
