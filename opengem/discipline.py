@@ -19,6 +19,9 @@ from __future__ import annotations
 
 DEV_WORLD_SEEDS = range(0, 100)
 HELD_OUT_WORLD_SEED_MIN = 1000
+# held-out worlds the speed races run on, each with its own structure (not the demo's): a block of
+# its own, so races never read the quality figures' seeds (1000-1002 worn, 2000-2004)
+RACE_WORLD_SEED_MIN = 2100
 REPORT_SPLIT = "test"
 
 
@@ -44,6 +47,14 @@ def require_dev_world(world_seed: int, what: str) -> int:
                               + (" (a held-out seed: report on it, never choose on it)"
                                  if world_seed >= HELD_OUT_WORLD_SEED_MIN else ""))
     return world_seed
+
+
+def race_world_seeds(n: int) -> list[int]:
+    """The first ``n`` race world seeds (2100, 2101, …); generate each with
+    ``structure_seed`` = its seed, so the race runs on a structure nothing was shaped on."""
+    if n < 1:
+        raise ValueError(f"need at least one race world seed, got {n}")
+    return list(range(RACE_WORLD_SEED_MIN, RACE_WORLD_SEED_MIN + n))
 
 
 def held_out_world_seeds(n: int) -> list[int]:

@@ -5,6 +5,7 @@ from opengem.discipline import (
     HELD_OUT_WORLD_SEED_MIN,
     DisciplineError,
     held_out_world_seeds,
+    race_world_seeds,
     require_dev_world,
     require_tuning_split,
 )
@@ -29,6 +30,12 @@ def test_development_and_held_out_seeds_do_not_overlap():
     assert not set(held) & set(DEV_WORLD_SEEDS)
     with pytest.raises(ValueError):
         held_out_world_seeds(0)
+    # the races' block is held out and apart from the quality figures' seeds (1000-1002, 2000-2004)
+    race = race_world_seeds(3)
+    assert race == [2100, 2101, 2102]
+    assert not set(race) & (set(DEV_WORLD_SEEDS) | set(range(2000, 2005)) | set(held))
+    with pytest.raises(DisciplineError, match="held-out seed"):
+        require_dev_world(race[0], "x")
 
 
 @pytest.mark.parametrize("choose", ["select_on_valid", "valid_gains"])
