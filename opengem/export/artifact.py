@@ -60,7 +60,7 @@ from opengem.data.batch import collate
 from opengem.evaluation.evaluate import evaluate_model
 from opengem.export.layout import Layout, assemble
 from opengem.export.program import serving_module
-from opengem.export.request import parse, request_models, rows_of, synthetic_request
+from opengem.export.request import Limits, parse, request_models, rows_of, synthetic_request
 from opengem.export.tables import compress, tables_info
 from opengem.features.schema import SCHEMA_FILE, FeatureSchema
 from opengem.model.build import count_parameters
@@ -115,7 +115,10 @@ def example_requests(schema: FeatureSchema, layout: Layout, sizes: list[tuple[in
 
 
 def program_inputs(schema: FeatureSchema, layout: Layout, requests: list[dict]) -> dict:
-    _, req_model = request_models(schema)
+    """The program's inputs of ``example_requests``. Their histories may exceed a stream's
+    ``max_len`` (twice the model's limit, to exercise truncation): the request limit is theirs."""
+    longest = max((len(r[s.ts_column]) for r in requests for s in schema.sequences), default=0)
+    _, req_model = request_models(schema, Limits(max_history=max(longest, 1)))
     return assemble(schema, [parse(schema, req_model.model_validate(r)) for r in requests],
                     layout)[0]
 

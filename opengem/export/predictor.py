@@ -190,12 +190,16 @@ class Predictor:
         return self.score([self.parse(request)])[0]
 
     def warmup(self, candidates: tuple[int, ...] = (1, 64)) -> float:
-        """Run a few synthetic requests (first calls allocate); returns the seconds it took."""
+        """Run a few synthetic requests (first calls allocate); returns the seconds it took. They
+        stay within the limits (a stream shorter than 8 events, a lower ``max_candidates``), or the
+        server would fail to start."""
         from opengem.export.request import synthetic_request
 
         t0 = time.perf_counter()
+        history = {s.name: min(8, self.limits.history(s)) for s in self.schema.sequences}
         for c in candidates:
-            self.predict(synthetic_request(self.schema, c, 8, seed=c))
+            self.predict(synthetic_request(self.schema, min(c, self.limits.max_candidates), history,
+                                           seed=c))
         return time.perf_counter() - t0
 
 

@@ -372,3 +372,19 @@ def test_a_null_for_a_feature_without_the_missing_option_is_a_422():
     with pytest.raises(ValidationError) as e:
         req_model.model_validate(req)
     assert error_from_validation(e.value).field == "activity"
+
+
+def test_export_inputs_of_streams_shorter_than_the_example_histories():
+    """``opengem export`` traces and checks parity on histories of 23 events and of twice the
+    model's limit; a stream whose ``max_len`` is shorter (an imported ads stream of 12) still gets
+    them, truncated to its limit, not refused as an over-long request."""
+    import dataclasses
+
+    from opengem.export.artifact import example_requests, program_inputs
+
+    schema = tiny_schema()
+    schema = dataclasses.replace(schema, sequences=tuple(
+        dataclasses.replace(s, max_len=6) for s in schema.sequences))
+    layout = Layout({s.name: s.max_len for s in schema.sequences}, 8)
+    x = program_inputs(schema, layout, example_requests(schema, layout, [(3, 23), (2, -1)]))
+    assert x["seq.s0.pool_idx"].shape == (2, 6) and len(x["seq.s0.item"]) == 2 * 6 + 1
