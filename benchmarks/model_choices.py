@@ -29,6 +29,8 @@ Variants (``tiny`` recipe overrides), one change each from ``shipped``:
 - ``item_match``: the target match also compares each ads event's item with the candidate's
   ``ad_id`` (``model.target_match_items``); ``target_tokens``: one X_0 token per stream, the
   candidate in the stream's matched tables (``model.target_tokens``); ``item_tokens``: both.
+- ``windows``: the history counts also count events in hard windows of the decay times
+  (``model.count_windows``); ``windows_recency``: with ``count_recency`` too.
 
 ``--family 2`` draws the worlds from the wider family (``opengem.world.wide``: item similarity,
 fatigue, repeat engagement, last-k) instead of the first.
@@ -77,6 +79,8 @@ VARIANTS: dict[str, list[str]] = {
     "item_match": ["model.target_match_items=true"],
     "target_tokens": ["model.target_tokens=true"],
     "item_tokens": ["model.target_match_items=true", "model.target_tokens=true"],
+    "windows": ["model.count_windows=true"],
+    "windows_recency": ["model.count_windows=true", "model.count_recency=true"],
 }
 
 

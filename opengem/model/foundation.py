@@ -61,6 +61,9 @@ class GEMConfig:
     # gain on small development worlds did not carry to the demo's size (docs/experiments.md, 'Where
     # the held-out gap is')
     count_recency: bool = False
+    # HistoryCounts also counts the events in hard windows of the same lengths (age ≤ τ), as a
+    # practitioner's "events in the last hour / day / week" features do
+    count_windows: bool = False
     # torch: the domain and time-bucket embeddings keep nn.Embedding's N(0, 1) | table: N(0, init_std²) like the
     # id tables. After LayerNorm a unit-scale token dominates 0.05-scale ones; measured
     # in docs/experiments.md.
@@ -178,24 +181,30 @@ class HistoryCounts(nn.Module):
     """
 
     def __init__(self, schema: FeatureSchema, streams: list[str], match_pairs: dict[str, list],
-                 decay_hours: tuple[float, ...], dim: int, recency: bool = False):
+                 decay_hours: tuple[float, ...], dim: int, recency: bool = False,
+                 windows: bool = False):
         super().__init__()
         # constants, not a buffer: nothing to shard or load
         self.decay_hours = tuple(float(h) for h in decay_hours)
         # + the OOV event id
         self.num_events = {s: schema.stream(s).num_event_types + 1 for s in streams}
-        self.recency = recency
-        n = sum((1 + len(match_pairs[s])) * self.num_events[s] * len(decay_hours) for s in streams)
+        self.recency, self.windows = recency, windows
+        K = len(decay_hours) * (2 if windows else 1)
+        n = sum((1 + len(match_pairs[s])) * self.num_events[s] * K for s in streams)
         self.num_counts = n * (2 if recency else 1)
         self.mlp = mlp([self.num_counts, 4 * dim, dim])
 
     def event_weights(self, stream: str, events_N: torch.Tensor,
                       age_N: torch.Tensor) -> torch.Tensor:
-        """[N, E·K]: event n's one-hot event type ⊗ its decays e^(−age/τ_k)."""
+        """[N, E·K]: event n's one-hot event type ⊗ its decays e^(−age/τ_k) (then, with
+        ``windows``, its indicators age ≤ τ_k: K = 2 × the decay times)."""
         E = self.num_events[stream]
         inv_tau_K = age_N.new_tensor([1.0 / (3600.0 * h) for h in self.decay_hours],
                                      dtype=torch.float32)
-        decay_NK = torch.exp(-age_N.float().clamp(min=0)[:, None] * inv_tau_K)
+        scaled_NK = age_N.float().clamp(min=0)[:, None] * inv_tau_K
+        decay_NK = torch.exp(-scaled_NK)
+        if self.windows:
+            decay_NK = torch.cat([decay_NK, (scaled_NK <= 1.0).float()], dim=1)
         return (one_hot(events_N.clamp(0, E - 1), E).float()[:, :, None]
                 * decay_NK[:, None, :]).flatten(1)
 
@@ -324,7 +333,7 @@ class GEM(TableModel):
                                 if cfg.target_match else [] for name in self.streams}
             self.history_counts = (HistoryCounts(schema, self.streams, self.match_pairs,
                                                  cfg.count_decay_hours, D,
-                                                 cfg.count_recency)
+                                                 cfg.count_recency, cfg.count_windows)
                                    if cfg.count_decay_hours and self.streams else None)
             self.token_streams = ([n for n in self.streams if self.match_pairs[n]]
                                   if cfg.target_tokens else [])

@@ -274,6 +274,36 @@ def test_target_tokens_are_the_candidate_in_each_streams_tables():
     _check_all_params_learn(model, model(b).sum())
 
 
+def test_history_counts_windows_count_the_events_within_each_time():
+    """``count_windows``: beside each decayed sum, the number of events of that type at most τ
+    old (all, then matched), against a loop over the rows."""
+    schema = tiny_schema()
+    cfg = GEMConfig(embedding_dim=D, count_decay_hours=(0.5, 24.0), count_windows=True,
+                    wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2),
+                    sequence=SequenceConfig(num_heads=2, recent_len=4, min_recent=2, num_pooled=1))
+    model = _gem(cfg, schema)
+    b = _batch(schema, n=5,
+               lengths={"s0": np.array([3, 0, 6, 1, 4]), "s1": np.array([2, 2, 0, 5, 1])})
+    seq, sp, ages = b.sequences.to_dict(), b.sparse.to_dict(), b.seq_age.to_dict()
+    lengths = seq["s0.item"].lengths()
+    flags = model._match_flags(b, "s0", lengths)
+    got = model.history_counts.stream_counts("s0", seq["s0.event"].values(),
+                                             ages["s0"].values(), flags, lengths)
+    E, taus = schema.stream("s0").num_event_types + 1, np.array([0.5, 24.0]) * 3600.0
+    ev, age = seq["s0.event"].values().numpy(), ages["s0"].values().double().numpy()
+    cats, cand = seq["s0.category"].values().numpy(), sp["category"].values().numpy()
+    want, start = np.zeros((5, 2, E, 4)), 0
+    for r, n in enumerate(lengths.tolist()):
+        for i in range(start, start + n):
+            w = np.r_[np.exp(-age[i] / taus), (age[i] <= taus).astype(float)]
+            want[r, 0, ev[i]] += w
+            if cats[i] == cand[r] and cats[i] != 5:
+                want[r, 1, ev[i]] += w
+        start += n
+    np.testing.assert_allclose(got.numpy(), want.reshape(5, -1), rtol=1e-5, atol=1e-6)
+    assert want[..., 2:].sum() > 0 and (want[..., 2:] < want[..., :2] + 1).all()
+
+
 def test_din_query_holds_the_candidates_item_row():
     """DIN with the item matched: the query is the stream's item table at the candidate's ad id
     (DIN's own query), plus its matched attributes' rows."""

@@ -140,11 +140,12 @@ def test_serving_module_equals_gem_without_interleaving():
     assert diff < TOL
 
 
-@pytest.mark.parametrize("specs", [[(3, -1), (2, 0), (5, 7)], [(4, 9), (1, 3)]])
-def test_serving_module_with_history_counts(specs):
+@pytest.mark.parametrize("specs,windows", [([(3, -1), (2, 0), (5, 7)], False),
+                                           ([(4, 9), (1, 3)], False), ([(4, 9), (1, 3)], True)])
+def test_serving_module_with_history_counts(specs, windows):
     """The history-counts token (all and target-matched decayed counts) serves as it trains."""
     schema = tiny_schema()
-    model = _model(schema, count_decay_hours=(0.5, 24.0, 720.0))
+    model = _model(schema, count_decay_hours=(0.5, 24.0, 720.0), count_windows=windows)
     assert model.history_counts is not None
     diff, _ = _compare(model, schema, _requests(schema, specs, seed=13))
     assert diff < TOL
