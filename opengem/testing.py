@@ -46,6 +46,17 @@ def item_matched_schema(num_ads: int = 4) -> FeatureSchema:
         s0, dataclasses.replace(s1, item_vocab_size=num_ads, matches="ad_id")))
 
 
+def valued_schema(values: tuple[str, ...] = ("dwell", "price"), stream: str = "s0",
+                  **kw) -> FeatureSchema:
+    """``tiny_schema`` (``kw``) whose stream ``stream`` carries per-event numeric values."""
+    import dataclasses
+
+    base = tiny_schema(**kw)
+    return dataclasses.replace(base, sequences=tuple(
+        dataclasses.replace(s, values=tuple(values)) if s.name == stream else s
+        for s in base.sequences))
+
+
 def random_table(schema: FeatureSchema, n: int, seed: int = 0,
                  lengths: dict[str, np.ndarray] | None = None) -> pa.Table:
     """``n`` valid random rows for ``schema``; ``lengths`` fixes per-stream history lengths."""
@@ -66,9 +77,10 @@ def random_table(schema: FeatureSchema, n: int, seed: int = 0,
             cols[f.name] = pa.array(rng.integers(0, f.vocab_size, n))
     for f in schema.dense:
         cols[f.name] = pa.array(rng.normal(size=n).astype(np.float32))
+    stream_lens = {}
     for s in schema.sequences:
         lens = lengths[s.name] if lengths and s.name in lengths else rng.integers(0, 20, n)
-        lens = np.asarray(lens, dtype=np.int64)
+        lens = stream_lens[s.name] = np.asarray(lens, dtype=np.int64)
         total = int(lens.sum())
         # events strictly before the request, oldest first
         gaps = rng.integers(1, 3600, total)
@@ -93,6 +105,10 @@ def random_table(schema: FeatureSchema, n: int, seed: int = 0,
         cols[f.name] = pa.FixedSizeListArray.from_arrays(
             pa.array(rng.normal(size=n * f.dim).astype(np.float32)), f.dim
         ).cast(pa.list_(pa.float32()))
+    for s in schema.sequences:  # also last: heavy-tailed, positive, like dwell times and prices
+        for c in s.value_columns:
+            lens = stream_lens[s.name]
+            cols[c] = list_array(rng.lognormal(0.0, 1.5, int(lens.sum())).astype(np.float32), lens)
     return pa.table(cols)
 
 

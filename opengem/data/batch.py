@@ -8,8 +8,14 @@ A batch of 3 rows with an ``organic`` stream holding 2, 0 and 3 events is stored
     sequences["organic.item"].values()  = [i00 i01 | i20 i21 i22]     (N = 5)
     sequences["organic.item"].lengths() = [2, 0, 3]
     seq_age["organic"].values()         = request_ts − event ts, seconds (float32), same lengths
+    seq_values["organic.dwell"].values() = each event's dwell (float32), same lengths
 
 Events run oldest → newest inside each row.
+
+Per-event numeric values (``SequenceStream.values``) are a float ``KeyedJaggedTensor`` keyed by
+their columns, like ``seq_age``: ``Batch.to``, row selection and history caps treat every jagged
+field alike, and it stays out of the sharded tables' input dist (only ``sequences`` goes there).
+It is None when the schema has no values, so batches of such schemas are what they were.
 
 Bad values never pass silently (the reader quarantines rows before collate, see ``validate_rows``):
 out-of-range ids map to the feature's OOV row (index ``vocab_size``) and are counted in
@@ -44,6 +50,9 @@ class Batch:
     true_probs: torch.Tensor | None = None  # [B, T] float64 (synthetic worlds)
     # [B, E] float32: the schema's embedding features side by side
     embeddings: torch.Tensor | None = None
+    # keys "<stream>.<value>" (``SequenceStream.value_columns``), float32 per event, the stream's
+    # lengths; None when no stream has values
+    seq_values: KeyedJaggedTensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -153,11 +162,13 @@ def collate(
 
     request_ts = table.column(schema.time_column).to_numpy().astype(np.int64)
     seq_keys, seq_vals, seq_lens, age_vals, age_lens = [], [], [], [], []
+    val_keys, val_vals, val_lens = [], [], []
     for s in schema.sequences:
         items, offs = _list_parts(table.column(s.item_column))
         events, _ = _list_parts(table.column(s.event_column))
         ts, _ = _list_parts(table.column(s.ts_column))
         attrs = [_list_parts(table.column(s.attribute_column(a)))[0] for a in s.attributes]
+        nums = [_list_parts(table.column(c))[0] for c in s.value_columns]
         limit = min(max_seq_len.get(s.name, s.max_len), s.max_len)
         lengths = np.diff(offs)
         over = lengths > limit
@@ -167,6 +178,7 @@ def collate(
             idx, lengths = keep_recent(offs, limit)
             items, events, ts = items[idx], events[idx], ts[idx]
             attrs = [a[idx] for a in attrs]
+            nums = [v[idx] for v in nums]
         row = np.repeat(np.arange(B), lengths)
         age = (request_ts[row] - ts.astype(np.int64)).astype(np.float32)
         lens_t = torch.from_numpy(lengths.astype(np.int64))
@@ -179,6 +191,9 @@ def collate(
         seq_lens += [lens_t] * (2 + len(s.attributes))
         age_vals.append(torch.from_numpy(age))
         age_lens.append(lens_t)
+        val_keys += list(s.value_columns)
+        val_vals += [torch.from_numpy(np.array(v, dtype=np.float32)) for v in nums]
+        val_lens += [lens_t] * len(nums)
     empty_i, empty_f = torch.zeros(0, dtype=torch.int64), torch.zeros(0)
     sequences = KeyedJaggedTensor.from_lengths_sync(
         keys=seq_keys, values=torch.cat(seq_vals) if seq_vals else empty_i,
@@ -187,6 +202,9 @@ def collate(
         keys=[s.name for s in schema.sequences],
         values=torch.cat(age_vals) if age_vals else empty_f,
         lengths=torch.cat(age_lens) if age_lens else empty_i)
+    seq_values = (KeyedJaggedTensor.from_lengths_sync(keys=val_keys, values=torch.cat(val_vals),
+                                                      lengths=torch.cat(val_lens))
+                  if val_keys else None)
 
     labels = np.stack([table.column(t.label_column).to_numpy(zero_copy_only=False)
                        for t in schema.tasks], 1)
@@ -208,6 +226,7 @@ def collate(
         user_id=torch.from_numpy(table.column(schema.user_column).to_numpy().astype(np.int64)),
         true_probs=true_probs,
         embeddings=embeddings,
+        seq_values=seq_values,
     )
 
 
@@ -231,8 +250,10 @@ def validate_rows(table: pa.Table,
     dense values (a dense feature with ``missing="indicator"`` keeps null/NaN as missing; inf is
     still dropped); an embedding vector of another length than its ``dim``, or holding NaN/inf;
     labels outside {0, 1}; a label set whose ``requires`` task is 0 (conversion without click); a
-    domain index out of range; event timestamps out of order or not before the request time. Missing
-    labels (null) are allowed and masked out of the loss.
+    domain index out of range; event timestamps out of order or not before the request time; a
+    per-event value (``SequenceStream.values``) NaN or ±inf in float32, as a dense value is, since
+    it reaches the event token through a Linear. Missing labels (null) are allowed and masked out
+    of the loss.
     """
     B = table.num_rows
     keep = np.ones(B, dtype=bool)
@@ -295,11 +316,20 @@ def validate_rows(table: pa.Table,
                  f"{s.ts_column} not before {schema.time_column}")
             drop(np.bincount(row[unordered], minlength=B) > 0, f"{s.ts_column} out of order")
         bad_len = np.zeros(B, dtype=bool)
-        for col in [s.item_column, s.event_column] + [s.attribute_column(a) for a in s.attributes]:
+        for col in ([s.item_column, s.event_column] + [s.attribute_column(a) for a in s.attributes]
+                    + list(s.value_columns)):
             bad_len |= (
                 pc.list_value_length(table.column(col)).to_numpy(zero_copy_only=False) != lens
             )
-        drop(bad_len, f"{s.name} event lists (item/event/ts/attributes) differ in length")
+        what = "item/event/ts/attributes" + ("/values" if s.values else "")
+        drop(bad_len, f"{s.name} event lists ({what}) differ in length")
+        for col in s.value_columns:
+            flat = pc.list_flatten(table.column(col))
+            if len(flat):
+                with np.errstate(over="ignore"):  # beyond float32: inf, bad like a NaN
+                    v = flat.to_numpy(zero_copy_only=False).astype(np.float32)
+                parent = pc.list_parent_indices(table.column(col)).to_numpy(zero_copy_only=False)
+                drop(np.bincount(parent[~np.isfinite(v)], minlength=B) > 0, f"{col} is NaN/inf")
     return keep, reasons, row_reason
 
 

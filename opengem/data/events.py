@@ -6,9 +6,9 @@ Layout 1 copies each user's whole history into every impression row; layout 2 wr
 
     DIR/shards/<name>.parquet                         impressions, no history columns; the manifest
                                                       gives each shard's user ``bucket``
-    DIR/events/<stream>/bucket=<b>/<part>.parquet     user_id, ts, item, event, <attribute>…
-                                                      sorted by (user_id, ts); a bucket's parts, in
-                                                      manifest order, are its log
+    DIR/events/<stream>/bucket=<b>/<part>.parquet     user_id, ts, item, event, <attribute>…,
+                                                      <value>… (floats); sorted by (user_id, ts); a
+                                                      bucket's parts, in manifest order, are its log
 
 A row's history of a stream is its user's events with ``ts`` strictly before ``request_ts``, the
 newest ``max_len`` of them, in log order: exactly what the synthetic world stores in a v1 row (its
@@ -92,15 +92,21 @@ def _search_index(user: np.ndarray, ts: np.ndarray) -> tuple:
 
 def read_bucket(data_dir: str | Path, files: list[EventFileInfo], schema: FeatureSchema,
                 stream: SequenceStream) -> BucketEvents:
-    """Read and check one bucket's event files. A missing or non-integer column, a null user or
-    time, or a log not sorted by (user, ts) is a ``DataError`` naming the file, column and value:
-    the join would otherwise hand out wrong histories silently."""
+    """Read and check one bucket's event files. A missing or non-integer column (a value column:
+    non-numeric), a null user or time, or a log not sorted by (user, ts) is a ``DataError`` naming
+    the file, column and value: the join would otherwise hand out wrong histories silently. Value
+    columns come back as float32 whatever the file held, so every shard's joined lists have one
+    type (a NaN stays: ``validate_rows`` quarantines the rows whose history holds it)."""
     cols = event_columns(schema, stream)
+    values = set(stream.values)
     tables = []
     for f in files:
         t = read_shard(data_dir, f, cols)
         bad = [f"column {c!r} is {t.schema.field(c).type}, expected integers" for c in cols
-               if not pa.types.is_integer(t.schema.field(c).type)]
+               if c not in values and not pa.types.is_integer(t.schema.field(c).type)]
+        bad += [f"column {c!r} is {t.schema.field(c).type}, expected numbers" for c in cols
+                if c in values and not (pa.types.is_integer(t.schema.field(c).type)
+                                        or pa.types.is_floating(t.schema.field(c).type))]
         if bad:
             raise DataError(f"{Path(data_dir) / f.path}: " + "; ".join(bad))
         for c in (schema.user_column, TS):
@@ -110,13 +116,19 @@ def read_bucket(data_dir: str | Path, files: list[EventFileInfo], schema: Featur
         tables.append(t)
     if not tables:  # a bucket whose users have no events of this stream: every history is empty
         empty = np.zeros(0, dtype=np.int64)
-        return BucketEvents(empty, empty, {c: pa.array(empty) for c in cols[2:]})
+        return BucketEvents(empty, empty, {c: pa.array(empty, pa.float32() if c in values else None)
+                                           for c in cols[2:]})
     table = pa.concat_tables(tables).combine_chunks()
     user = table.column(schema.user_column).to_numpy().astype(np.int64, copy=False)
     ts = table.column(TS).to_numpy().astype(np.int64, copy=False)
     check_sorted(user, ts, files, data_dir)
-    return BucketEvents(user, ts, {c: table.column(c).chunk(0) if table.column(c).num_chunks else
-                                   pa.array([], table.column(c).type) for c in cols[2:]})
+
+    def column(c: str) -> pa.Array:
+        col = table.column(c)
+        arr = col.chunk(0) if col.num_chunks else pa.array([], col.type)
+        return arr.cast(pa.float32(), safe=False) if c in values else arr
+
+    return BucketEvents(user, ts, {c: column(c) for c in cols[2:]})
 
 
 def unsorted_at(user: np.ndarray, ts: np.ndarray) -> np.ndarray:

@@ -4,7 +4,8 @@ A dataset directory holds (layout 1, "v1")::
 
     DIR/schema.json      the FeatureSchema
     DIR/dataset.json     the manifest: layout, files (path, day, rows), splits (day lists), source info
-    DIR/shards/*.parquet one impression per row; sequences as list<int64> columns
+    DIR/shards/*.parquet one impression per row; sequences as list<int64> columns (per-event
+                         values as list<float32>)
 
 Layout 2 ("v2", ``docs/dataset-layout.md``) stores each stream's events once per user instead, in
 ``DIR/events/<stream>/bucket=<b>/*.parquet``; impression shards then carry no history columns and
@@ -122,11 +123,13 @@ TS = "ts"  # the event time column of an event log (seconds, like request_ts)
 
 
 def event_columns(schema: FeatureSchema, stream: SequenceStream) -> list[str]:
-    """An event log's columns: the user, the time, then what each event carries."""
-    cols = [schema.user_column, TS, "item", "event"] + [a.name for a in stream.attributes]
+    """An event log's columns: the user, the time, then what each event carries (item, event
+    type, attributes, numeric values)."""
+    cols = [schema.user_column, TS, "item", "event"] + [a.name for a in stream.attributes] + list(
+        stream.values)
     if len(set(cols)) != len(cols):
-        raise DataError(f"stream {stream.name!r}: attribute names clash with the event log's "
-                        f"columns {cols[:4]}")
+        raise DataError(f"stream {stream.name!r}: attribute or value names clash with the event "
+                        f"log's columns {cols[:4]}")
     return cols
 
 
@@ -134,7 +137,7 @@ def stream_columns(schema: FeatureSchema) -> set[str]:
     """The history list columns of every stream (what v2 impression shards do not hold)."""
     return {c for s in schema.sequences
             for c in [s.item_column, s.event_column, s.ts_column]
-            + [s.attribute_column(a) for a in s.attributes]}
+            + [s.attribute_column(a) for a in s.attributes] + list(s.value_columns)}
 
 
 def impression_columns(schema: FeatureSchema, layout: int = LAYOUT_V1,
@@ -267,6 +270,12 @@ def _is_number_list(t: pa.DataType) -> bool:
     ) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))
 
 
+def _is_value_list(t: pa.DataType) -> bool:
+    """A per-event value column: a (variable-length) list of numbers."""
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and (
+        pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))
+
+
 def expected_types(schema: FeatureSchema) -> dict[str, tuple[str, Callable[[pa.DataType], bool]]]:
     """Column → (what it must be, a check of its Arrow type), per the layout
     in ``features.schema``."""
@@ -280,6 +289,7 @@ def expected_types(schema: FeatureSchema) -> dict[str, tuple[str, Callable[[pa.D
     for s in schema.sequences:
         out |= {c: int_list for c in [s.item_column, s.event_column, s.ts_column]
                 + [s.attribute_column(a) for a in s.attributes]}
+        out |= {c: ("a list of numbers (one per event)", _is_value_list) for c in s.value_columns}
     for t in schema.tasks:
         out[t.label_column] = ("a number (a 0/1 label, null if unknown)", _is_number)
         if t.prob_column:

@@ -5,10 +5,11 @@ so a producer's bug can train quietly; this check names every problem up front, 
 and value.
 
 Errors (the dataset is wrong): an unreadable manifest or schema; a listed file missing, unreadable
-or of another row count; a missing column or one of the wrong type; nulls in a v2 event log; an
-event log not sorted by (user_id, ts); a user's events in two buckets, or in another bucket than its
-impressions'; times in another unit than ``request_ts`` (found by magnitude: a millisecond time is
-~1000× a second one).
+or of another row count; a missing column or one of the wrong type; nulls in a v2 event log, or a
+NaN/inf in its per-event value columns (``SequenceStream.values``); an event log not sorted by
+(user_id, ts); a user's events in two buckets, or in another bucket than its impressions'; times in
+another unit than ``request_ts`` (found by magnitude: a millisecond time is ~1000× a second one).
+v1 rows with a NaN/inf value are quarantined rows (a warning below), as a NaN dense value is.
 
 Warnings (the loader keeps or repairs them, counted; ``--strict`` fails on them): ids outside
 ``[0, vocab)``, which the loader maps to the OOV row (new ads are normal in ads logs, a whole column
@@ -148,7 +149,10 @@ def _check_stream(data_dir: Path, manifest: DatasetManifest, schema: FeatureSche
         for c, values in ev.columns.items():
             if values.null_count:
                 report.errors.append(f"{where}: column {c!r} has {values.null_count} nulls")
-            _ids_in_range(where, c, values, vocab[c], report)
+            if c in vocab:
+                _ids_in_range(where, c, values, vocab[c], report)
+            else:
+                _finite(where, c, values, report)
         _duplicates(where, stream.name, ev, report)
         owners.append((np.unique(ev.user), bucket))
         if bucket in requests:
@@ -205,6 +209,16 @@ def _duplicates(where: str, stream: str, ev, report: Report) -> None:
         report.warnings.append(f"{where}: {n} events repeat the one before them exactly (e.g. "
                                f"user {ev.user[i]}, ts {ev.ts[i]}); kept, as v1 rows keep them; "
                                f"double logging upstream?")
+
+
+def _finite(where, column: str, values: pa.Array, report: Report) -> None:
+    """An event log's value column (read as float32): a NaN or ±inf is an error, as a null is."""
+    v = values.drop_null().to_numpy(zero_copy_only=False)
+    bad = ~np.isfinite(v)
+    if bad.any():
+        report.errors.append(f"{where}: column {column!r} has {int(bad.sum())} NaN/inf values "
+                             f"(e.g. {v[bad][0]}); the loader quarantines the rows whose history "
+                             f"holds one")
 
 
 def _ids_in_range(where, column: str, values, vocab: int, report: Report) -> None:

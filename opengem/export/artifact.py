@@ -124,10 +124,11 @@ def program_inputs(schema: FeatureSchema, layout: Layout, requests: list[dict]) 
 
 
 def _dynamic_shapes(x: dict) -> dict:
-    """Every dim dynamic except the recent window K and the dense and embedding widths (fixed by
-    the model)."""
+    """Every dim dynamic except the recent window K and the dense, embedding and per-event value
+    widths (fixed by the model)."""
     static = {("dense", 1), ("embeddings", 1)} | {(k, 1) for k in x
-                                                  if k.endswith((".recent_idx", ".recent_valid"))}
+                                                  if k.endswith((".recent_idx", ".recent_valid"))
+                                                  or k.startswith("seq_values.")}
     return {k: {i: (torch.export.Dim.STATIC if (k, i) in static else torch.export.Dim.AUTO)
                 for i in range(v.dim())}
             for k, v in x.items()}

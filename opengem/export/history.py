@@ -11,8 +11,9 @@ Store directory (``opengem history-store --data DATA --out STORE``, built once f
 
     STORE/history.json            format, source, per stream: the event columns and vocabularies it was
                                   built for (checked against the artifact's schema at load), events, users
-    STORE/<stream>.arrow          Arrow IPC file, uncompressed: user_id, ts, item, event, <attribute>…,
-                                  one record batch per user bucket, each sorted by (user_id, ts)
+    STORE/<stream>.arrow          Arrow IPC file, uncompressed: user_id, ts, item, event,
+                                  <attribute>… (int64), <value>… (float32), one record batch
+                                  per user bucket, each sorted by (user_id, ts)
     STORE/<stream>.users.arrow    per-user offsets: user (sorted), start, end (rows of <stream>.arrow)
 
 Why this shape: an uncompressed IPC file opened with ``pyarrow.memory_map`` is read in place, so
@@ -59,9 +60,10 @@ class HistoryStore(Protocol):
 
     ``lookup(user_id, request_ts, streams)`` returns, for each stream in ``streams`` that the store
     has events of this user in, its v1 history fields (``<stream>.item``, ``.event``, ``.ts``,
-    ``.<attribute>``: one int per event, events with ts < request_ts, newest ``max_len`` kept,
-    oldest → newest). A stream left out of the answer means the store has never seen the user there:
-    the request is scored with an empty history and the response counts it (``unknown_user``).
+    ``.<attribute>``: one int per event; ``.<value>``: one float per event; events with
+    ts < request_ts, newest ``max_len`` kept, oldest → newest). A stream left out of the answer
+    means the store has never seen the user there: the request is scored with an empty history and
+    the response counts it (``unknown_user``).
     ``check(schema)`` raises ``HistoryStoreError`` if the store cannot serve a model of ``schema``.
     """
 
@@ -88,8 +90,9 @@ def build_history_store(data_dir: str | Path, out_dir: str | Path) -> dict:
     ``history.json``'s content.
 
     Every bucket is read and checked by the loader's own ``read_bucket`` (sorted by (user, ts), no
-    null user or time). A null item, event or attribute is an error here (the loader quarantines
-    the rows such an event would reach; a server cannot), as is a user in two buckets.
+    null user or time). A null item, event or attribute, or a NaN/inf value, is an error here (the
+    loader quarantines the rows such an event would reach; a server cannot), as is a user in two
+    buckets.
     """
     data_dir, out = Path(data_dir), Path(out_dir)
     try:
@@ -121,7 +124,8 @@ def build_history_store(data_dir: str | Path, out_dir: str | Path) -> dict:
 def _build_stream(data_dir: Path, manifest: DatasetManifest, schema: FeatureSchema,
                   s: SequenceStream, out: Path) -> dict:
     cols = event_columns(schema, s)
-    arrow_schema = pa.schema([(c, pa.int64()) for c in cols])
+    values = set(s.values)
+    arrow_schema = pa.schema([(c, pa.float32() if c in values else pa.int64()) for c in cols])
     log_path, index_path = _paths(out, s.name)
     users, starts, ends, rows = [], [], [], 0
     with pa.OSFile(str(log_path), "wb") as sink, pa.ipc.new_file(sink, arrow_schema) as w:
@@ -133,8 +137,13 @@ def _build_stream(data_dir: Path, manifest: DatasetManifest, schema: FeatureSche
                                             f"column {c!r} has "
                                             f"{v.null_count} nulls; a served history cannot "
                                             f"hold them")
+                if c in values and not np.isfinite(v.to_numpy(zero_copy_only=False)).all():
+                    raise HistoryStoreError(f"{data_dir}: stream {s.name!r} bucket {b}: "
+                                            f"column {c!r} holds NaN/inf values; a served "
+                                            f"history cannot hold them")
             w.write_table(pa.table([pa.array(ev.user), pa.array(ev.ts)] +
-                                   [ev.columns[c].cast(pa.int64()) for c in cols[2:]],
+                                   [ev.columns[c].cast(arrow_schema.field(c).type)
+                                    for c in cols[2:]],
                                    schema=arrow_schema))
             u, first = np.unique(ev.user, return_index=True)
             users.append(u)

@@ -12,6 +12,7 @@ candidates index them through ``cand_user``. Two users with histories [e0 e1 e2]
     seq.<s>.item   = [e0 e1 e2 f0 ∅]                 ∅ = sentinel event, target of all padding
     pool_idx       = [[0 1 2] [3 4 4]]               pool_valid  = [[1 1 1] [1 0 0]]
     recent_idx (K=2) = [[1 2] [4 3]]                 recent_valid = [[1 1] [0 1]]
+    seq_values.<s>   = [v(e0) v(e1) v(e2) v(f0) 0]    [N + 1, V] per-event values, streams with any
 
 The training model sizes its recent window by the longest history in a batch; here it is always
 K slots, and the pooled window at least 2 (extra slots are masked padding). Training batches of
@@ -102,7 +103,9 @@ def _stream(s, reqs: list[ParsedRequest], limit: int, recent_len: int,
     vocab = [s.item_vocab_size, s.num_event_types] + [a.vocab_size for a in s.attributes]
     lens = np.array([len(r.sequences[s.ts_column]) for r in reqs], dtype=np.int64)
     offs = _offsets(lens)
-    flat = {c: np.concatenate([r.sequences[c] for r in reqs]) for c in cols + [s.ts_column]}
+    values = list(s.value_columns)
+    flat = {c: np.concatenate([r.sequences[c] for r in reqs])
+            for c in cols + [s.ts_column] + values}
     if (lens > limit).any():
         for u in np.flatnonzero(lens > limit):
             stats[u].truncated_rows[s.name] += 1
@@ -115,6 +118,9 @@ def _stream(s, reqs: list[ParsedRequest], limit: int, recent_len: int,
     for c, v in zip(cols, vocab):
         parts = [_ids(flat[c][offs[u]:offs[u + 1]], v, c, stats[u]) for u in range(len(reqs))]
         out[f"seq.{c}"] = torch.cat(parts + [torch.zeros(1, dtype=torch.int64)])  # + sentinel
+    if values:  # [N, V] as ``Batch.seq_values`` holds them, + a zero sentinel row
+        v = np.stack([flat[c] for c in values], axis=1).astype(np.float32)
+        out[f"seq_values.{s.name}"] = _t(np.concatenate([v, np.zeros((1, len(values)), v.dtype)]))
     req_ts = np.repeat(np.array([r.request_ts for r in reqs], dtype=np.int64), lens)
     age = (req_ts - flat[s.ts_column]).astype(np.float32)
     out[f"seq.{s.name}.age"] = _t(np.append(age, np.float32(0)))

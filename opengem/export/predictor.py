@@ -43,6 +43,7 @@ from opengem.export.request import (
     ParsedRequest,
     RequestError,
     check_history,
+    empty_history,
     error_from_validation,
     history_columns,
     parse,
@@ -161,7 +162,7 @@ class Predictor:
                                                  p.request_ts))
                 looked[s.name] = len(p.sequences[s.ts_column])
             else:
-                p.sequences.update({c: np.zeros(0, dtype=np.int64) for c in cols})
+                p.sequences.update(empty_history(s))
                 unknown[s.name] = 1
         p.lookup = {"looked_up": looked, "unknown_user": unknown}
 

@@ -27,6 +27,7 @@ Inputs, one dict (``input_spec`` lists it; the predictor fills it, see ``opengem
     seq.<s>.<col>      [N]    int64   item / event / attribute ids of every event, users concatenated;
                                       the last entry is a sentinel event that padding points at
     seq.<s>.age        [N]    float32 request time − event time, seconds
+    seq_values.<s>     [N, V] float32 per-event values of a stream that has any (sentinel row 0)
     seq.<s>.pool_idx, pool_valid      [U, L]  each user's events (padding → sentinel, invalid)
     seq.<s>.recent_idx, recent_valid  [U, K]  each user's newest K events, right-aligned
 
@@ -98,8 +99,8 @@ class ServingGEM(nn.Module):
 
     def history_tokens(self, x: dict[str, torch.Tensor], tower: nn.Module,
                        stream) -> list[torch.Tensor]:
-        """[N, D] per target-match combination: event model + match vector + time embedding, once
-        per event."""
+        """[N, D] per target-match combination: event model (tables + per-event values) + match
+        vector + time embedding, once per event."""
         cols = [stream.item_column, stream.event_column] + [stream.attribute_column(a)
                                                             for a in stream.attributes]
         names = [f"t_{stream.name}_item", f"t_{stream.name}_event"] + [f"t_{stream.name}_{a.name}"
@@ -109,6 +110,9 @@ class ServingGEM(nn.Module):
             e = self._rows(name, self._ids(x[f"seq.{col}"], col))
             # the order SparseArch.forward_sequences sums in
             values = e if values is None else values + e
+        ev = getattr(self.gem, "event_values", None)
+        if ev is not None and stream.name in ev.proj:  # then the values, as GEM.inputs adds them
+            values = values + ev(stream.name, x[f"seq_values.{stream.name}"])
         age = x[f"seq.{stream.name}.age"]
         A = len(self.match_pairs.get(stream.name, ()))
         if not A:

@@ -8,6 +8,7 @@ A request is one impression opportunity with many candidate ads, in the raw fiel
      "user_activity": 0.4, "hour_sin": 0.2, …,                    user and context dense floats
      "organic.item": [...], "organic.event": [...], "organic.ts": [...], "organic.category": [...],
      "ads.item": [...], …,                                        histories, oldest → newest
+     "organic.dwell": [...],                                      per-event values (floats), if any
      "candidates": [{"ad_id": 5, "advertiser_id": 2, …, "ad_quality": 0.7,        ad-group fields
                      "ad_content": [0.1, -0.3, …]}, …]}                  (embedding features: dim floats)
 
@@ -18,9 +19,10 @@ Checks, each failing with ``RequestError(status, field, message)``:
 types, required fields and unknown fields (422); non-finite or out-of-float32 dense values (422);
 a null dense value (422) unless its feature is ``missing="indicator"``: then null or left out is
 missing; an embedding vector of another length than its feature's ``dim`` (422); history lists of
-one stream of different lengths, event times not before the request or out of order (422, the checks
-``validate_rows`` quarantines training rows for); empty candidate lists (422); more candidates,
-longer histories or more multi-hot ids than the limits (413). A stream's history fields are required
+one stream of different lengths, event times not before the request or out of order, a per-event
+value (``SequenceStream.values``) NaN or ±inf (422, the checks ``validate_rows`` quarantines
+training rows for); empty candidate lists (422); more candidates, longer histories or more
+multi-hot ids than the limits (413). A stream's history fields are required
 unless the server has a history store (``opengem.export.history``): then a request with ``user_id``
 may leave out all fields of a stream and the store fills them (one field of a stream without the
 others is still a 422). Ids outside a feature's vocabulary are *not* errors: as in training they
@@ -72,7 +74,8 @@ class ParsedRequest:
     domain: int
     sparse: dict[str, np.ndarray]  # user/context feature → ids of the request
     dense: dict[str, float]  # user/context dense
-    sequences: dict[str, np.ndarray]  # "<stream>.<col>" → int64 per event (ts included)
+    # "<stream>.<col>" → int64 per event (ts included); a value column: float32 per event
+    sequences: dict[str, np.ndarray]
     cand_sparse: dict[str, tuple[np.ndarray, np.ndarray]]  # ad feature → (ids, lengths [C])
     cand_dense: dict[str, np.ndarray]  # ad dense → [C] float32
     num_candidates: int
@@ -126,10 +129,18 @@ def _vector(v: list, f, where: str) -> np.ndarray:
 
 
 def history_columns(s) -> tuple[str, ...]:
-    """A stream's history fields in a request (and v1 row): item, event, ts, then its attributes."""
+    """A stream's history fields in a request (and v1 row): item, event, ts, its attributes, then
+    its per-event values."""
     return (s.item_column, s.event_column, s.ts_column) + tuple(
         s.attribute_column(a) for a in s.attributes
-    )
+    ) + s.value_columns
+
+
+def empty_history(s) -> dict[str, np.ndarray]:
+    """A stream's history fields with no events, each of its field's dtype."""
+    values = set(s.value_columns)
+    return {c: np.zeros(0, dtype=np.float32 if c in values else np.int64)
+            for c in history_columns(s)}
 
 
 def request_models(schema: FeatureSchema, limits: Limits = Limits(),
@@ -156,7 +167,7 @@ def request_models(schema: FeatureSchema, limits: Limits = Limits(),
     for s in schema.sequences:
         n = limits.history(s)
         for col in history_columns(s):
-            item = _Ts if col == s.ts_column else _Id
+            item = _Ts if col == s.ts_column else _Float if col in s.value_columns else _Id
             t = Annotated[list[item], Field(max_length=n)]
             desc = f"stream {s.name}, oldest → newest, ≤ {n} events"
             fields[_py(col)] = ((t | None,
@@ -262,17 +273,24 @@ def parse(schema: FeatureSchema, req: BaseModel) -> ParsedRequest:
 
 
 def check_history(schema: FeatureSchema, s, fields: dict, ts: int) -> dict[str, np.ndarray]:
-    """One stream's history fields as int64 arrays, checked as ``validate_rows`` checks
-    training rows:
-    one entry per event in every field, events before the request, oldest → newest
-    (422 otherwise)."""
-    arrs = {c: np.asarray(fields[c], dtype=np.int64) for c in history_columns(s)}
+    """One stream's history fields as int64 arrays (value fields float32), checked as
+    ``validate_rows`` checks training rows: one entry per event in every field, events before the
+    request, oldest → newest, values finite in float32 (422 otherwise). A store's histories come
+    here too, so they pass the checks a client's do."""
+    values = set(s.value_columns)
+    arrs = {c: np.asarray(fields[c], dtype=np.float32 if c in values else np.int64)
+            for c in history_columns(s)}
     n = len(arrs[s.ts_column])
     for c, a in arrs.items():
         if len(a) != n:
             raise RequestError(422, c, f"has {len(a)} events but {s.ts_column} has {n}; "
                                        f"every list of stream {s.name!r} must have one entry "
                                        f"per event")
+    for c in s.value_columns:
+        bad = np.flatnonzero(~np.isfinite(arrs[c]))
+        if len(bad):
+            raise RequestError(422, c, f"event {int(bad[0])} is {float(arrs[c][bad[0]])}: "
+                                       f"per-event values must be finite float32 numbers")
     t = arrs[s.ts_column]
     if (t >= ts).any():
         raise RequestError(422, s.ts_column, f"events must happen before {schema.time_column}={ts}")
@@ -340,6 +358,8 @@ def synthetic_request(schema: FeatureSchema, num_candidates: int, history: int |
         req[s.ts_column] = (ts - 60 * np.arange(n, 0, -1)).tolist()
         for a in s.attributes:
             req[s.attribute_column(a)] = rng.integers(0, a.vocab_size, n).tolist()
+        for c in s.value_columns:  # heavy-tailed and positive, like dwell times and prices
+            req[c] = rng.lognormal(0.0, 1.5, n).tolist()
     cands = []
     for _ in range(num_candidates):
         c: dict[str, Any] = {}

@@ -16,6 +16,9 @@ Column layout of a shard (one impression per row)::
     <stream>.item      list<int64>      behaviour sequence item ids, oldest → newest
     <stream>.event     list<int64>      event type per event, in [0, num_event_types)
     <stream>.ts        list<int64>      event timestamps (seconds), non-decreasing, all < request_ts
+    <stream>.<attr>    list<int64>      one id per event for each ``EventAttribute`` of the stream
+    <stream>.<value>   list<float32>    one number per event for each of the stream's ``values``
+                                        (dwell seconds, watch fraction, price); finite
     <task.label>       int8/float       0/1 label
     <task.prob>        float            (synthetic worlds only) true probability the label was drawn with
 
@@ -106,10 +109,12 @@ class EventAttribute:
 class SequenceStream:
     """One behaviour event stream (e.g. ad engagements, organic views).
 
-    Each event is (item id, event type, timestamp, optional attributes) — Meta's event-based
-    features: an event model embeds each attribute and sums them into one event token.
-    ``max_len`` is the longest history the data may hold; longer histories keep their most recent
-    ``max_len`` events (counted).
+    Each event is (item id, event type, timestamp, optional attributes, optional numeric values) —
+    Meta's event-based features: an event model embeds each attribute and sums them into one event
+    token. ``values`` names per-event floats (dwell seconds, watch fraction, price), stored as
+    ``<stream>.<value>`` beside ``<stream>.item``: how long or how much an engagement was is signal
+    the event type alone cannot carry. ``max_len`` is the longest history the data may hold; longer
+    histories keep their most recent ``max_len`` events (counted).
     """
 
     name: str
@@ -121,9 +126,19 @@ class SequenceStream:
     # ad ids ≡ the candidate's ``ad_id``): the model compares each event's item with the
     # candidate's; None: the items are their own id space (organic content)
     matches: str | None = None
+    # names of per-event float values, each the column ``<stream>.<name>``; () = none
+    values: tuple[str, ...] = ()
 
     def attribute_column(self, attr: EventAttribute) -> str:
         return f"{self.name}.{attr.name}"
+
+    def value_column(self, value: str) -> str:
+        return f"{self.name}.{value}"
+
+    @property
+    def value_columns(self) -> tuple[str, ...]:
+        """The value columns, in ``values`` order (the model's [N, V] columns)."""
+        return tuple(self.value_column(v) for v in self.values)
 
     @property
     def item_column(self) -> str:
@@ -168,7 +183,8 @@ class FeatureSchema:
     Args:
         sparse: id features, in the order the model's tokens take ([B, n, D], n = len(sparse)).
         dense: float features ([B, F]).
-        sequences: behaviour streams, each stored as jagged lists per row.
+        sequences: behaviour streams, each stored as jagged lists per row (ids, times and any
+            per-event ``values``).
         tasks: binary labels ([B, T] with a mask), in the order of the model's logits.
         domains: the surfaces and the column holding each row's index.
         user_column, time_column, day_column: gAUC groups, the request time, the split key.
@@ -228,7 +244,7 @@ class FeatureSchema:
         for s in self.sequences:
             cols += [s.item_column, s.event_column, s.ts_column] + [
                 s.attribute_column(a) for a in s.attributes
-            ]
+            ] + list(s.value_columns)
         cols += [t.label_column for t in self.tasks]
         if with_probs:
             cols += [t.prob_column for t in self.tasks if t.prob_column]
@@ -306,6 +322,7 @@ class FeatureSchema:
                                       f"stream {s.name!r} attribute {a.name!r}")
             if s.matches is not None:
                 self._check_match(s.matches, s.item_vocab_size, f"stream {s.name!r} items")
+            self._check_values(s, attr_names)
         if not self.tasks:
             raise SchemaError("schema needs at least one task")
         task_names = {t.name for t in self.tasks}
@@ -329,6 +346,19 @@ class FeatureSchema:
             raise SchemaError(f"schema version {self.version} not supported "
                               f"(expected {SCHEMA_VERSION})")
 
+    @staticmethod
+    def _check_values(s: SequenceStream, attr_names: list[str]) -> None:
+        if not isinstance(s.values, tuple):
+            raise SchemaError(f"stream {s.name!r}: values must be a tuple of names, "
+                              f"got {s.values!r}")
+        for v in s.values:
+            if not isinstance(v, str) or not _NAME.match(v):
+                raise SchemaError(f"stream {s.name!r} value name {v!r} must match {_NAME.pattern}")
+        taken = {"item", "event", "ts"} | set(attr_names)
+        if len(set(s.values)) != len(s.values) or taken & set(s.values):
+            raise SchemaError(f"stream {s.name!r}: value names {list(s.values)} must be unique and "
+                              f"not item/event/ts or an attribute's name {sorted(attr_names)}")
+
     def _check_match(self, feature: str, vocab_size: int, what: str) -> None:
         f = next((f for f in self.sparse if f.name == feature), None)
         if f is None or f.multi_hot:
@@ -348,6 +378,11 @@ class FeatureSchema:
             for a in s["attributes"]:
                 if a["matches"] is None:
                     a.pop("matches")
+            # streams without values read (and hash) as they did before the field
+            if not s["values"]:
+                s.pop("values")
+            else:
+                s["values"] = list(s["values"])
         # schemas without embeddings read (and hash) as they did before the kind
         if not self.embeddings:
             d.pop("embeddings")
@@ -423,6 +458,10 @@ def _positive_int(v: object, what: str) -> None:
 
 
 def _stream(x: object) -> SequenceStream:
+    if isinstance(x, dict) and "values" in x:
+        if not isinstance(x["values"], (list, tuple)):
+            raise SchemaError(f"sequences: values must be a list of names, got {x['values']!r}")
+        x = {**x, "values": tuple(x["values"])}
     if isinstance(x, dict) and "attributes" in x:
         attrs = x["attributes"]
         if not isinstance(attrs, (list, tuple)):

@@ -8,6 +8,7 @@ Legend: B rows, n sparse features, F dense features, D dim, T tasks.
     batch.sequences ─► HistoryCounts ─► [B, 1, D] │                      ├─► InterFormer ─► Heads ─► logits [B, T]
     batch.embeddings ─► Linear dim→D each ─► [B, e, D] ┘ (precomputed vectors, e.g. ad content; e may be 0)
     batch.sequences ─► SparseArch (EC) + ages ─► per stream jagged [N, D] ┘   (Wukong ⇄ pyramid towers)
+    batch.seq_values ─► EventValues: Linear(signed_log) ─► + each event token (streams with values)
 
 Both sequence paths read the target match (event attribute == the candidate's id of that name).
 
@@ -26,7 +27,7 @@ from torch.nn.functional import one_hot
 
 from opengem.data.batch import Batch
 from opengem.features.schema import FeatureSchema
-from opengem.model.dense_norm import DenseNormalizer, signed_log  # noqa: F401 (signed_log: re-exported)
+from opengem.model.dense_norm import DenseNormalizer, signed_log
 from opengem.model.heads import Heads, HeadsConfig, LowOrderShortcut
 from opengem.model.interaction_arch import WukongConfig, mlp, unit_rms
 from opengem.model.interformer import InterFormer, InterFormerConfig
@@ -144,6 +145,56 @@ def embedding_tokens(proj: nn.ModuleList, schema: FeatureSchema,
         out.append(lin(emb_BE[:, start:start + f.dim].to(lin.weight.dtype)).unsqueeze(1))
         start += f.dim
     return out
+
+
+class EventValues(nn.Module):
+    """Each event's numeric values (``SequenceStream.values``: dwell seconds, watch fraction,
+    price) as one more summand of its token, beside its item, event-type and attribute rows:
+    ``Linear(V → D)(signed_log(values))`` per stream that has values (V of them).
+
+    Why signed_log (``model.dense_norm``'s default for dense floats): dwell times and prices are
+    heavy-tailed, and a raw value would let a few long dwells swamp the token; sign·log1p puts any
+    unit and scale in one range without fitted statistics, so training and serving need nothing
+    beyond the weights. No bias: a value of 0 leaves the token as the tables make it (the tables
+    already hold every per-event constant).
+
+    Args: schema, streams (the model's stream names, in order), dim (D). ``add(events, batch)``
+    takes ``SparseArch.forward_sequences``'s output and returns it with the values' vectors added.
+    """
+
+    def __init__(self, schema: FeatureSchema, streams: list[str], dim: int):
+        super().__init__()
+        self.columns = {s: list(schema.stream(s).value_columns) for s in streams
+                        if schema.stream(s).values}
+        self.proj = nn.ModuleDict({s: nn.Linear(len(cols), dim, bias=False)
+                                   for s, cols in self.columns.items()})
+
+    def forward(self, stream: str, values_NV: torch.Tensor) -> torch.Tensor:
+        """[N, D] of one stream's values [N, V] (raw, as collated)."""
+        lin = self.proj[stream]
+        return lin(signed_log(values_NV.to(lin.weight.dtype)))
+
+    def values(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """stream → its values [N, V] in ``values`` order, from ``Batch.seq_values``."""
+        if batch.seq_values is None:
+            raise ValueError(f"the schema's streams {sorted(self.columns)} have per-event values "
+                             "but the batch carries none (Batch.seq_values)")
+        per_key = batch.seq_values.to_dict()
+        return {s: torch.stack([per_key[c].values() for c in cols], dim=1)
+                for s, cols in self.columns.items()}
+
+    def add(self, events: dict[str, tuple[torch.Tensor, torch.Tensor]],
+            batch: Batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        vals = self.values(batch)
+        return {s: ((v + self(s, vals[s]), n) if s in vals else (v, n))
+                for s, (v, n) in events.items()}
+
+
+def event_values(schema: FeatureSchema, streams: list[str], dim: int) -> EventValues | None:
+    """The value projection of ``streams``, or None when none of them has values (a model of such
+    a schema builds exactly the modules it did before the field)."""
+    return (EventValues(schema, streams, dim)
+            if any(schema.stream(s).values for s in streams) else None)
 
 
 def match_flags(pairs: list[tuple[str, str, int]], batch: Batch,
@@ -361,6 +412,8 @@ class GEM(TableModel):
             # (and seeds) exactly the modules it did before the kind existed.
             self.embedding_proj = (nn.ModuleList([nn.Linear(f.dim, D) for f in schema.embeddings])
                                    if schema.embeddings else None)
+            # After it, for the same reason: only streams with per-event values add a module.
+            self.event_values = event_values(schema, self.streams, D)
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
@@ -397,6 +450,8 @@ class GEM(TableModel):
         seqs, counts = [], []
         if self.streams:
             emb = self.sparse_arch.forward_sequences(batch.sequences)
+            if self.event_values is not None:
+                emb = self.event_values.add(emb, batch)
             ages = batch.seq_age.to_dict()
             seq = batch.sequences.to_dict() if self.history_counts is not None else {}
             for tower, name in zip(self.interformer.towers, self.streams):

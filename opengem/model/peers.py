@@ -21,10 +21,10 @@ are adapted:
 - Tables: our ``SparseArch``, so sharding plans, the row-wise Adagrad table optimizer, table
   init and id hashing are the same as GEM's.
 - Sequences: DLRM has no sequence model. Each behaviour stream enters as ONE token: the mean over
-  the row's events of their embeddings (item + event type + attributes, the same event model GEM's
-  towers start from; an empty history gives zeros) — how DLRM users feed a history (a mean-pooled
-  embedding bag). The history cap is GEM's (``max_seq_len``). ``model.use_sequences=false``
-  drops them.
+  the row's events of their embeddings (item + event type + attributes + the Linear of the
+  per-event values, the same event model GEM's towers start from; an empty history gives zeros) —
+  how DLRM users feed a history (a mean-pooled embedding bag). The history cap is GEM's
+  (``max_seq_len``). ``model.use_sequences=false`` drops them.
 - DIN: the same event tokens, pooled per stream by a local activation unit against the candidate
   (``opengem.model.din``: the query is GEM's target-match rule), then every token and the dense
   vector concatenated into the OverArch, as DIN feeds its MLP.
@@ -65,7 +65,7 @@ from opengem.data.batch import Batch
 from opengem.features.schema import FeatureSchema
 from opengem.model.dense_norm import DenseNormalizer
 from opengem.model.din import ConcatInteraction, DINPooling
-from opengem.model.foundation import GEMConfig, TableModel
+from opengem.model.foundation import GEMConfig, TableModel, event_values
 from opengem.model.heads import base_rate_logits, chained_logit
 from opengem.model.sparse_arch import SparseArch
 from opengem.ops.jagged import row_ids
@@ -119,6 +119,9 @@ class PeerModel(TableModel):
             hidden = [*cfg.heads.trunk_dims, *cfg.heads.task_dims] or [4 * D]
             self.over_arch = OverArch(self.feature_dim, [*hidden, len(schema.tasks)])
             self.register_buffer("out_b", torch.zeros(schema.num_domains, len(schema.tasks)))
+            # last, and only when a stream has per-event values: GEM's event model (the values'
+            # Linear added to each event token), so the peers read what GEM reads
+            self.event_values = event_values(schema, self.streams, D)
         self.parent = [schema.task_names.index(t.requires)
                        if (t.requires and cfg.heads.chain_required) else -1
                        for t in schema.tasks]
@@ -181,6 +184,8 @@ class PeerModel(TableModel):
         tokens = [self.sparse_arch.forward_sparse(batch.sparse, B)]
         if self.streams:
             emb = self.sparse_arch.forward_sequences(batch.sequences)
+            if self.event_values is not None:
+                emb = self.event_values.add(emb, batch)
             if self.pool is not None:
                 tokens.append(self.pool(batch, emb, tokens[0], self.sparse_arch))
             else:

@@ -84,8 +84,12 @@ def cap_history(batch: Batch, schema: FeatureSchema, caps: dict[str, int]) -> Ba
                 by_key[col] = caps[s.name]
     if not by_key:
         return batch
+    values = None if batch.seq_values is None else _cap_kjt(
+        batch.seq_values, {c: caps[s.name] for s in schema.sequences if s.name in caps
+                           for c in s.value_columns})
     return dataclasses.replace(batch, sequences=_cap_kjt(batch.sequences, by_key),
-                               seq_age=_cap_kjt(batch.seq_age, {s: caps[s] for s in caps}))
+                               seq_age=_cap_kjt(batch.seq_age, {s: caps[s] for s in caps}),
+                               seq_values=values)
 
 
 def domain_ids(schema: FeatureSchema, names) -> list[int]:

@@ -118,6 +118,22 @@ def test_bad_embedding_vector(tmp_path, bad, reason):
                  reason, [1, 4])
 
 
+def test_nan_inf_event_value(tmp_path):
+    """Quarantine: a per-event value (``SequenceStream.values``: a dwell, a price) reaches the event
+    token through a Linear, so a NaN poisons the loss as a dense one does; in a v2 event log the
+    rows whose history holds the event are quarantined the same way (``opengem validate`` errs)."""
+    from opengem.testing import valued_schema
+
+    schema = valued_schema()
+    t = random_table(schema, ROWS, lengths={"s0": np.full(ROWS, 2)})
+    v = t.column("s0.dwell").to_pylist()
+    v[3], v[10] = [float("nan"), 1.0], [2.0, float("inf")]
+    side = _quarantined(tmp_path,
+                        _write(tmp_path, _set(t, "s0.dwell", v, pa.list_(pa.float32())), schema),
+                        "s0.dwell is NaN/inf", [3, 10])
+    assert np.isnan(side.column("s0.dwell")[0].as_py()[0])
+
+
 def test_negative_or_out_of_vocab_ids(tmp_path, caplog):
     """Repair, counted and logged once: ids unseen when the vocabulary was fixed (new ads, -1 for
     "unknown") are normal in ads logs; they share the OOV row, as at serving time."""

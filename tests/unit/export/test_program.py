@@ -389,3 +389,79 @@ def test_export_inputs_of_streams_shorter_than_the_example_histories():
     layout = Layout({s.name: s.max_len for s in schema.sequences}, 8)
     x = program_inputs(schema, layout, example_requests(schema, layout, [(3, 23), (2, -1)]))
     assert x["seq.s0.pool_idx"].shape == (2, 6) and len(x["seq.s0.item"]) == 2 * 6 + 1
+
+
+@pytest.mark.parametrize("specs, kw", [([(3, -1), (2, 0), (5, 7)], {}),
+                                       ([(4, 9), (1, 3)], {"count_decay_hours": (1.0,)})])
+def test_serving_module_with_per_event_values(specs, kw):
+    """A stream's per-event values (dwell, price) serve as they train: each event's token gets
+    the same Linear of signed_log(values), truncated with its events."""
+    from opengem.testing import valued_schema
+
+    schema = valued_schema()
+    model = _model(schema, **kw)
+    reqs = _requests(schema, specs, seed=29)
+    diff, _ = _compare(model, schema, reqs)
+    assert diff < TOL
+    # the values matter: another dwell in the newest event of the first request moves its scores
+    layout = Layout(model.max_seq_len(), model.cfg.sequence.recent_len)
+    _, req_model = request_models(schema)
+    x, _ = assemble(schema, [parse(schema, req_model.model_validate(r)) for r in reqs], layout)
+    assert x["seq_values.s0"].shape == (len(x["seq.s0.item"]), 2) and "seq_values.s1" not in x
+    assert not x["seq_values.s0"][-1].any()  # the sentinel event
+    reqs[0]["s0.dwell"][-1] *= 50.0
+    assert _compare(model, schema, reqs)[0] < TOL
+    with torch.no_grad():
+        y, _ = assemble(schema, [parse(schema, req_model.model_validate(r)) for r in reqs], layout)
+        before, after = serving_module(model)(x), serving_module(model)(y)
+    C0 = specs[0][0]
+    assert not torch.allclose(before[:C0], after[:C0]) and torch.equal(before[C0:], after[C0:])
+
+
+def test_exported_program_with_per_event_values():
+    """torch.export of a GEM whose stream carries values: one graph for any number of events."""
+    from opengem.testing import valued_schema
+
+    schema = valued_schema()
+    model = _model(schema)
+    layout = Layout(model.max_seq_len(), model.cfg.sequence.recent_len)
+    _, req_model = request_models(schema)
+    x = assemble(schema, [parse(schema, req_model.model_validate(r))
+                          for r in _requests(schema, [(3, 23), (5, 11)], seed=7)], layout)[0]
+    program = export_program(serving_module(model), x).module()
+    for specs in ([(2, 3)], [(7, -1), (1, 0)], [(2, 0)]):
+        diff, _ = _compare(model, schema, _requests(schema, specs, seed=2), fn=program)
+        assert diff < TOL, specs
+
+
+@pytest.mark.parametrize("change, field, words", [
+    (lambda r: r["s0.dwell"].pop(), "s0.dwell", "has 2 events but s0.ts has 3"),
+    (lambda r: r["s0.price"].__setitem__(1, float("nan")), "s0.price.1", "finite number"),
+    (lambda r: r["s0.dwell"].__setitem__(0, "long"), "s0.dwell.0", "valid number"),
+])
+def test_bad_per_event_values_are_a_422_naming_the_field(change, field, words):
+    from pydantic import ValidationError
+
+    from opengem.export.request import RequestError, check_history, error_from_validation
+    from opengem.testing import valued_schema
+
+    schema = valued_schema()
+    req = synthetic_request(schema, 2, 3)
+    change(req)
+    _, req_model = request_models(schema)
+    try:
+        parse(schema, req_model.model_validate(req))
+        raise AssertionError("accepted")
+    except ValidationError as e:
+        err = error_from_validation(e)
+    except RequestError as e:
+        err = e
+    assert err.status == 422 and err.field == field and words in err.message, err
+    # a store's history skips pydantic: check_history refuses its NaN the same way
+    s0 = schema.sequences[0]
+    given = {c: synthetic_request(schema, 1, 3)[c] for c in
+             ("s0.item", "s0.event", "s0.ts", "s0.category", "s0.dwell", "s0.price")}
+    given["s0.dwell"] = np.array([1.0, np.inf, 2.0], dtype=np.float32)
+    with pytest.raises(RequestError, match="event 1 is inf: per-event values must be finite") as e:
+        check_history(schema, s0, given, 1_700_000_000)
+    assert e.value.field == "s0.dwell"
