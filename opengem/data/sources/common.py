@@ -12,12 +12,16 @@ as the row (the row itself included) is never in its history, so no label leaks 
 
 Splits. A dataset's splits are logical days (the manifest maps a split to its days): adapters that
 split by time or by user write ``day`` 0 = train, 1 = valid, 2 = test unless they have real days.
+The generic importer computes the same splits in SQL (``impressions``); these are the definitions.
+
+Writing. ``write_shards`` takes rows already in output order, in chunks of any size, and cuts the
+shards; ``write_dataset`` is its in-memory front (columns whole, ordered here).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -93,12 +97,21 @@ def fit_ids(values: np.ndarray, train: np.ndarray) -> tuple[np.ndarray, int]:
     return vocab(values), vocab.vocab_size
 
 
-def parse_time(values: np.ndarray, where: str, divisor: int = 1) -> np.ndarray:
+def time_is_numeric(values: np.ndarray) -> bool:
+    """Whether a time column holds numbers (else ISO-8601 datetimes), judged on its first 100
+    values: a column read in chunks is judged once, on its head."""
+    return all(_is_float(x) for x in np.char.strip(np.asarray(values[:100]).astype(str)))
+
+
+def parse_time(values: np.ndarray, where: str, divisor: int = 1, numeric: bool | None = None,
+               row0: int = 0) -> np.ndarray:
     """Unix seconds (int64) from numbers (seconds × ``divisor``) or ISO-8601 datetimes
-    (``2019-11-24 00:00:34.76+00:00``; an offset is applied, none means UTC)."""
+    (``2019-11-24 00:00:34.76+00:00``; an offset is applied, none means UTC). ``numeric``: the
+    column's ``time_is_numeric`` (default: judged on ``values``); ``row0``: the row number of
+    ``values[0]`` in messages."""
     v = np.char.strip(np.asarray(values).astype(str))
-    if all(_is_float(x) for x in v[:100]):
-        return (to_float(v, where) // divisor).astype(np.int64)
+    if time_is_numeric(v) if numeric is None else numeric:
+        return (to_float(v, where, row0=row0) // divisor).astype(np.int64)
     out = np.empty(len(v), dtype=np.int64)
     for i, x in enumerate(v):
         off = 0
@@ -110,8 +123,8 @@ def parse_time(values: np.ndarray, where: str, divisor: int = 1) -> np.ndarray:
         try:
             out[i] = np.datetime64(x.replace(" ", "T"), "s").astype(np.int64) - off
         except ValueError:
-            raise ColumnError(f"{where}: {str(values[i])!r} in row {i} is not a unix time or "
-                              f"an ISO-8601 "
+            raise ColumnError(f"{where}: {str(values[i])!r} in row {row0 + i} is not a unix "
+                              f"time or an ISO-8601 "
                               "datetime") from None
     return out
 
@@ -130,7 +143,8 @@ def ranges(lo: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def history(ev_user: np.ndarray, ev_ts: np.ndarray, ev_cols: dict[str, np.ndarray],
             row_user: np.ndarray, row_ts: np.ndarray,
             max_len: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Each row's strictly-earlier events of the same user, oldest → newest, last ``max_len`` kept.
+    """Each row's strictly-earlier events of the same user, oldest → newest, last ``max_len``
+    kept.
 
     Returns ``{name: (flat values, lengths)}`` for every event column plus ``"ts"``. Ties in time
     keep the events' input order. ``row_user``/``ev_user`` are any comparable ids.
@@ -192,9 +206,9 @@ def split_by_time(ts: np.ndarray, valid: float, test: float) -> np.ndarray:
 
 
 def split_per_user(user: np.ndarray, ts: np.ndarray, valid: float, test: float) -> np.ndarray:
-    """Per-user time split: each user's last ``test`` share of rows (by time) → test, the ``valid``
-    share before → valid, the rest → train (``floor`` of each share, so a user with few rows keeps
-    them all in train). Returns the day (0/1/2) per row."""
+    """Per-user time split: each user's last ``test`` share of rows (by time) → test, the
+    ``valid`` share before → valid, the rest → train (``floor`` of each share, so a user with
+    few rows keeps them all in train). Returns the day (0/1/2) per row."""
     order = np.lexsort((np.arange(len(ts)), ts, user))
     u = np.asarray(user)[order]
     first = np.r_[True, u[1:] != u[:-1]]
@@ -218,31 +232,32 @@ def _bucket(rank: np.ndarray, n: np.ndarray, valid: float, test: float) -> np.nd
 
 
 def random_split(n: int, valid: float, test: float, seed: int) -> np.ndarray:
-    """A seeded random split, for data with no time at all. Returns the day (0/1/2) per row."""
-    rank = np.empty(n, dtype=np.int64)
-    rank[np.random.default_rng(seed).permutation(n)] = np.arange(n)
-    return _bucket(rank, np.full(n, n), valid, test)
+    """A seeded random split, for data with no time at all: the rows a seeded permutation puts last
+    are test, those before them valid (``_bucket``'s shares, without a rank array). Returns the day
+    (0/1/2) per row."""
+    perm = np.random.default_rng(seed).permutation(n)
+    n_test, n_valid = int(np.floor(n * test)), int(np.floor(n * valid))
+    day = np.full(n, TRAIN, dtype=np.int32)
+    day[perm[n - n_test - n_valid:]] = VALID
+    day[perm[n - n_test:]] = TEST
+    return day
 
 
 # --------------------------------------------------------------------------------------- writing
+ROWS_PER_SHARD = 50_000
+
+
 def write_dataset(out_dir: str | Path, schema: FeatureSchema, cols: dict, day: np.ndarray,
                   splits: dict[str, list[int]] | None = None, source: dict | None = None,
-                  rows_per_shard: int = 50_000, layout: int = LAYOUT_V1, buckets: int = 1,
+                  rows_per_shard: int = ROWS_PER_SHARD, layout: int = LAYOUT_V1, buckets: int = 1,
                   events: Callable[[ShardWriter], None] | None = None) -> DatasetManifest:
     """Write rows (``cols``: name → array, or (flat values, lengths) for list columns) as shards.
 
-    One or more shards per day, rows in time order inside a day. ``splits`` defaults to day 0/1/2 →
-    train/valid/test. The row counts per split go into the manifest's ``source.rows``.
-    Layout v2: one or more shards per (day, user bucket ``user_id % buckets``) and no history
-    columns; ``events(writer)`` writes the event logs (``ShardWriter.write_events``) of the
-    same buckets.
+    One or more shards per day, rows in time order inside a day (ties in row order). Layout v2:
+    per (day, user bucket ``user_id % buckets``). The rest is ``write_shards``'s.
     """
     day = np.asarray(day, dtype=np.int32)
-    splits = splits or {s: [d] for d, s in enumerate(SPLITS)}
-    for name in impression_columns(schema, layout):
-        if name not in cols and name not in (schema.day_column,):
-            raise SchemaError(f"adapter produced no column {name!r} that its schema declares")
-    writer = ShardWriter(out_dir, schema, layout=layout)
+    _check_columns(schema, cols, layout)
     offsets = {k: np.r_[0, np.cumsum(v[1])] for k, v in cols.items() if isinstance(v, tuple)}
     ts = np.asarray(cols[schema.time_column])
     bucket = (
@@ -250,42 +265,132 @@ def write_dataset(out_dir: str | Path, schema: FeatureSchema, cols: dict, day: n
         if layout == LAYOUT_V2
         else np.zeros(len(day), np.int64)
     )
-    for d in np.unique(day):
-        for b in np.unique(bucket[day == d]):
-            rows = np.flatnonzero((day == d) & (bucket == b))
-            rows = rows[np.argsort(ts[rows], kind="stable")]
-            for part, i in enumerate(range(0, len(rows), rows_per_shard)):
-                table = _table(schema, cols, offsets, rows[i:i + rows_per_shard], int(d), layout)
-                if layout == LAYOUT_V2:
-                    writer.write(table, f"d{d:03d}-b{b:05d}-p{part:04d}", d, bucket=int(b))
-                else:
-                    writer.write(table, f"d{d:03d}-p{part:04d}", d)
+
+    def ordered():
+        for d in np.unique(day):
+            for b in np.unique(bucket[day == d]):
+                rows = np.flatnonzero((day == d) & (bucket == b))
+                rows = rows[np.argsort(ts[rows], kind="stable")]
+                for i in range(0, len(rows), rows_per_shard):
+                    yield int(d), int(b), take_rows(cols, offsets, rows[i:i + rows_per_shard])
+
+    return write_shards(out_dir, schema, ordered(), splits, source, rows_per_shard, layout, events)
+
+
+def write_shards(out_dir: str | Path, schema: FeatureSchema,
+                 chunks: Iterable[tuple[int, int, dict]],
+                 splits: dict[str, list[int]] | None = None, source: dict | None = None,
+                 rows_per_shard: int | None = None, layout: int = LAYOUT_V1,
+                 events: Callable[[ShardWriter], None] | None = None) -> DatasetManifest:
+    """Write rows that arrive in output order as (day, bucket, columns) chunks of any size: each
+    (day, bucket) run is cut into shards of ``rows_per_shard`` rows, so only one shard's rows are
+    held, whatever the table's length.
+
+    ``splits`` defaults to day 0/1/2 → train/valid/test; the row counts per split go into the
+    manifest's ``source.rows``. Layout v2: shards are named by user bucket and carry no history
+    columns; ``events(writer)`` then writes the event logs (``ShardWriter.write_events``) of the
+    same buckets. ``rows_per_shard`` defaults to ``ROWS_PER_SHARD``.
+    """
+    rows_per_shard = rows_per_shard or ROWS_PER_SHARD
+    splits = splits or {s: [d] for d, s in enumerate(SPLITS)}
+    writer = ShardWriter(out_dir, schema, layout=layout)
+    per_day: dict[int, int] = {}
+    key, part, held = None, 0, []
+
+    def flush(rows: int) -> None:
+        nonlocal part, held
+        whole = held[0] if len(held) == 1 else concat_rows(held)
+        table = _table(schema, slice_rows(whole, 0, rows), key[0], layout)
+        if layout == LAYOUT_V2:
+            writer.write(table, f"d{key[0]:03d}-b{key[1]:05d}-p{part:04d}", key[0], bucket=key[1])
+        else:
+            writer.write(table, f"d{key[0]:03d}-p{part:04d}", key[0])
+        rest = n_rows(whole) - rows
+        held, part = ([slice_rows(whole, rows, rest)] if rest else []), part + 1
+
+    for d, b, chunk in chunks:
+        _check_columns(schema, chunk, layout)
+        if (d, b) != key:
+            if held:
+                flush(sum(map(n_rows, held)))
+            key, part = (d, b), 0
+        held.append(chunk)
+        per_day[d] = per_day.get(d, 0) + n_rows(chunk)
+        while held and sum(map(n_rows, held)) >= rows_per_shard:
+            flush(rows_per_shard)
+    if held:
+        flush(sum(map(n_rows, held)))
     if events is not None:
         events(writer)
-    rows_per_split = {s: int(np.isin(day, ds).sum()) for s, ds in splits.items()}
+    rows_per_split = {s: sum(per_day.get(d, 0) for d in ds) for s, ds in splits.items()}
     return writer.close(splits, source={**(source or {}), "rows": rows_per_split})
 
 
-def _table(schema: FeatureSchema, cols: dict, offsets: dict, rows: np.ndarray, day: int,
-           layout: int = LAYOUT_V1) -> pa.Table:
+def _check_columns(schema: FeatureSchema, cols: dict, layout: int) -> None:
+    for name in impression_columns(schema, layout):
+        if name not in cols and name not in (schema.day_column,):
+            raise SchemaError(f"adapter produced no column {name!r} that its schema declares")
+
+
+def n_rows(cols: dict) -> int:
+    v = next(iter(cols.values()))
+    return len(v[1]) if isinstance(v, tuple) else len(v)
+
+
+def take_rows(cols: dict, offsets: dict, rows: np.ndarray) -> dict:
+    """``rows`` of every column (list columns as (flat values, lengths); ``offsets`` their row
+    starts)."""
     out = {}
+    for name, v in cols.items():
+        if isinstance(v, tuple):
+            out[name] = (v[0][ranges(offsets[name][rows], v[1][rows])], v[1][rows])
+        else:
+            out[name] = np.asarray(v)[rows]
+    return out
+
+
+def slice_rows(cols: dict, start: int, count: int) -> dict:
+    """Rows ``start .. start+count-1`` of chunk columns."""
+    out = {}
+    for name, v in cols.items():
+        if isinstance(v, tuple):
+            lo = int(v[1][:start].sum())
+            out[name] = (v[0][lo:lo + int(v[1][start:start + count].sum())],
+                         v[1][start:start + count])
+        else:
+            out[name] = v[start:start + count]
+    return out
+
+
+def concat_rows(chunks: list[dict]) -> dict:
+    out = {}
+    for name, v in chunks[0].items():
+        if isinstance(v, tuple):
+            out[name] = (np.concatenate([c[name][0] for c in chunks]),
+                         np.concatenate([c[name][1] for c in chunks]))
+        else:
+            out[name] = np.concatenate([c[name] for c in chunks])
+    return out
+
+
+def _table(schema: FeatureSchema, cols: dict, day: int, layout: int = LAYOUT_V1) -> pa.Table:
+    out = {}
+    n = n_rows(cols)
     for name in impression_columns(schema, layout):
         if name == schema.day_column:
-            out[name] = pa.array(np.full(len(rows), day, dtype=np.int32))
+            out[name] = pa.array(np.full(n, day, dtype=np.int32))
             continue
         v = cols[name]
-        if isinstance(v, tuple):
-            off = offsets[name]
-            out[name] = list_array(v[0][ranges(off[rows], v[1][rows])], v[1][rows])
-        else:
-            out[name] = pa.array(np.asarray(v)[rows])
+        out[name] = list_array(v[0], v[1]) if isinstance(v, tuple) else pa.array(np.asarray(v))
     return pa.table(out)
 
 
 # --------------------------------------------------------------------------------------- reading
 def read_csv(path: str | Path, sep: str = ",", encoding: str = "utf8",
-             numeric: Callable[[str], bool] | None = None) -> dict[str, np.ndarray]:
-    """Every column of a CSV/TSV (``.gz`` too) as a numpy ``str`` array, header names as written.
+             numeric: Callable[[str], bool] | None = None,
+             columns: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Every column of a CSV/TSV (``.gz`` too) as a numpy ``str`` array, header names as written
+    (``columns``: just these).
 
     Columns for which ``numeric(name)`` holds are parsed as float64 (blank → NaN), which is much
     faster than strings; if one of them holds a non-number the file is read again as strings, so
@@ -300,15 +405,16 @@ def read_csv(path: str | Path, sep: str = ",", encoding: str = "utf8",
             "parse_options": pa_csv.ParseOptions(delimiter=sep)}
     try:
         names = pa_csv.open_csv(path, **opts).schema.names
+        names = [n for n in names if columns is None or n in columns]
         types = {n: pa.float64() if numeric and numeric(n) else pa.string() for n in names}
         try:
-            table = pa_csv.read_csv(path, convert_options=pa_csv.ConvertOptions(column_types=types),
-                                    **opts)
+            table = pa_csv.read_csv(path, convert_options=pa_csv.ConvertOptions(
+                column_types=types, include_columns=names), **opts)
         except pa.ArrowInvalid:
             if not numeric:
                 raise
             table = pa_csv.read_csv(path, convert_options=pa_csv.ConvertOptions(
-                column_types={n: pa.string() for n in names}), **opts)
+                column_types={n: pa.string() for n in names}, include_columns=names), **opts)
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"{path}: not a readable CSV ({e})") from e
     return {n: _numpy(table.column(i)) for i, n in enumerate(names)}
@@ -327,10 +433,10 @@ def need(cols: dict, names: list[str], where: str) -> None:
 
 
 def to_float(values: np.ndarray, where: str, fill: float | None = None,
-             keep_missing: bool = False) -> np.ndarray:
-    """Strings (or numbers) → float64; empty cells / nulls become ``fill`` (an error if ``fill`` is
-    None), or stay NaN with ``keep_missing`` (a ``missing="indicator"`` feature: the model
-    flags them)."""
+             keep_missing: bool = False, row0: int = 0) -> np.ndarray:
+    """Strings (or numbers) → float64; empty cells / nulls become ``fill`` (an error if ``fill``
+    is None), or stay NaN with ``keep_missing`` (a ``missing="indicator"`` feature: the model
+    flags them). ``row0``: the row number of ``values[0]`` in messages (a chunk of a file)."""
     v = np.asarray(values)
     if v.dtype.kind not in "iufb":
         v = v.astype(str)
@@ -349,7 +455,8 @@ def to_float(values: np.ndarray, where: str, fill: float | None = None,
         return out
     if missing.any():
         if fill is None:
-            raise ColumnError(f"{where}: empty value in row {int(np.flatnonzero(missing)[0])} "
+            raise ColumnError(f"{where}: empty value in row "
+                              f"{row0 + int(np.flatnonzero(missing)[0])} "
                               f"(no fill given)")
         out[missing] = fill
     if not np.isfinite(out).all():
@@ -357,16 +464,17 @@ def to_float(values: np.ndarray, where: str, fill: float | None = None,
     return out
 
 
-def to_label(values: np.ndarray, where: str, positive_at: float | None = None) -> np.ndarray:
+def to_label(values: np.ndarray, where: str, positive_at: float | None = None,
+             row0: int = 0) -> np.ndarray:
     """A 0/1 label as int8 (``positive_at``: label = value >= threshold); other values are
-    an error."""
-    v = to_float(values, where)
+    an error. ``row0`` as for ``to_float``."""
+    v = to_float(values, where, row0=row0)
     if positive_at is not None:
         return (v >= positive_at).astype(np.int8)
     bad = (v != 0) & (v != 1)
     if bad.any():
         raise ColumnError(f"{where}: label value {float(v[bad][0])!r} in "
-                          f"row {int(np.flatnonzero(bad)[0])} "
+                          f"row {row0 + int(np.flatnonzero(bad)[0])} "
                           "is not 0 or 1")
     return v.astype(np.int8)
 

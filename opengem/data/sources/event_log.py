@@ -1,12 +1,13 @@
 """Histories of a real log stored as layout v2 (``docs/dataset-layout.md``): an events table, or
 per-row list columns that turn out to be prefixes of one per-user history.
 
-``EventTable`` (``sequence.from: events``) never holds the events in memory: DuckDB reads the event
-files (CSV/TSV/Parquet), joins the users to the impressions' user ids and writes the events into
-user buckets (``PARTITION BY``, spilling to disk under ``MEMORY_LIMIT``); then one bucket at a time
-is read back sorted by (user, time) (DuckDB ``ORDER BY``), encoded and written as that bucket's log.
-Peak memory is one bucket (``EVENTS_PER_BUCKET`` events) plus DuckDB's limit, whatever the log's
-length. The input need not be sorted: the importer sorts, and says so. Several streams
+``EventTable`` (``sequence.from: events``) never holds the events in memory: DuckDB (the import's
+``impressions.Workspace``) reads the event files (CSV/TSV/Parquet), joins the users to the
+impressions' user ids (its ``users`` table) and writes the events into user buckets
+(``PARTITION BY``, spilling to disk under ``impressions.MEMORY_LIMIT``); then one bucket at a time
+is read back sorted by (user, time) (DuckDB ``ORDER BY``), encoded and written as that bucket's
+log. Peak memory is one bucket (``EVENTS_PER_BUCKET`` events) plus DuckDB's limit, whatever the
+log's length. The input need not be sorted: the importer sorts, and says so. Several streams
 (``sequences``) are one ``EventTable`` each, partitioned into the dataset's one bucket count.
 
 ``list_histories`` (``sequence.from: lists``) reads per-row list columns (items, per-event times),
@@ -18,7 +19,7 @@ lists (v1), with their times. Either way the log line and ``source.storage`` say
 from __future__ import annotations
 
 import logging
-import tempfile
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,12 +29,12 @@ import pyarrow.compute as pc
 
 from opengem.data.parquet import LAYOUT_V1, LAYOUT_V2, ShardWriter
 from opengem.data.sources.common import ColumnError, Vocab, history, ranges
+from opengem.data.sources.impressions import Users, Workspace
 from opengem.features.schema import SequenceStream
 
 log = logging.getLogger("opengem")
 
 EVENTS_PER_BUCKET = 1_000_000  # one bucket's events are in memory at a time (~100 MB encoded)
-MEMORY_LIMIT = "512MB"  # DuckDB's working memory; beyond it its sort and partitioning spill to disk
 # event times this many times larger/smaller than request_ts: another unit (ms vs s)
 UNIT_RATIO = 30.0
 
@@ -72,39 +73,26 @@ class EventTable:
     """An events table (one row per event) → the v2 event logs of one stream; see the
     module docstring.
 
-    ``s`` is the stream's spec (``key`` its path in the spec, for messages). ``user_vocab`` maps
-    the raw user values to the impressions' ``user_id``; events of users with no impression are
-    dropped (counted). ``train_ts`` is each user's last train request time: a vocabulary fitted
-    on the log (``fit``) sees only the events a train row's history can hold. The id encoders of
-    the item and the attributes are given to ``stream``; event types get contiguous ids of the
-    values in the log.
+    ``s`` is the stream's spec (``key`` its path in the spec, for messages; ``name`` its view's
+    name in the workspace ``ws``). The workspace's ``users`` table (u, uid, train_ts) maps the raw
+    user values to the impressions' ``user_id``; events of users with no impression are dropped
+    (counted). ``train_ts`` is each user's last train request time: a vocabulary fitted on the log
+    (``fit``) sees only the events a train row's history can hold. The id encoders of the item and
+    the attributes are given to ``stream``; event types get contiguous ids of the values in the
+    log.
     """
 
-    def __init__(self, s: dict, base: Path, user_vocab: Vocab, row_user: np.ndarray,
-                 row_ts: np.ndarray, divisor: int, key: str = "sequence",
-                 train_ts: np.ndarray | None = None):
-        import duckdb  # the out-of-core sort and partitioning; only this importer needs it
-
-        self.s, self.key = s, key
+    def __init__(self, s: dict, base: Path, ws: Workspace, users: Users, divisor: int,
+                 key: str = "sequence", name: str = "ev"):
+        self.s, self.key, self.ev = s, key, name
         self.files = [base / f for f in s["files"]]
         self.cols = {"user": s["user"], "time": s["time"], "item": s["item"]}
         if "event" in s:
             self.cols["event"] = s["event"]
         self.cols |= {f"a{i}": a if isinstance(a, str) else a["column"]
                       for i, a in enumerate(s["attributes"])}
-        self._tmp = tempfile.TemporaryDirectory(prefix="opengem-import-")
-        self.con = duckdb.connect(config={"memory_limit": MEMORY_LIMIT, "threads": 1,
-                                          "temp_directory": str(Path(self._tmp.name) / "spill")})
-        self.duckdb_error = duckdb.Error
-        never = np.iinfo(np.int64).min
-        users = pa.table({"u": pa.array(user_vocab.values.astype(str)),
-                          "uid": pa.array(np.arange(len(user_vocab))),
-                          "train_ts": pa.array(np.full(len(user_vocab), never)
-                                               if train_ts is None else train_ts)})
-        self.con.register("users", users)
-        self.row_user, self.row_ts = row_user, row_ts
-        self.last_ts = np.full(len(user_vocab), never)  # a user's last impression
-        np.maximum.at(self.last_ts, row_user, row_ts)
+        self.con, self.duckdb_error, self.dir = ws.con, ws.error, ws.dir / name
+        self.last_ts, self.req_max = users.last_ts, users.req_max  # a user's last impression
         self.counts: dict[str, int] = {}
         self._events_view(divisor)
         self._check()
@@ -143,7 +131,7 @@ class EventTable:
             vals = ", ".join(f"CAST({_q(c)} AS VARCHAR) AS {k}" for k,
                              c in self.cols.items() if k != "time")
             parts.append(f"SELECT {vals}, {ts} AS ts, {fi} AS fi, {rn} AS rn FROM {src}")
-        self.con.sql("CREATE VIEW ev AS " + " UNION ALL ".join(parts))
+        self.con.sql(f"CREATE VIEW {self.ev} AS " + " UNION ALL ".join(parts))
 
     def _check(self) -> None:
         """Nulls, unparseable times and times of another unit than ``request_ts``: errors naming
@@ -151,11 +139,12 @@ class EventTable:
         try:
             rows = self.con.sql("SELECT fi, count(*), count(*) - count(user), count(*) - "
                                 "count(ts), min(ts), max(ts), "
-                                "count(*) - count(item) FROM ev GROUP BY fi ORDER BY fi").fetchall()
+                                f"count(*) - count(item) FROM {self.ev} GROUP BY fi "
+                                "ORDER BY fi").fetchall()
         except self.duckdb_error as e:
             raise ColumnError(f"{[str(f) for f in self.files]}: column {self.cols['time']!r}: a "
                               f"value is not a unix time or an ISO-8601 datetime ({e})") from e
-        req_max = int(self.row_ts.max()) if len(self.row_ts) else 0
+        req_max = self.req_max
         for fi, n, null_user, null_ts, lo, hi, null_item in rows:
             f = self.files[fi]
             for col, k in ((self.cols["user"], null_user), (self.cols["time"], null_ts)):
@@ -180,7 +169,7 @@ class EventTable:
 
     def known(self) -> int:
         """The events of users with an impression (the others are dropped, counted)."""
-        known = int(self.con.sql("SELECT count(*) FROM ev JOIN users ON ev.user "
+        known = int(self.con.sql(f"SELECT count(*) FROM {self.ev} ev JOIN users ON ev.user "
                                  "= users.u").fetchall()[0][0])
         self.counts["events_of_users_without_impressions_dropped"] = (
             self.counts["events_read"] - known)
@@ -191,8 +180,9 @@ class EventTable:
         files, unused) fitted on the events a train row's
         history can hold (strictly before the user's last train impression): an id first seen
         later is OOV, as a new item is in production and as sparse features are fitted."""
-        values = self.con.sql(f"SELECT DISTINCT {key} FROM ev JOIN users ON ev.user = users.u "
-                              f"WHERE ev.ts < users.train_ts AND {key} IS NOT NULL").fetchall()
+        values = self.con.sql(f"SELECT DISTINCT {key} FROM {self.ev} ev JOIN users "
+                              f"ON ev.user = users.u WHERE ev.ts < users.train_ts "
+                              f"AND {key} IS NOT NULL").fetchall()
         return Vocab(np.array([r[0] for r in values], dtype=str))
 
     def partition(self, buckets: int) -> None:
@@ -200,10 +190,11 @@ class EventTable:
         on disk."""
         self.buckets = buckets
         keys = [k for k in self.cols if k not in ("user", "time")]
-        self.parts = Path(self._tmp.name) / "parts"
+        self.parts = self.dir / "parts"
+        self.dir.mkdir(exist_ok=True)
         self.con.sql(f"COPY (SELECT uid % {self.buckets} AS bucket, uid, ts, {', '.join(keys)}, "
-                     f"fi, rn FROM ev JOIN users ON ev.user = users.u) TO {_lit(self.parts)} "
-                     f"(FORMAT parquet, PARTITION_BY (bucket))")
+                     f"fi, rn FROM {self.ev} ev JOIN users ON ev.user = users.u) "
+                     f"TO {_lit(self.parts)} (FORMAT parquet, PARTITION_BY (bucket))")
         self.keys = keys
         log.info("import: %d events sorted by (user, time) and split into %d buckets by DuckDB "
                  "(input order is not required)", self.counts["events_read"]
@@ -216,8 +207,8 @@ class EventTable:
         sorted values in the log."""
         if "event" in self.cols:
             values = [r[0]
-                      for r in self.con.sql("SELECT DISTINCT event FROM ev WHERE event IS "
-                                            "NOT NULL").fetchall()]
+                      for r in self.con.sql(f"SELECT DISTINCT event FROM {self.ev} WHERE event "
+                                            "IS NOT NULL").fetchall()]
             self.event_vocab = Vocab(np.array(values, dtype=str))
         else:
             self.event_vocab = None
@@ -241,7 +232,7 @@ class EventTable:
             uid, ts = t.column("uid").to_numpy(), t.column("ts").to_numpy()
             cols = {"user_id": uid, "ts": ts}
 
-            def enc(key: str, encoder) -> np.ndarray:
+            def enc(key: str, encoder, t=t) -> np.ndarray:
                 raw = t.column(key).fill_null("").to_numpy(zero_copy_only=False).astype(str)
                 return encoder(raw)
 
@@ -275,8 +266,7 @@ class EventTable:
         self.counts |= {f"{k}_out_of_range_to_oov": v for k, v in oov.items() if v}
         if exact:
             log.warning("import: %d exact duplicate events kept (double logging upstream?)", exact)
-        self.con.close()
-        self._tmp.cleanup()
+        shutil.rmtree(self.dir, ignore_errors=True)  # its buckets, written: free the disk
 
     def storage(self) -> Storage:
         return Storage(LAYOUT_V2,

@@ -1,6 +1,6 @@
-"""A generated real-log-shaped input (impressions table + events table, or impressions with list
-columns) for the importer's tests and its memory benchmark. Written in chunks of users, so a log far
-larger than memory can be made."""
+"""A generated real-log-shaped input (impressions table + events table, optionally a second events
+table of ad clicks) for the importer's tests and its memory benchmark. Events are written in chunks
+of users, so an events log far larger than memory can be made."""
 
 from __future__ import annotations
 
@@ -14,22 +14,32 @@ T0 = 1_700_000_000  # unix seconds: the log's start
 SPAN = 30 * 86400  # 30 days
 
 
-def spec(max_len: int = 50, **sequence) -> dict:
-    """The generic importer's spec of a ``write_log`` directory (``sequence`` overrides)."""
+def spec(max_len: int = 50, ad_clicks: int = 0, **sequence) -> dict:
+    """The generic importer's spec of a ``write_log`` directory (``sequence`` overrides);
+    ``ad_clicks`` > 0 adds the ad-click table as a second stream of that ``max_len``, whose items
+    are the impressions' ``item_id`` ids."""
     seq = {"name": "clicks", "from": "events", "files": ["events.parquet"], "item": "item_id",
            "event": "action", "attributes": ["cat"], "max_len": max_len} | sequence
-    return {"files": {"train": ["impressions.parquet"], "test": []}, "user": "user", "time": "ts",
-            "tasks": [{"name": "click", "column": "click"}],
-            "sparse": [{"column": "item_id", "group": "ad", "vocab_size": 10_000},
-                       {"column": "cat", "group": "ad", "vocab_size": 50}],
-            "split": {"by": "user_time", "valid": 0.1, "test": 0.2}, "sequence": seq}
+    out = {"files": {"train": ["impressions.parquet"], "test": []}, "user": "user", "time": "ts",
+           "tasks": [{"name": "click", "column": "click"}],
+           "sparse": [{"column": "item_id", "group": "ad", "vocab_size": 10_000},
+                      {"column": "cat", "group": "ad", "vocab_size": 50}],
+           "split": {"by": "user_time", "valid": 0.1, "test": 0.2}, "sequence": seq}
+    if ad_clicks:
+        ads = {"name": "ad_clicks", "from": "events", "files": ["ad_clicks.parquet"],
+               "item": "ad", "matches": "item_id", "max_len": ad_clicks,
+               "attributes": [{"column": "cat", "name": "ad_cat", "matches": "cat"}]}
+        out = {k: v for k, v in out.items() if k != "sequence"} | {"sequences": [seq, ads]}
+    return out
 
 
 def write_log(out: str | Path, rows: int, users: int, events_per_user: int, seed: int = 0,
-              shuffle: bool = True, chunk_users: int = 500) -> Path:
+              shuffle: bool = True, chunk_users: int = 500, ad_clicks_per_user: int = 0) -> Path:
     """``out/impressions.parquet`` (``rows`` impressions of ``users`` users) and
     ``out/events.parquet`` (``events_per_user`` events each, in shuffled order unless ``shuffle``
-    is False)."""
+    is False); with ``ad_clicks_per_user`` also ``out/ad_clicks.parquet`` (user, ts, ad, cat: ads
+    of the impressions' ``item_id`` space), drawn from a generator of its own so that the other
+    tables are those of a log without it."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -56,4 +66,19 @@ def write_log(out: str | Path, rows: int, users: int, events_per_user: int, seed
             w.write_table(pa.table({"user": u, "ts": ts, "item_id": it, "action": action,
                                     "cat": it % 50},
                                    schema=schema))
+    if ad_clicks_per_user:
+        _ad_clicks(out / "ad_clicks.parquet", users, ad_clicks_per_user, seed, chunk_users)
     return out
+
+
+def _ad_clicks(path: Path, users: int, per_user: int, seed: int, chunk_users: int) -> None:
+    rng = np.random.default_rng([seed, 1])
+    schema = pa.schema([("user", pa.int64()), ("ts", pa.int64()), ("ad", pa.int64()),
+                        ("cat", pa.int64())])
+    with pq.ParquetWriter(path, schema, compression="zstd") as w:
+        for u0 in range(0, users, chunk_users):
+            u = np.repeat(np.arange(u0, min(u0 + chunk_users, users)), per_user)
+            u = u[rng.permutation(len(u))]
+            ad = rng.integers(0, 10_000, len(u))
+            w.write_table(pa.table({"user": u, "ts": T0 + rng.integers(0, SPAN, len(u)), "ad": ad,
+                                    "cat": ad % 50}, schema=schema))

@@ -5,6 +5,14 @@ without them every ``*.csv``, ``*.csv.gz``, ``*.tsv`` and ``*.parquet`` in it is
 order. Rows keep their input order as the tie-break of equal times; with no ``time`` column the row
 number (across files, in order) is the time, so "earlier" means "above".
 
+The stages, top to bottom in ``convert_frames``: check the spec → scan the impressions into a
+DuckDB workspace in chunks and split them (``impressions``) → fit the vocabularies on the train
+rows → each stream's events (``event_log``) → encode the rows chunk by chunk in output order and
+write the shards, then the event logs (``common.write_shards``). No stage holds the impressions
+whole, except for what still needs whole columns: streams from rows or lists, embedding vectors
+and the ``random`` split's permutation (logged; a warning from ``impressions.WHOLE_WARN_ROWS``
+rows).
+
 Errors: a bad spec is a ``SpecError`` (file and key); a missing column, a cell that is not a number
 where one is needed, a label outside {0, 1}, a domain value not in ``domain.names`` or an embedding
 vector of another length is a ``ColumnError`` (file, column and value or row); both
@@ -13,6 +21,7 @@ are ``ValueError``s.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,21 +30,14 @@ import numpy as np
 from opengem.data.parquet import LAYOUT_V1, LAYOUT_V2, DatasetManifest
 from opengem.data.sources.common import (
     SPLITS,
-    TRAIN,
     ColumnError,
     SpecError,
     Vocab,
     hash_ids,
     history,
-    need,
-    parse_time,
-    random_split,
-    read_csv,
-    split_by_time,
-    split_per_user,
+    take_rows,
     to_float,
-    to_label,
-    write_dataset,
+    write_shards,
 )
 from opengem.data.sources.event_log import (
     EventTable,
@@ -44,6 +46,14 @@ from opengem.data.sources.event_log import (
     list_histories,
     n_buckets,
 )
+from opengem.data.sources.impressions import (
+    CHUNK_ROWS,
+    Impressions,
+    Source,
+    Users,
+    Workspace,
+    held_whole,
+)
 from opengem.data.sources.spec import (
     _TIME_UNITS,
     canonical,
@@ -51,7 +61,6 @@ from opengem.data.sources.spec import (
     id_space,
     load_spec,
     streams,
-    time_divisor,
 )
 from opengem.features.schema import (
     DenseFeature,
@@ -68,34 +77,16 @@ DEFAULT_DOMAIN = "default"  # the one domain of data without a domain column
 _TABLES = ("*.csv", "*.csv.gz", "*.tsv", "*.parquet")
 
 
-def read_table(path: Path, sep: str = ",", numeric=None, lists: tuple[str, ...] = (),
-               only: set[str] | None = None) -> dict[str, np.ndarray]:
-    """A CSV (strings) or Parquet (native numbers, other columns as strings) file as numpy columns;
-    the Parquet list columns named in ``lists`` stay Arrow arrays (``sequence.from: lists``).
-    ``only``: of a Parquet file, read just these columns (the others are never decoded)."""
-    if path.name.endswith(".parquet"):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        if not path.exists():
-            raise ColumnError(f"{path}: file not found")
-        try:
-            names = pq.read_schema(path).names
-            t = pq.read_table(path, columns=[c for c in names if only is None or c in only])
-        except (pa.ArrowInvalid, OSError) as e:
-            raise ColumnError(f"{path}: not a readable Parquet file ({e})") from e
-        out = {}
-        for name, col in zip(t.column_names, t.columns):
-            if name in lists:
-                out[name] = col
-                continue
-            if pa.types.is_nested(col.type):
-                raise ColumnError(f"{path}: column {name!r} is a {col.type} column; use a "
-                                  f"delimited string (multi_hot)")
-            v = col.to_numpy(zero_copy_only=False)
-            out[name] = v if v.dtype.kind in "iufb" else v.astype(str)
-        return out
-    return read_csv(path, sep="\t" if path.name.endswith(".tsv") else sep, numeric=numeric)
+def convert(in_path: str | Path, out_dir: str | Path, spec: dict | str | Path,
+            seed: int = 0, chunk_rows: int = CHUNK_ROWS) -> DatasetManifest:
+    """Write the table(s) at ``in_path`` as a dataset in ``out_dir`` per ``spec`` (a dict or a
+    JSON file), ``chunk_rows`` impressions at a time."""
+    spec = load_spec(spec) if isinstance(spec, (str, Path)) else check_spec(spec)
+    sources = [Source(str(f), day, path=f, sep=spec.get("sep", ","))
+               for f, day in input_files(in_path, spec)]
+    base = Path(in_path) if Path(in_path).is_dir() else Path(in_path).parent
+    return _import(sources, spec, out_dir, seed, {"kind": "generic", "in": str(in_path)}, base,
+                   chunk_rows)
 
 
 def input_files(in_path: str | Path, spec: dict) -> list[tuple[Path, int | None]]:
@@ -114,22 +105,14 @@ def input_files(in_path: str | Path, spec: dict) -> list[tuple[Path, int | None]
     return [(p, None)]
 
 
-def convert(in_path: str | Path, out_dir: str | Path, spec: dict | str | Path,
-            seed: int = 0) -> DatasetManifest:
-    """Write the table(s) at ``in_path`` as a dataset in ``out_dir`` per ``spec`` (a dict or a
-    JSON file)."""
-    spec = load_spec(spec) if isinstance(spec, (str, Path)) else check_spec(spec)
-    dense = {f["column"] for f in spec["dense"]}
-    lists = tuple(c for _, s in streams(spec) if s["from"] == "lists"
-                  for c in (s["column"], s["times"]))
-    # Parquet list<float> columns stay Arrow
-    lists += tuple(f["column"] for f in spec["embeddings"])
-    only = set(referenced_columns(spec))
-    frames = [(str(f), day, read_table(f, spec.get("sep", ","), dense.__contains__, lists, only))
-              for f, day in input_files(in_path, spec)]
-    base = Path(in_path) if Path(in_path).is_dir() else Path(in_path).parent
-    return convert_frames(frames, spec, out_dir, seed, {"kind": "generic", "in": str(in_path)},
-                          base=base)
+def convert_frames(frames: list[tuple[str, int | None, dict]], spec: dict, out_dir: str | Path,
+                   seed: int = 0, source: dict | None = None, base: Path | None = None,
+                   chunk_rows: int = CHUNK_ROWS) -> DatasetManifest:
+    """``frames``: (file name for errors, day or None, columns) held in memory (the built-in CTR
+    sets). The spec must be checked already. ``base``: the directory the events files of streams
+    from events are relative to."""
+    return _import([Source(name, day, frame=t) for name, day, t in frames], spec, out_dir, seed,
+                   source, base, chunk_rows)
 
 
 def referenced_columns(spec: dict) -> list[str]:
@@ -149,49 +132,99 @@ _ROW_KEYS = {"rows": ("event",), "column": ("column",), "lists": ("column", "tim
              "events": ()}
 
 
-def convert_frames(frames: list[tuple[str, int | None, dict]], spec: dict, out_dir: str | Path,
-                   seed: int = 0, source: dict | None = None,
-                   base: Path | None = None) -> DatasetManifest:
-    """``frames``: (file name for errors, day or None, columns). The spec must be checked already.
-    ``base``: the directory the events files of streams from events are relative to."""
-    c, raw, day = _parse(frames, spec, seed)
-    train = day == TRAIN
-    sparse: list[SparseFeature] = []
-    encoders = {}
-    for f in spec["sparse"]:
-        enc = _encoder(f, raw[f["column"]], train)
-        encoders[f["column"]] = enc
-        if f.get("multi_hot"):
-            c[f["name"]] = _multi_hot(raw[f["column"]], f["multi_hot"], enc)
-        else:
-            c[f["name"]] = enc(raw[f["column"]])
-        sparse.append(SparseFeature(f["name"], enc.vocab_size, f["group"],
-                                    multi_hot=bool(f.get("multi_hot"))))
-    embeddings = []
-    for f in spec.get("embeddings", []):
-        c[f["name"]], dim = _vectors(frames, f)
-        embeddings.append(EmbeddingFeature(f["name"], dim, f["group"]))
-    names = _domains(spec, raw, frames)
-    if "domain" in spec:
-        vocab = Vocab(np.array(names))  # sorted; map its positions back to the order of ``names``
-        c["domain"] = np.array([names.index(v) for v in vocab.values], dtype=np.int64)[
-            vocab(raw[spec["domain"]["column"]])]
-    info = {**(source or {}), "split": spec["split"], "files": [f for f, _, _ in frames]}
-    seqs, write = _streams(spec, frames, c, raw, encoders, train, base or Path("."), info)
-    schema = FeatureSchema(
-        sparse=tuple(sparse),
-        dense=tuple(DenseFeature(f["name"], f["group"], f.get("missing", "quarantine"))
-                                          for f in spec["dense"]),
-        sequences=seqs,
-        tasks=tuple(Task(t["name"], t["name"], requires=t.get("requires")) for t in spec["tasks"]),
-        domains=Domains(tuple(names)),
-        meta={"source": (source or {}).get("kind", "generic"), "spec": canonical(spec)},
-        embeddings=tuple(embeddings))
-    if schema.dense_missing:  # the import report: missing values kept per feature
-        info["missing"] = {schema.dense[i].name: int(np.isnan(c[schema.dense[i].name]).sum())
-                           for i in schema.dense_missing}
-    splits = {s: [d] for d, s in enumerate(SPLITS)}
-    return write_dataset(out_dir, schema, c, day, splits=splits, source=info, **write)
+def _import(sources: list[Source], spec: dict, out_dir: str | Path, seed: int,
+            source: dict | None, base: Path | None, chunk_rows: int) -> DatasetManifest:
+    """The stages of the module docstring, in order, in one DuckDB workspace."""
+    dense = {f["column"] for f in spec["dense"]}
+    with Workspace() as ws:
+        # scan the impressions (hashed and given ids encoded on the way) and split them
+        imp = Impressions(ws, sources, spec, referenced_columns(spec), _stateless(spec),
+                          _string_columns(spec), dense.__contains__, chunk_rows)
+        users = imp.split(spec["split"], seed)
+        # fit the vocabularies on the train rows; embeddings and domains
+        encoders = [_encoder(f, imp) for f in spec["sparse"]]
+        by_column = {f["column"]: enc for f, enc in zip(spec["sparse"], encoders)}
+        sparse = [SparseFeature(f["name"], enc.vocab_size, f["group"],
+                                multi_hot=bool(f.get("multi_hot")))
+                  for f, enc in zip(spec["sparse"], encoders)]
+        side, embeddings = {}, []  # side: list columns held whole, in row order
+        for f in spec.get("embeddings", []):
+            frames = _whole(sources, [f["column"]], spec, imp.n, f"embedding {f['name']!r}",
+                            lists=(f["column"],))
+            side[f["name"]], dim = _vectors(frames, f)
+            embeddings.append(EmbeddingFeature(f["name"], dim, f["group"]))
+        names = _domains(spec, imp)
+        info = {**(source or {}), "split": spec["split"], "files": imp.files}
+        # each stream's events, then the schema
+        seqs, stream_cols, per_chunk, write = _streams(spec, sources, imp, users, ws, by_column,
+                                                       base or Path("."), info)
+        side |= stream_cols
+        schema = FeatureSchema(
+            sparse=tuple(sparse),
+            dense=tuple(DenseFeature(f["name"], f["group"], f.get("missing", "quarantine"))
+                        for f in spec["dense"]),
+            sequences=seqs,
+            tasks=tuple(Task(t["name"], t["name"], requires=t.get("requires"))
+                        for t in spec["tasks"]),
+            domains=Domains(tuple(names)),
+            meta={"source": (source or {}).get("kind", "generic"), "spec": canonical(spec)},
+            embeddings=tuple(embeddings))
+        if schema.dense_missing:  # the import report: missing values kept per feature
+            info["missing"] = {schema.dense[i].name: imp.missing[schema.dense[i].name]
+                               for i in schema.dense_missing}
+        # encode the rows chunk by chunk in output order; write the shards, then the event logs
+        domain = _domain_ids(spec, names)
+        offsets = {k: np.r_[0, np.cumsum(v[1])] for k, v in side.items()}
+        chunks = ((d, b, _encode(spec, chunk, encoders, domain, side, offsets, per_chunk))
+                  for d, b, chunk in imp.ordered(write.get("buckets", 1)))
+        splits = {s: [d] for d, s in enumerate(SPLITS)}
+        return write_shards(out_dir, schema, chunks, splits=splits, source=info,
+                            layout=write.get("layout", LAYOUT_V1), events=write.get("events"))
+
+
+def _stateless(spec: dict) -> dict[str, tuple[str, object]]:
+    """The single-valued sparse features whose ids need no fitting (hashed, or ids already),
+    encoded while scanning: feature index → (column, encoder)."""
+    return {str(i): (f["column"], _encoder(f, None)) for i, f in enumerate(spec["sparse"])
+            if not f.get("multi_hot") and ("hash_size" in f or "vocab_size" in f)}
+
+
+def _string_columns(spec: dict) -> list[str]:
+    """The impression columns staged as raw strings: sparse features fitted after the split or
+    multi-hot, the domain, and what streams from rows/column read per row."""
+    fitted = _stateless(spec)
+    cols = [f["column"] for i, f in enumerate(spec["sparse"]) if str(i) not in fitted]
+    cols += [spec["domain"]["column"]] if "domain" in spec else []
+    for _, seq in streams(spec):
+        if seq["from"] in ("rows", "column"):
+            cols += [seq[k] for k in _ROW_KEYS[seq["from"]] if k in seq]
+        if seq["from"] == "rows":
+            cols += [spec["user"], seq["item"]]
+            cols += [a if isinstance(a, str) else a["column"] for a in seq["attributes"]]
+    return list(dict.fromkeys(cols))
+
+
+def _encoder(f: dict, imp: Impressions | None):
+    """A sparse feature's ids: hashed, as given, or a vocabulary of its train values (``imp``'s
+    distinct values; multi-hot: of their tokens)."""
+    if "hash_size" in f:
+        return _Hash(f["hash_size"], f["column"])
+    if "vocab_size" in f:
+        return _Raw(f["vocab_size"], f"column {f['column']!r}")
+    if f.get("multi_hot"):
+        tokens = {t for part in imp.distinct(f["column"]) for s in part
+                  for t in s.split(f["multi_hot"]) if t != ""}
+        return Vocab(np.array(sorted(tokens), dtype=str))
+    parts = list(imp.distinct(f["column"]))
+    return Vocab(np.concatenate(parts) if parts else np.zeros(0, dtype=str))
+
+
+def _whole(sources: list[Source], cols: list[str], spec: dict, n: int, what: str,
+           lists: tuple[str, ...] = ()) -> list[tuple[str, int | None, dict]]:
+    """``cols`` of every input table whole, as (name, day, columns) frames (read again)."""
+    held_whole(what, n)
+    dense = {f["column"] for f in spec["dense"]}
+    return [(s.name, s.day, s.whole(cols, dense.__contains__, lists)) for s in sources]
 
 
 def _vectors(frames, f: dict) -> tuple[tuple[np.ndarray, np.ndarray], int]:
@@ -263,6 +296,30 @@ def _is_number(x: str) -> bool:
         return False
 
 
+def _domains(spec: dict, imp: Impressions) -> list[str]:
+    """The domain names: ``domain.names`` (every value must be one) or the sorted values seen."""
+    if "domain" not in spec:
+        return [DEFAULT_DOMAIN]
+    d = spec["domain"]
+    if "names" in d:
+        names = [str(x) for x in d["names"]]
+    else:
+        parts = list(imp.distinct(d["column"], train=False))
+        names = [str(x) for x in np.unique(np.concatenate(parts) if parts
+                                           else np.zeros(0, dtype=str))]
+    if "all" in names:  # the evaluation reports every domain pooled under this name
+        raise ColumnError(f"domain column {d['column']!r}: the value 'all' is reserved (the "
+                          f"pooled slice); "
+                          "rename it in the data or in domain.names")
+    if "names" not in d:
+        return names
+    bad = imp.first_not_in(d["column"], names)
+    if bad is not None:
+        raise ColumnError(f"domain column {d['column']!r}: value {bad!r} is not in "
+                          f"domain.names {names} (files {imp.files})")
+    return names
+
+
 @dataclass
 class _V2Stream:
     """One per-user stream on its way to the log: from events (``table``) or from lists
@@ -275,34 +332,48 @@ class _V2Stream:
     log: dict | None = None
 
 
-def _streams(spec: dict, frames, c: dict, raw: dict, encoders: dict, train: np.ndarray,
-             base: Path, info: dict) -> tuple[tuple[SequenceStream, ...], dict]:
-    """Every stream of the spec (one code path per source kind, in spec order) and
-    ``write_dataset``'s layout arguments. The spec allows no mix of per-row (v1) and per-user (v2)
-    streams; v2 streams share one user bucketing (the impressions are bucketed once), so a list
-    stream whose lists are not prefixes makes the whole dataset v1, or is an error beside an
-    events stream. One stream's ``source.storage`` is that stream's; several streams' is
-    {layout, buckets, streams: {name: storage}}."""
+def _streams(spec: dict, sources: list[Source], imp: Impressions, users: Users, ws: Workspace,
+             encoders: dict, base: Path, info: dict
+             ) -> tuple[tuple[SequenceStream, ...], dict, list[Callable], dict]:
+    """Every stream of the spec (one code path per source kind, in spec order), the list columns of
+    streams stored per row: held whole, in row order (from rows; from lists when not prefixes) or
+    made chunk by chunk (from column: functions of a chunk), and ``write_shards``'s layout
+    arguments. The spec allows no mix of per-row (v1) and per-user (v2) streams; v2 streams
+    share one user bucketing (the impressions are bucketed once), so a list stream whose lists are
+    not prefixes makes the whole dataset v1, or is an error beside an events stream. One stream's
+    ``source.storage`` is that stream's; several streams' is {layout, buckets, streams: {name:
+    storage}}."""
     todo = streams(spec)
     if not todo:
-        return (), {}
+        return (), {}, [], {}
     if todo[0][1]["from"] in ("rows", "column"):
-        return tuple(_sequence(spec, key, s, c, raw, encoders, train) for key, s in todo), {}
-    user_vocab = Vocab(raw[spec["user"]])
-    train_ts = np.full(len(user_vocab), np.iinfo(np.int64).min)  # each user's last train request
-    np.maximum.at(train_ts, c["user_id"][train], c["request_ts"][train])
+        whole = any(s["from"] == "rows" for _, s in todo)
+        c, raw, train = _row_columns(imp, "a stream from rows") if whole else ({}, {}, None)
+        seqs, per_chunk = [], []
+        for key, s in todo:
+            if s["from"] == "column":
+                stream, lists = _column_stream(spec, s, encoders)
+                per_chunk.append(lists)
+            else:
+                stream = _rows_history(spec, key, s, c, raw, encoders, train)
+            seqs.append(stream)
+        return tuple(seqs), {k: v for k, v in c.items() if isinstance(v, tuple)}, per_chunk, {}
     done: list[_V2Stream] = []
-    for key, s in todo:
+    lists: dict = {}
+    for i, (key, s) in enumerate(todo):
         if s["from"] == "events":
-            table = EventTable(s, base, user_vocab, c["user_id"], c["request_ts"],
-                               _TIME_UNITS[s["time_unit"]], key, train_ts)
+            table = EventTable(s, base, ws, users, _TIME_UNITS[s["time_unit"]], key, f"ev{i}")
             n = table.known()
             stream = table.stream(s["name"], s["max_len"], _item(spec, s, encoders, table.fit),
                                   _attributes(spec, s, key, encoders, table.fit))
             done.append(_V2Stream(stream, n, table=table))
         else:
             enc, matches = _item(spec, s, encoders, None)
-            stream, storage, log_cols = list_histories(frames, s, c, enc, key, matches)
+            if not lists:
+                lists |= _row_columns(imp, "streams from lists")[0]
+            frames = _whole(sources, [s["column"], s["times"]], spec, imp.n,
+                            f"stream {s['name']!r} from lists", lists=(s["column"], s["times"]))
+            stream, storage, log_cols = list_histories(frames, s, lists, enc, key, matches)
             done.append(_V2Stream(stream, len(log_cols["ts"]) if log_cols else 0,
                                   storage=storage, log=log_cols))
     seqs = [d.stream for d in done]
@@ -320,9 +391,9 @@ def _streams(spec: dict, frames, c: dict, raw: dict, encoders: dict, train: np.n
         _report(info, seqs, [d.storage if d.log is None else
                              Storage(LAYOUT_V1, why, 1, d.storage.counts) for d in done],
                 LAYOUT_V1, 1)
-        return tuple(seqs), {}
+        return tuple(seqs), {k: v for k, v in lists.items() if isinstance(v, tuple)}, [], {}
     wanted = next((s["buckets"] for _, s in todo if "buckets" in s), None)
-    buckets = n_buckets(max(d.events for d in done), len(user_vocab), wanted)
+    buckets = n_buckets(max(d.events for d in done), users.count, wanted)
     for d in done:
         if d.table is not None:
             d.table.partition(buckets)
@@ -342,7 +413,16 @@ def _streams(spec: dict, frames, c: dict, raw: dict, encoders: dict, train: np.n
         if from_events:  # the counts are made on the way
             _report(info, seqs, [d.storage for d in done], LAYOUT_V2, buckets)
 
-    return tuple(seqs), {"layout": LAYOUT_V2, "buckets": buckets, "events": events}
+    return tuple(seqs), {}, [], {"layout": LAYOUT_V2, "buckets": buckets, "events": events}
+
+
+def _row_columns(imp: Impressions, why: str) -> tuple[dict, dict, np.ndarray]:
+    """The impressions whole, in row order, as the per-row streams read them: typed columns by
+    output name, raw strings by input column, and the train mask."""
+    w = imp.whole(why)
+    c = {k: v for k, v in w.items() if isinstance(k, str) and k not in ("day", "rn")}
+    raw = {k[1]: v for k, v in w.items() if isinstance(k, tuple) and k[0] == "raw"}
+    return c, raw, w["day"] == 0
 
 
 def _report(info: dict, seqs: list[SequenceStream], stores: list[Storage], layout: int,
@@ -404,56 +484,74 @@ def _own(x: dict, column: str, fit):
     return fit()
 
 
-def _parse(frames, spec: dict, seed: int) -> tuple[dict, dict, np.ndarray]:
-    """Typed output columns (labels, dense, time, user) + the raw string columns + the day
-    per row."""
-    cols = referenced_columns(spec)
-    raw_cols = [f["column"] for f in spec["sparse"]] + [spec[k] for k in ("user",) if k in spec]
-    raw_cols += [spec["domain"]["column"]] if "domain" in spec else []
-    for _, seq in streams(spec):
-        if seq["from"] in ("rows", "column"):
-            raw_cols += [seq[k] for k in _ROW_KEYS[seq["from"]] if k in seq]
-        if seq["from"] == "rows":
-            raw_cols += [a["column"] for a in seq["attributes"] if isinstance(a, dict)]
-    raw_cols = list(dict.fromkeys(raw_cols))
-    parts: dict[str, list] = {}
-    for name, _, table in frames:
-        need(table, cols, name)
-        n = len(next(iter(table.values()))) if table else 0
-        for t in spec["tasks"]:
-            where = f"{name} column {t['column']!r}"
-            parts.setdefault(t["name"],
-                             []).append(to_label(table[t["column"]], where, t.get("positive_at")))
-        for f in spec["dense"]:
-            v = to_float(table[f["column"]], f"{name} column {f['column']!r}", f.get("fill"),
-                         keep_missing=f.get("missing") == "indicator")
-            v = np.log1p(np.maximum(v, 0)) if f["transform"] == "log1p" else v
-            parts.setdefault(f["name"], []).append(v.astype(np.float32))
-        if "time" in spec:
-            ts = parse_time(table[spec["time"]], f"{name} column {spec['time']!r}",
-                            time_divisor(spec))
-            parts.setdefault("request_ts", []).append(ts)
-        for col in raw_cols:
-            parts.setdefault(("raw", col), []).append(np.asarray(table[col]).astype(str))
-        parts.setdefault("_n", []).append(n)
-    c = {k: np.concatenate(v) for k, v in parts.items() if isinstance(k, str) and k != "_n"}
-    raw = {k[1]: np.concatenate(v) for k, v in parts.items() if isinstance(k, tuple)}
-    n = int(sum(parts["_n"]))
-    c.setdefault("request_ts", np.arange(n, dtype=np.int64))
-    user = raw[spec["user"]] if "user" in spec else np.arange(n).astype(str)
-    c["user_id"] = Vocab(user)(user)
-    c["domain"] = np.zeros(n, dtype=np.int64)
-    by = spec["split"]
-    if by["by"] == "files":
-        day = np.concatenate([np.full(k, d, dtype=np.int32) for (_, d, _),
-                              k in zip(frames, parts["_n"])])
-    elif by["by"] == "time":
-        day = split_by_time(c["request_ts"], by["valid"], by["test"])
-    elif by["by"] == "user_time":
-        day = split_per_user(user, c["request_ts"], by["valid"], by["test"])
-    else:
-        day = random_split(n, by["valid"], by["test"], seed)
-    return c, raw, day
+def _column_stream(spec: dict, s: dict, encoders: dict) -> tuple[SequenceStream, Callable]:
+    """A ``from: column`` stream (each row's own list): its schema entry and the encoding of a
+    chunk's lists, row by row, so that it is read in chunks like a feature. The times are unknown:
+    the request time − k seconds, k = 1 for a row's newest event."""
+    name, (item_enc, matches) = s["name"], _item(spec, s, encoders, None)
+
+    def lists(chunk: dict) -> dict:
+        items, lens = _multi_hot(chunk[("raw", s["column"])], s["sep"], item_enc)
+        k = np.repeat(np.cumsum(lens), lens) - np.arange(len(items))
+        return {f"{name}.item": (items, lens),
+                f"{name}.event": (np.zeros(len(items), dtype=np.int64), lens),
+                f"{name}.ts": (np.repeat(chunk["request_ts"], lens) - k, lens)}
+
+    return SequenceStream(name, item_enc.vocab_size, 1, s["max_len"], matches=matches), lists
+
+
+def _rows_history(spec: dict, key: str, s: dict, c: dict, raw: dict, encoders: dict,
+                  train: np.ndarray) -> SequenceStream:
+    """A ``from: rows`` stream (the user's earlier rows; a vocabulary of its own is fitted on the
+    train rows' events) over the impressions whole: its lists go into ``c``."""
+    name, (item_enc, matches) = s["name"], _item(spec, s, encoders, None)
+    user = raw[spec["user"]]
+    ev = np.ones(len(user), dtype=bool) if "only" not in s else c[s["only"]] == 1
+    event_vocab = Vocab(raw[s["event"]][train]) if "event" in s else None
+    cols = {"item": item_enc(raw[s["item"]])[ev],
+            "event": (event_vocab(raw[s["event"]]) if event_vocab
+                      else np.zeros(len(user), dtype=np.int64))[ev]}
+    attrs = _attributes(spec, s, key, encoders,
+                        lambda _, col: Vocab(raw[col][train & ev]))
+    for a, (attr, enc) in zip(s["attributes"], attrs):
+        cols[attr.name] = enc(raw[a if isinstance(a, str) else a["column"]])[ev]
+    hist = history(user[ev], c["request_ts"][ev], cols, user, c["request_ts"], s["max_len"])
+    for part, v in hist.items():
+        c[f"{name}.{part}"] = v
+    n_events = event_vocab.vocab_size if event_vocab else 1
+    return SequenceStream(name, item_enc.vocab_size, n_events, s["max_len"],
+                          tuple(a for a, _ in attrs), matches=matches)
+
+
+def _encode(spec: dict, chunk: dict, encoders: list, domain, side: dict, offsets: dict,
+            per_chunk: list[Callable]) -> dict:
+    """One chunk of rows in output order (``Impressions.ordered``) as the shard writer's columns:
+    ids of the fitted vocabularies, multi-hot lists, the domain, the lists of streams from a
+    column (``per_chunk``), and the rows' share of the list columns held whole (``side``, in row
+    order; ``offsets`` their row starts)."""
+    c = {k: chunk[k] for k in ["user_id", "request_ts"] + [t["name"] for t in spec["tasks"]]
+         + [f["name"] for f in spec["dense"]]}
+    for i, (f, enc) in enumerate(zip(spec["sparse"], encoders)):
+        if ("ids", str(i)) in chunk:  # hashed or pre-encoded while scanning
+            c[f["name"]] = chunk[("ids", str(i))]
+        elif f.get("multi_hot"):
+            c[f["name"]] = _multi_hot(chunk[("raw", f["column"])], f["multi_hot"], enc)
+        else:
+            c[f["name"]] = enc(chunk[("raw", f["column"])])
+    c["domain"] = domain(chunk)
+    for lists in per_chunk:
+        c |= lists(chunk)
+    return c | take_rows(side, offsets, chunk["rn"]) if side else c
+
+
+def _domain_ids(spec: dict, names: list[str]):
+    """A chunk's domain ids: the positions of its values in ``names`` (0 without a domain)."""
+    if "domain" not in spec:
+        return lambda chunk: np.zeros(len(chunk["rn"]), dtype=np.int64)
+    vocab = Vocab(np.array(names))  # sorted; map its positions back to the order of ``names``
+    ids = np.array([names.index(v) for v in vocab.values], dtype=np.int64)
+    col = spec["domain"]["column"]
+    return lambda chunk: ids[vocab(chunk[("raw", col)])]
 
 
 class _Raw:
@@ -476,73 +574,11 @@ class _Hash:
         return hash_ids(values, self.vocab_size, self.salt)
 
 
-def _encoder(f: dict, values: np.ndarray, train: np.ndarray):
-    if "hash_size" in f:
-        return _Hash(f["hash_size"], f["column"])
-    if "vocab_size" in f:
-        return _Raw(f["vocab_size"], f"column {f['column']!r}")
-    if f.get("multi_hot"):
-        tokens = [t for s in values[train] for t in s.split(f["multi_hot"]) if t != ""]
-        return Vocab(np.array(tokens, dtype=str))
-    return Vocab(values[train])
-
-
 def _multi_hot(values: np.ndarray, sep: str, enc) -> tuple[np.ndarray, np.ndarray]:
     tokens = [[t for t in s.split(sep) if t != ""] for s in values]
     lens = np.array([len(t) for t in tokens], dtype=np.int64)
     flat = np.array([t for row in tokens for t in row], dtype=str)
     return enc(flat) if len(flat) else np.zeros(0, dtype=np.int64), lens
-
-
-def _domains(spec: dict, raw: dict, frames) -> list[str]:
-    if "domain" not in spec:
-        return [DEFAULT_DOMAIN]
-    d = spec["domain"]
-    values = raw[d["column"]]
-    names = [str(x) for x in d["names"]] if "names" in d else [str(x) for x in np.unique(values)]
-    if "all" in names:  # the evaluation reports every domain pooled under this name
-        raise ColumnError(f"domain column {d['column']!r}: the value 'all' is reserved (the "
-                          f"pooled slice); "
-                          "rename it in the data or in domain.names")
-    if "names" not in d:
-        return names
-    bad = ~np.isin(values, names)
-    if bad.any():
-        raise ColumnError(f"domain column {d['column']!r}: value {str(values[bad][0])!r} is not in "
-                          f"domain.names {names} (files {[f for f, _, _ in frames]})")
-    return names
-
-
-def _sequence(spec: dict, key: str, s: dict, c: dict, raw: dict, encoders: dict,
-              train: np.ndarray) -> SequenceStream:
-    """A per-row (v1) stream: ``from: column`` (each row's own list) or ``from: rows`` (the
-    user's earlier rows; a vocabulary of its own is fitted on the train rows' events)."""
-    name, (item_enc, matches) = s["name"], _item(spec, s, encoders, None)
-    if s["from"] == "column":
-        items, lens = _multi_hot(raw[s["column"]], s["sep"], item_enc)
-        row = np.repeat(np.arange(len(lens)), lens)
-        # 1 for each row's newest event
-        k = np.repeat(np.cumsum(lens), lens) - np.arange(len(items))
-        c[f"{name}.item"], c[f"{name}.event"] = (items,
-                                                 lens), (np.zeros(len(items), dtype=np.int64), lens)
-        c[f"{name}.ts"] = (c["request_ts"][row] - k, lens)
-        return SequenceStream(name, item_enc.vocab_size, 1, s["max_len"], matches=matches)
-    user = raw[spec["user"]]
-    ev = np.ones(len(user), dtype=bool) if "only" not in s else c[s["only"]] == 1
-    event_vocab = Vocab(raw[s["event"]][train]) if "event" in s else None
-    cols = {"item": item_enc(raw[s["item"]])[ev],
-            "event": (event_vocab(raw[s["event"]]) if event_vocab
-                      else np.zeros(len(user), dtype=np.int64))[ev]}
-    attrs = _attributes(spec, s, key, encoders,
-                        lambda _, col: Vocab(raw[col][train & ev]))
-    for a, (attr, enc) in zip(s["attributes"], attrs):
-        cols[attr.name] = enc(raw[a if isinstance(a, str) else a["column"]])[ev]
-    hist = history(user[ev], c["request_ts"][ev], cols, user, c["request_ts"], s["max_len"])
-    for part, v in hist.items():
-        c[f"{name}.{part}"] = v
-    n_events = event_vocab.vocab_size if event_vocab else 1
-    return SequenceStream(name, item_enc.vocab_size, n_events, s["max_len"],
-                          tuple(a for a, _ in attrs), matches=matches)
 
 
 def spec_name(spec: dict, column: str) -> str:
