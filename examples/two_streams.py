@@ -4,8 +4,9 @@
 
 Writes a small log under ``DIR/log`` (Parquet): ``impressions.parquet`` (user, ts, ad_id, category,
 advertiser, click), ``organic.parquet`` (content views and likes: items of their own id space, with
-a category from the ads' ``category`` vocabulary) and ``ad_clicks.parquet`` (clicks on ad ids, with
-the advertiser), and the import spec ``spec.json``. Then runs, printing each command::
+a category from the ads' ``category`` vocabulary and the dwell seconds, a per-event value) and
+``ad_clicks.parquet`` (clicks on ad ids, with the advertiser), and the import spec ``spec.json``.
+Then runs, printing each command::
 
     opengem import --source generic --in DIR/log --spec DIR/log/spec.json --out DIR/data
     opengem validate DIR/data
@@ -32,11 +33,14 @@ T0 = 1_700_000_000  # unix seconds: the log's start
 DAY = 86_400
 
 # The organic stream: content items get a vocabulary of their own (fitted on the train period);
-# their category is an id of the ads' category feature, so the model can compare the two.
+# their category is an id of the ads' category feature, so the model can compare the two. Each
+# view's dwell seconds is a per-event value, embedded into the event token: a view with no dwell
+# logged is dropped (the default ``missing``) and counted in the manifest's ``source.storage``.
 ORGANIC = {"name": "organic", "from": "events", "files": ["organic.parquet"], "item": "content",
            "event": "action", "max_len": 32,
            "attributes": [{"column": "category", "name": "content_category",
-                           "matches": "category"}]}
+                           "matches": "category"}],
+           "values": ["dwell"]}
 # The ads stream: its items are ad ids (the ad_id feature's encoder), its attribute the advertiser.
 AD_CLICKS = {"name": "ad_clicks", "from": "events", "files": ["ad_clicks.parquet"], "item": "ad",
              "matches": "ad_id", "max_len": 12,
@@ -51,8 +55,8 @@ SPEC = {"files": {"train": ["impressions.parquet"], "test": []}, "user": "user",
 
 def write_log(out: str | Path, users: int = 40, impressions: int = 600, seed: int = 0) -> Path:
     """The three tables and ``spec.json`` under ``out``. Each user likes one category: their organic
-    views and ad clicks mostly fall in it and they click its ads more often, so both streams carry
-    the signal."""
+    views and ad clicks mostly fall in it, they dwell longer on it and click its ads more often,
+    so both streams carry the signal. A few views have no dwell logged (null)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -75,11 +79,15 @@ def write_log(out: str | Path, users: int = 40, impressions: int = 600, seed: in
 
     u = rng.integers(0, users, users * 30)
     item = pick(u, n_content, 0.7)
+    # dwell from a generator of its own, so the other columns are those of a log without it
+    own = np.random.default_rng([seed, 1])
+    dwell = own.lognormal(np.where(item % n_cats == likes[u], 3.5, 2.0), 0.5).astype(np.float32)
     pq.write_table(pa.table({
         "user": [f"u{k}" for k in u], "ts": T0 + rng.integers(0, 30 * DAY, len(u)),
         "content": [f"c{k}" for k in item],
         "action": rng.choice(["view", "like"], len(u), p=[0.8, 0.2]),
-        "category": [f"k{k % n_cats}" for k in item]}), out / "organic.parquet")
+        "category": [f"k{k % n_cats}" for k in item],
+        "dwell": pa.array(dwell, mask=own.random(len(u)) < 0.02)}), out / "organic.parquet")
 
     u = rng.integers(0, users, users * 8)
     ad = pick(u, n_ads, 0.6)

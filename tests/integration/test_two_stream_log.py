@@ -1,8 +1,8 @@
 """A log of two behaviour streams from two events tables, through the whole chain: ``opengem import
 --source generic`` → ``validate`` → ``train`` (tiny, ``model.target_match_items``) → ``export`` →
 ``history-store``; requests that give only the user id score as the same requests with their
-histories inline. The log and spec are ``examples/two_streams.py``'s, so the example's are
-exercised too."""
+histories inline, the organic stream's dwell seconds (a per-event value) included. The log and
+spec are ``examples/two_streams.py``'s, so the example's are exercised too."""
 
 import json
 from types import SimpleNamespace
@@ -49,6 +49,10 @@ def test_both_streams_are_imported_and_served_with_their_id_spaces(chain):
     assert organic.matches is None and ads.matches == "ad_id"
     assert [(a.name, a.matches) for a in organic.attributes] == [("content_category", "category")]
     assert [(a.name, a.matches) for a in ads.attributes] == [("advertiser", "advertiser")]
+    assert organic.values == ("dwell",) and ads.values == ()
+    st = m.source["storage"]["streams"]["organic"]  # views without a dwell: dropped, counted
+    assert st["dwell_missing_or_non_finite"] == st[
+        "events_with_missing_or_non_finite_values_dropped"] > 0
     assert chain.predictor.schema.fingerprint() == schema.fingerprint()
     assert chain.predictor.runtime == "exported"
     cfg = json.loads((chain.artifact / "config.json").read_text())
@@ -92,6 +96,11 @@ def test_scores_by_user_id_equal_scores_with_inline_histories(chain):
     for s in schema.sequences:
         empty = p.predict({**full, **{c: [] for c in history_columns(s)}})
         assert np.abs(ref - empty["predictions"]["click"]).max() > 100 * TOL, s.name
+    # and so do the dwell values: served from the store as the loader joined them
+    dwell = schema.stream("organic").value_column("dwell")
+    assert len(full[dwell]) == len(full["organic.ts"]) > 0
+    other = p.predict({**full, dwell: [10 * x + 60.0 for x in full[dwell]]})
+    assert np.abs(ref - other["predictions"]["click"]).max() > 100 * TOL
 
 
 def test_warmup_stays_within_the_limits(chain):

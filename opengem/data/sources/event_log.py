@@ -9,6 +9,9 @@ is read back sorted by (user, time) (DuckDB ``ORDER BY``), encoded and written a
 log. Peak memory is one bucket (``EVENTS_PER_BUCKET`` events) plus DuckDB's limit, whatever the
 log's length. The input need not be sorted: the importer sorts, and says so. Several streams
 (``sequences``) are one ``EventTable`` each, partitioned into the dataset's one bucket count.
+A stream's per-event ``values`` travel the same way, as DOUBLE columns beside the ids: checked to
+be numbers when read, their missing ones dropped (with their events, before anything else sees
+them) or filled, and written float32 (``event_values``).
 
 ``list_histories`` (``sequence.from: lists``) reads per-row list columns (items, per-event times),
 builds the union per-user history and checks that the v2 join over it gives back every row's list
@@ -30,6 +33,7 @@ import pyarrow.compute as pc
 from opengem.data.parquet import LAYOUT_V1, LAYOUT_V2, ShardWriter
 from opengem.data.sources.common import ColumnError, Vocab, history, ranges
 from opengem.data.sources.impressions import Users, Workspace
+from opengem.data.sources.spec import FLOAT32_MAX
 from opengem.features.schema import SequenceStream
 
 log = logging.getLogger("opengem")
@@ -37,6 +41,9 @@ log = logging.getLogger("opengem")
 EVENTS_PER_BUCKET = 1_000_000  # one bucket's events are in memory at a time (~100 MB encoded)
 # event times this many times larger/smaller than request_ts: another unit (ms vs s)
 UNIT_RATIO = 30.0
+# the DESCRIBE types a value column may have besides DECIMAL(p, s) and VARCHAR (numbers as text)
+_NUMBER_TYPES = {"TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT",
+                 "UINTEGER", "UBIGINT", "UHUGEINT", "FLOAT", "DOUBLE"}
 
 
 def _q(s: str) -> str:
@@ -91,11 +98,18 @@ class EventTable:
             self.cols["event"] = s["event"]
         self.cols |= {f"a{i}": a if isinstance(a, str) else a["column"]
                       for i, a in enumerate(s["attributes"])}
+        # per-event numbers (checked spec objects), read as DOUBLE under the keys v<i>
+        self.values = {f"v{i}": v for i, v in enumerate(s.get("values", []))}
         self.con, self.duckdb_error, self.dir = ws.con, ws.error, ws.dir / name
         self.last_ts, self.req_max = users.last_ts, users.req_max  # a user's last impression
         self.counts: dict[str, int] = {}
+        # with values, the view of every event read is checked, then filtered into ``self.ev``
+        self.read_view = f"{name}_read" if self.values else name
         self._events_view(divisor)
         self._check()
+        self.kept = self.counts["events_read"]
+        if self.values:
+            self._filter_values()
 
     def _events_view(self, divisor: int) -> None:
         """A view of every event file: raw values as text, time as int64 seconds, file and
@@ -116,7 +130,8 @@ class EventTable:
                          for r in self.con.sql(f"DESCRIBE SELECT * FROM {src}").fetchall()}
             except self.duckdb_error as e:
                 raise ColumnError(f"{f}: not a readable events table ({e})") from e
-            missing = [c for c in self.cols.values() if c not in types]
+            missing = [c for c in list(self.cols.values())
+                       + [v["column"] for v in self.values.values()] if c not in types]
             if missing:
                 raise ColumnError(f"{f}: missing columns {missing}; it has {sorted(types)}")
             t, tt = _q(self.cols["time"]), types[self.cols["time"]]
@@ -130,8 +145,63 @@ class EventTable:
                 ts = f"CAST(floor({t} / {divisor}) AS BIGINT)"
             vals = ", ".join(f"CAST({_q(c)} AS VARCHAR) AS {k}" for k,
                              c in self.cols.items() if k != "time")
+            for k, v in self.values.items():
+                self._check_numbers(f, src, rn, v["column"], types[v["column"]])
+                c = _q(v["column"])
+                vals += f", TRY_CAST({c} AS DOUBLE) AS {k}, CAST({c} AS VARCHAR) AS r{k}"
             parts.append(f"SELECT {vals}, {ts} AS ts, {fi} AS fi, {rn} AS rn FROM {src}")
-        self.con.sql(f"CREATE VIEW {self.ev} AS " + " UNION ALL ".join(parts))
+        self.con.sql(f"CREATE VIEW {self.read_view} AS " + " UNION ALL ".join(parts))
+
+    def _check_numbers(self, f: Path, src: str, rn: str, col: str, type_: str) -> None:
+        """A value column must hold numbers: a number type, or text whose every non-empty cell
+        parses as one; else a ``ColumnError`` naming the file, column and first bad value."""
+        number = type_ in _NUMBER_TYPES or type_.startswith("DECIMAL")
+        if not number and type_ != "VARCHAR":
+            raise ColumnError(f"{f}: column {col!r} is {type_}; a per-event value column holds "
+                              f"numbers")
+        if number:
+            return
+        c = _q(col)
+        bad = self.con.sql(f"SELECT rn, v FROM (SELECT {rn} AS rn, {c} AS v FROM {src}) "
+                           f"WHERE trim(v) <> '' AND TRY_CAST(v AS DOUBLE) IS NULL "
+                           f"ORDER BY rn LIMIT 1").fetchall()
+        if bad:
+            raise ColumnError(f"{f}: column {col!r}: {bad[0][1]!r} (row "
+                              f"{self._row(self.files.index(f), bad[0][0])}) is not a number; a "
+                              f"per-event value column holds numbers")
+
+    def _row(self, fi: int, rn: int) -> int:
+        """A data row's number from 0 in its file (the view's ``rn`` counts CSV rows from 1)."""
+        return int(rn) - (0 if self.files[fi].name.endswith(".parquet") else 1)
+
+    def _filter_values(self) -> None:
+        """Missing values (an empty or null cell, NaN, ±inf, or beyond float32, which would be
+        stored as inf), per value's ``missing``: ``drop`` the event, ``fill`` (at ``write``) or
+        ``error``. Counted per value on every event read; the view ``self.ev`` holds the events
+        kept, so vocabularies, user joins and the log see only those."""
+        bad = {k: f"({k} IS NULL OR NOT isfinite({k}) OR abs({k}) > {FLOAT32_MAX!r})"
+               for k in self.values}
+        drop = " OR ".join(bad[k] for k, v in self.values.items() if v["missing"] == "drop")
+        counts = self.con.sql(
+            "SELECT " + ", ".join(f"count(*) FILTER (WHERE {b})" for b in bad.values())
+            + (f", count(*) FILTER (WHERE {drop})" if drop else "")
+            + f" FROM {self.read_view}").fetchall()[0]
+        for (k, v), n in zip(self.values.items(), counts):
+            if v["missing"] == "error" and n:
+                fi, rn, raw = self.con.sql(f"SELECT fi, rn, r{k} FROM {self.read_view} WHERE "
+                                           f"{bad[k]} ORDER BY fi, rn LIMIT 1").fetchall()[0]
+                first = repr(raw) if raw is not None and raw.strip() else "an empty cell"
+                raise ColumnError(f"{self.files[fi]}: column {v['column']!r}: {n} events have a "
+                                  f"missing value (empty, NaN, ±inf or beyond float32; the "
+                                  f"first: {first}, row {self._row(fi, rn)}); set "
+                                  f"{self.key}.values {v['name']!r}'s missing to drop or fill "
+                                  f"to keep importing")
+            self.counts[f"{v['name']}_missing_or_non_finite"] = int(n)
+        if drop:
+            self.counts["events_with_missing_or_non_finite_values_dropped"] = int(counts[-1])
+            self.kept -= int(counts[-1])
+        self.con.sql(f"CREATE VIEW {self.ev} AS SELECT * FROM {self.read_view}"
+                     + (f" WHERE NOT ({drop})" if drop else ""))
 
     def _check(self) -> None:
         """Nulls, unparseable times and times of another unit than ``request_ts``: errors naming
@@ -139,7 +209,7 @@ class EventTable:
         try:
             rows = self.con.sql("SELECT fi, count(*), count(*) - count(user), count(*) - "
                                 "count(ts), min(ts), max(ts), "
-                                f"count(*) - count(item) FROM {self.ev} GROUP BY fi "
+                                f"count(*) - count(item) FROM {self.read_view} GROUP BY fi "
                                 "ORDER BY fi").fetchall()
         except self.duckdb_error as e:
             raise ColumnError(f"{[str(f) for f in self.files]}: column {self.cols['time']!r}: a "
@@ -171,8 +241,7 @@ class EventTable:
         """The events of users with an impression (the others are dropped, counted)."""
         known = int(self.con.sql(f"SELECT count(*) FROM {self.ev} ev JOIN users ON ev.user "
                                  "= users.u").fetchall()[0][0])
-        self.counts["events_of_users_without_impressions_dropped"] = (
-            self.counts["events_read"] - known)
+        self.counts["events_of_users_without_impressions_dropped"] = self.kept - known
         return known
 
     def fit(self, key: str, column: str | None = None) -> Vocab:
@@ -189,7 +258,7 @@ class EventTable:
         """Join users, assign buckets (user id mod B) and write the events into per-bucket files
         on disk."""
         self.buckets = buckets
-        keys = [k for k in self.cols if k not in ("user", "time")]
+        keys = [k for k in self.cols if k not in ("user", "time")] + list(self.values)
         self.parts = self.dir / "parts"
         self.dir.mkdir(exist_ok=True)
         self.con.sql(f"COPY (SELECT uid % {self.buckets} AS bucket, uid, ts, {', '.join(keys)}, "
@@ -197,7 +266,7 @@ class EventTable:
                      f"TO {_lit(self.parts)} (FORMAT parquet, PARTITION_BY (bucket))")
         self.keys = keys
         log.info("import: %d events sorted by (user, time) and split into %d buckets by DuckDB "
-                 "(input order is not required)", self.counts["events_read"]
+                 "(input order is not required)", self.kept
                  - self.counts["events_of_users_without_impressions_dropped"], self.buckets)
 
     def stream(self, name: str, max_len: int, item: tuple, attributes: list[tuple]
@@ -215,7 +284,8 @@ class EventTable:
         self.item_encoder, self.attr_encoders = item[0], [enc for _, enc in attributes]
         n_events = self.event_vocab.vocab_size if self.event_vocab else 1
         return SequenceStream(name, self.item_encoder.vocab_size, n_events, max_len,
-                              tuple(a for a, _ in attributes), matches=item[1])
+                              tuple(a for a, _ in attributes), matches=item[1],
+                              values=tuple(v["name"] for v in self.values.values()))
 
     def write(self, writer: ShardWriter, stream: SequenceStream) -> None:
         """Each bucket's log, read back sorted by (user, time, then input order) and encoded."""
@@ -244,6 +314,8 @@ class EventTable:
             )
             for i, a in enumerate(stream.attributes):
                 cols[a.name] = enc(f"a{i}", self.attr_encoders[i])
+            nums = {v["name"]: event_values(t.column(k).to_numpy(zero_copy_only=False), v)
+                    for k, v in self.values.items()}
             oov["item"] += int((cols["item"] == stream.item_vocab_size).sum())
             if self.event_vocab:
                 oov["event"] += int((cols["event"] == stream.num_event_types).sum())
@@ -252,13 +324,15 @@ class EventTable:
             same = (uid[1:] == uid[:-1]) & (ts[1:] == ts[:-1])
             dup_time += int(same.sum())
             # every column: exact duplicates adjacent
-            order = np.lexsort([cols[k] for k in reversed(list(cols))])
-            stacked = np.stack([cols[k][order] for k in cols], 1)
+            every = cols | nums
+            order = np.lexsort([every[k] for k in reversed(list(every))])
+            stacked = np.stack([every[k][order] for k in every], 1)
             exact += int((stacked[1:] == stacked[:-1]).all(1).sum())
             after += int((ts >= self.last_ts[uid]).sum())
             with_events[uid] = True
-            writer.write_events(stream.name, b,
-                                pa.table({k: pa.array(v, pa.int64()) for k, v in cols.items()}))
+            table = {k: pa.array(v, pa.int64()) for k, v in cols.items()}
+            table |= {k: pa.array(v, pa.float32()) for k, v in nums.items()}
+            writer.write_events(stream.name, b, pa.table(table))
         self.counts |= {"events_at_or_after_last_impression_kept_unused": after,
                         "events_sharing_user_and_time": dup_time,
                         "exact_duplicate_events_kept": exact,
@@ -272,6 +346,18 @@ class EventTable:
         return Storage(LAYOUT_V2,
                        "an events table: every history is a time-prefix of its user's log",
                        self.buckets, self.counts)
+
+
+def event_values(raw: np.ndarray, v: dict) -> np.ndarray:
+    """A value column's float32 numbers as stored: a missing one (null, NaN, ±inf, beyond
+    float32; only ``missing: fill`` values still hold any here) filled, then ``transform``
+    (log1p of max(x, 0), as for dense features)."""
+    x = np.asarray(raw, dtype=np.float64)
+    if v["missing"] == "fill":
+        x = np.where(np.isfinite(x) & (np.abs(x) <= FLOAT32_MAX), x, v["fill"])
+    if v["transform"] == "log1p":
+        x = np.log1p(np.maximum(x, 0))
+    return x.astype(np.float32)
 
 
 def list_times(col: pa.ChunkedArray, where: str, divisor: int) -> np.ndarray:

@@ -34,12 +34,15 @@ def spec(max_len: int = 50, ad_clicks: int = 0, **sequence) -> dict:
 
 
 def write_log(out: str | Path, rows: int, users: int, events_per_user: int, seed: int = 0,
-              shuffle: bool = True, chunk_users: int = 500, ad_clicks_per_user: int = 0) -> Path:
+              shuffle: bool = True, chunk_users: int = 500, ad_clicks_per_user: int = 0,
+              dwell: bool = False) -> Path:
     """``out/impressions.parquet`` (``rows`` impressions of ``users`` users) and
     ``out/events.parquet`` (``events_per_user`` events each, in shuffled order unless ``shuffle``
     is False); with ``ad_clicks_per_user`` also ``out/ad_clicks.parquet`` (user, ts, ad, cat: ads
     of the impressions' ``item_id`` space), drawn from a generator of its own so that the other
-    tables are those of a log without it."""
+    tables are those of a log without it. ``dwell``: the events also carry ``dwell`` (float32
+    seconds, log-normal; ``spec(values=["dwell"])`` reads it), from a generator of its own too,
+    so that the log is the one without it plus that column."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -50,7 +53,9 @@ def write_log(out: str | Path, rows: int, users: int, events_per_user: int, seed
                              "click": (rng.random(rows) < 0.1).astype(np.int64)}),
                    out / "impressions.parquet")
     schema = pa.schema([("user", pa.int64()), ("ts", pa.int64()), ("item_id", pa.int64()),
-                        ("action", pa.string()), ("cat", pa.int64())])
+                        ("action", pa.string()), ("cat", pa.int64())]
+                       + ([("dwell", pa.float32())] if dwell else []))
+    dwell_rng = np.random.default_rng([seed, 2])
     with pq.ParquetWriter(out / "events.parquet", schema, compression="zstd") as w:
         for u0 in range(0, users, chunk_users):
             u = np.repeat(np.arange(u0, min(u0 + chunk_users, users)), events_per_user)
@@ -63,9 +68,10 @@ def write_log(out: str | Path, rows: int, users: int, events_per_user: int, seed
                 u, ts = u[o], ts[o]
             it = rng.integers(0, 10_000, len(u))
             action = np.array(["view", "click"])[(rng.random(len(u)) < 0.2).astype(int)]
-            w.write_table(pa.table({"user": u, "ts": ts, "item_id": it, "action": action,
-                                    "cat": it % 50},
-                                   schema=schema))
+            cols = {"user": u, "ts": ts, "item_id": it, "action": action, "cat": it % 50}
+            if dwell:
+                cols["dwell"] = dwell_rng.lognormal(2.5, 1.0, len(u)).astype(np.float32)
+            w.write_table(pa.table(cols, schema=schema))
     if ad_clicks_per_user:
         _ad_clicks(out / "ad_clicks.parquet", users, ad_clicks_per_user, seed, chunk_users)
     return out

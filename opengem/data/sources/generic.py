@@ -14,9 +14,10 @@ and the ``random`` split's permutation (logged; a warning from ``impressions.WHO
 rows).
 
 Errors: a bad spec is a ``SpecError`` (file and key); a missing column, a cell that is not a number
-where one is needed, a label outside {0, 1}, a domain value not in ``domain.names`` or an embedding
-vector of another length is a ``ColumnError`` (file, column and value or row); both
-are ``ValueError``s.
+where one is needed (a per-event value's included), a label outside {0, 1}, a domain value not in
+``domain.names`` or an embedding vector of another length is a ``ColumnError`` (file, column and
+value or row); both are ``ValueError``s. A missing per-event value (empty, NaN, ±inf) is not an
+error by default: its event is dropped, counted (``spec``'s "Values").
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from opengem.data.sources.event_log import (
     EventTable,
     Storage,
     bucket_tables,
+    event_values,
     list_histories,
     n_buckets,
 )
@@ -56,6 +58,7 @@ from opengem.data.sources.impressions import (
 )
 from opengem.data.sources.spec import (
     _TIME_UNITS,
+    FLOAT32_MAX,
     canonical,
     check_spec,
     id_space,
@@ -124,6 +127,7 @@ def referenced_columns(spec: dict) -> list[str]:
         cols += [seq[k] for k in _ROW_KEYS[seq["from"]] if k in seq]
         if seq["from"] == "rows":
             cols += [a["column"] for a in seq["attributes"] if isinstance(a, dict)]
+            cols += [v["column"] for v in seq.get("values", [])]
     return list(dict.fromkeys(cols))
 
 
@@ -201,6 +205,7 @@ def _string_columns(spec: dict) -> list[str]:
         if seq["from"] == "rows":
             cols += [spec["user"], seq["item"]]
             cols += [a if isinstance(a, str) else a["column"] for a in seq["attributes"]]
+            cols += [v["column"] for v in seq.get("values", [])]
     return list(dict.fromkeys(cols))
 
 
@@ -355,7 +360,7 @@ def _streams(spec: dict, sources: list[Source], imp: Impressions, users: Users, 
                 stream, lists = _column_stream(spec, s, encoders)
                 per_chunk.append(lists)
             else:
-                stream = _rows_history(spec, key, s, c, raw, encoders, train)
+                stream = _rows_history(spec, key, s, c, raw, encoders, train, imp, info)
             seqs.append(stream)
         return tuple(seqs), {k: v for k, v in c.items() if isinstance(v, tuple)}, per_chunk, {}
     done: list[_V2Stream] = []
@@ -501,12 +506,15 @@ def _column_stream(spec: dict, s: dict, encoders: dict) -> tuple[SequenceStream,
 
 
 def _rows_history(spec: dict, key: str, s: dict, c: dict, raw: dict, encoders: dict,
-                  train: np.ndarray) -> SequenceStream:
+                  train: np.ndarray, imp: Impressions, info: dict) -> SequenceStream:
     """A ``from: rows`` stream (the user's earlier rows; a vocabulary of its own is fitted on the
-    train rows' events) over the impressions whole: its lists go into ``c``."""
+    train rows' events) over the impressions whole: its lists go into ``c``. A row whose value is
+    missing is dropped as an event (``missing: drop``; it stays an impression), counted in
+    ``source.values``."""
     name, (item_enc, matches) = s["name"], _item(spec, s, encoders, None)
     user = raw[spec["user"]]
     ev = np.ones(len(user), dtype=bool) if "only" not in s else c[s["only"]] == 1
+    nums = _row_values(s, raw, ev, imp, key, info)  # may drop events from ``ev``
     event_vocab = Vocab(raw[s["event"]][train]) if "event" in s else None
     cols = {"item": item_enc(raw[s["item"]])[ev],
             "event": (event_vocab(raw[s["event"]]) if event_vocab
@@ -515,12 +523,52 @@ def _rows_history(spec: dict, key: str, s: dict, c: dict, raw: dict, encoders: d
                         lambda _, col: Vocab(raw[col][train & ev]))
     for a, (attr, enc) in zip(s["attributes"], attrs):
         cols[attr.name] = enc(raw[a if isinstance(a, str) else a["column"]])[ev]
+    cols |= {v: x[ev] for v, x in nums.items()}
     hist = history(user[ev], c["request_ts"][ev], cols, user, c["request_ts"], s["max_len"])
     for part, v in hist.items():
         c[f"{name}.{part}"] = v
     n_events = event_vocab.vocab_size if event_vocab else 1
     return SequenceStream(name, item_enc.vocab_size, n_events, s["max_len"],
-                          tuple(a for a, _ in attrs), matches=matches)
+                          tuple(a for a, _ in attrs), matches=matches, values=tuple(nums))
+
+
+def _row_values(s: dict, raw: dict, ev: np.ndarray, imp: Impressions, key: str,
+                info: dict) -> dict[str, np.ndarray]:
+    """The values of a ``from: rows`` stream per row, as stored (float32), by name. Missing ones
+    (empty, NaN, ±inf, beyond float32) among the event rows ``ev`` are counted per value, and
+    per value's ``missing``: ``drop`` clears the row from ``ev`` (in place), ``fill`` fills,
+    ``error`` raises; a cell that is no number is a ``ColumnError`` naming file, row and value."""
+    if not s.get("values"):
+        return {}
+    counts, out, drop = {}, {}, np.zeros(len(ev), dtype=bool)
+    for v in s["values"]:
+        cells = np.char.strip(np.asarray(raw[v["column"]]).astype(str))
+        # a null of a Parquet text column is staged as the string "None"
+        empty = (np.char.str_len(cells) == 0) | (cells == "None")
+        try:
+            x = np.where(empty, "nan", cells).astype(np.float64)
+        except ValueError:
+            rn = next(i for i in np.flatnonzero(~empty) if not _is_number(cells[i]))
+            file, row = imp.locate(rn)
+            raise ColumnError(f"{file}: column {v['column']!r}: {str(cells[rn])!r} (row {row}) "
+                              f"is not a number; a per-event value column holds numbers") from None
+        with np.errstate(invalid="ignore"):
+            bad = ev & ~(np.abs(x) <= FLOAT32_MAX)  # NaN compares False
+        if v["missing"] == "error" and bad.any():
+            file, row = imp.locate(int(np.flatnonzero(bad)[0]))
+            raise ColumnError(f"{file}: column {v['column']!r}: {int(bad.sum())} event rows have "
+                              f"a missing value (empty, NaN, ±inf or beyond float32; the first: "
+                              f"row {row}); set {key}.values "
+                              f"{v['name']!r}'s missing to drop or fill to keep importing")
+        counts[f"{v['name']}_missing_or_non_finite"] = int(bad.sum())
+        if v["missing"] == "drop":
+            drop |= bad
+        out[v["name"]] = event_values(x, v)
+    if any(v["missing"] == "drop" for v in s["values"]):
+        counts["events_with_missing_or_non_finite_values_dropped"] = int(drop.sum())
+    ev &= ~drop
+    info.setdefault("values", {})[s["name"]] = counts
+    return out
 
 
 def _encode(spec: dict, chunk: dict, encoders: list, domain, side: dict, offsets: dict,

@@ -305,6 +305,7 @@ class Impressions:
             + [(k, pa.int64()) for _, _, k in self.ids.values()]
             + [(k, pa.string()) for k in self.strings.values()])
         self.n = 0
+        self.starts: list[int] = []  # each file's first row number (``locate``)
         self.missing = dict.fromkeys(self.dense, 0)  # NaNs kept per dense feature
         self._insert(self.schema.empty_table(), create=True)
         for fi, src in enumerate(sources):
@@ -316,6 +317,7 @@ class Impressions:
         again as strings."""
         need(dict.fromkeys(src.columns(set(self.needed))), self.needed, src.name)
         n0, missing0 = self.n, dict(self.missing)
+        self.starts.append(n0)
         for numeric in (self.numeric, None):
             try:
                 numeric_time = (time_is_numeric(src.head(self.spec["time"], numeric))
@@ -364,6 +366,11 @@ class Impressions:
         self.con.execute("CREATE TABLE raw AS SELECT * FROM chunk" if create
                          else "INSERT INTO raw SELECT * FROM chunk")
         self.con.unregister("chunk")
+
+    def locate(self, rn: int) -> tuple[str, int]:
+        """(file name, row within it) of row number ``rn``, for messages."""
+        fi = int(np.searchsorted(self.starts, rn, side="right")) - 1
+        return self.files[fi], int(rn) - self.starts[fi]
 
     # ------------------------------------------------------------------------------- 2. split
     def split(self, by: dict, seed: int) -> Users:

@@ -88,6 +88,26 @@ the model would match it by that name. Example (content items of their own, ad c
        "matches": "ad_id", "max_len": 50, "attributes": [{"column": "cate", "matches": "cate_id"}]}
     ]
 
+Values: ``values`` lists a stream's per-event numbers (dwell seconds, watch fraction, price;
+``SequenceStream.values``, embedded into the event token), each a column name or an object
+``{"column", "name", "transform": "none" | "log1p", "missing": "drop" | "fill" | "error",
+"fill"}``. ``name`` defaults to the column's feature name and must not clash with an event's other
+columns (user_id, ts, item, event, an attribute's name, another value). ``transform`` as for dense
+features (log1p of max(x, 0)). A missing value (an empty or null cell, NaN, ±inf, or beyond
+float32, which would be stored as inf) is by default ``drop``: the event is left out (vocabularies
+and the log never see it; counted), ``fill`` (``fill`` given): that number instead, ``error``: a
+``ColumnError``. From events: a column of the events table (a number type, or text whose every
+non-empty cell is a number; anything else is a ``ColumnError`` naming file, column and value),
+counted per stream in ``source.storage`` (``<name>_missing_or_non_finite``,
+``events_with_missing_or_non_finite_values_dropped``). From rows: a column of the impressions
+table, each earlier row's; a row with a missing value is dropped as an event only (it stays an
+impression), counted in ``source.values.<stream>``. From lists and column: not supported (a
+``SpecError``): give the stream as an events table. Example::
+
+    {"name": "organic", "from": "events", "files": ["organic.parquet"], "item": "content_id",
+     "max_len": 200, "values": ["dwell_s", {"column": "watched", "name": "watch_fraction",
+                                            "missing": "fill", "fill": 0.0}]}
+
 Split: ``files`` (the ``files`` lists, day 0/1/2), ``time`` (global, by time rank; with no ``time``
 column, by row order), ``user_time``
 (each user's last rows), ``random`` (seeded); ``valid``/``test`` are shares of rows. Default:
@@ -122,11 +142,19 @@ _KEYS = {
     "sequence": ({"name": str, "from": str, "item": str, "event": str, "only": str, "max_len": int,
                   "attributes": list, "column": str, "sep": str, "files": list, "user": str,
                   "time": str, "time_unit": str, "times": str, "buckets": int, "matches": str,
-                  "item_vocab": str, "hash_size": int, "vocab_size": int}, {"item", "max_len"}),
+                  "item_vocab": str, "hash_size": int, "vocab_size": int, "values": list},
+                 {"item", "max_len"}),
     "attribute": ({"column": str, "name": str, "matches": str, "vocab": str, "hash_size": int,
                    "vocab_size": int}, {"column"}),
+    "value": ({"column": str, "name": str, "transform": str, "missing": str, "fill": float},
+              {"column"}),
     "split": ({"by": str, "valid": float, "test": float}, set()),
 }
+# what a per-event value's missing cell (empty, null, NaN, ±inf, beyond float32) becomes
+VALUE_MISSING = ("drop", "fill", "error")
+FLOAT32_MAX = 3.4028234663852886e38  # a larger value would be stored as inf
+# the columns of an event log besides attributes and values (``parquet.event_columns``)
+_EVENT_COLUMNS = ("user_id", "ts", "item", "event")
 
 
 def load_spec(path: str | Path) -> dict:
@@ -429,4 +457,55 @@ def _sequence(d: dict, raw: object, path: str, where: str) -> dict:
             raise SpecError(f"{where}: {path} from column takes no attributes/event/only")
         s.setdefault("sep", "|")
     s["attributes"] = _attributes(d, s, path, where)
+    if "values" in s:
+        s["values"] = _values(d, s, path, where)
     return s
+
+
+def _values(d: dict, s: dict, path: str, where: str) -> list[dict]:
+    """A stream's per-event values, each as a full object (defaults filled). Read from an events
+    table's columns or, from rows, the earlier rows' columns; the other kinds have no per-event
+    numbers to take them from here (a ``SpecError``). A name must not clash with what an event
+    already carries (item, event, ts, user, an attribute): both are columns of one event log."""
+    if s["from"] not in ("events", "rows"):
+        raise SpecError(f"{where}: {path}.values: per-event values are read from an events table "
+                        f"(from events) or the impression rows (from rows), not from "
+                        f"{s['from']}; give the stream as an events table to carry values")
+    sparse = {f["column"]: f["name"] for f in d["sparse"]}
+    attrs = [sparse[a] if isinstance(a, str) else a["name"] for a in s["attributes"]]
+    out: list[dict] = []
+    for i, v in enumerate(s["values"]):
+        key = f"{path}.values[{i}]"
+        if isinstance(v, str):
+            v = {"column": v}
+        elif not isinstance(v, dict):
+            raise SpecError(f"{where}: {key} must be a column name or an object {{column, name, "
+                            f"transform, missing, fill}}, got {v!r}")
+        v = _obj(v, "value", where, key)
+        v.setdefault("name", feature_name(v["column"]))
+        v.setdefault("transform", "none")
+        v.setdefault("missing", "fill" if "fill" in v else "drop")
+        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", v["name"]):
+            raise SpecError(f"{where}: {key}.name {v['name']!r} must be letters, digits and _ "
+                            f"(not starting with a digit)")
+        if v["transform"] not in ("none", "log1p"):
+            raise SpecError(f"{where}: {key}.transform must be none or log1p, "
+                            f"got {v['transform']!r}")
+        if v["missing"] not in VALUE_MISSING:
+            raise SpecError(f"{where}: {key}.missing must be one of {'/'.join(VALUE_MISSING)}, "
+                            f"got {v['missing']!r}")
+        if (v["missing"] == "fill") != ("fill" in v):
+            raise SpecError(f"{where}: {key}: missing 'fill' needs a fill value, and a fill "
+                            f"value needs missing 'fill' (got missing {v['missing']!r})")
+        if "fill" in v and not abs(v["fill"]) <= FLOAT32_MAX:  # False for NaN too
+            raise SpecError(f"{where}: {key}.fill must be a finite float32, got {v['fill']!r}")
+        taken = {n: "an event log column" for n in _EVENT_COLUMNS}
+        taken |= {n: "an attribute's name" for n in attrs}
+        taken |= {w["name"]: "another value's name" for w in out}
+        if v["name"] in taken:
+            raise SpecError(f"{where}: {key}.name {v['name']!r} clashes with "
+                            f"{taken[v['name']]} (each event's columns are "
+                            f"{list(_EVENT_COLUMNS) + attrs + [w['name'] for w in out]}); give "
+                            f"the value a name of its own")
+        out.append(v)
+    return out
