@@ -67,7 +67,8 @@ def measure(rows: int, users: int, events_per_row: float, ad_share: float, max_l
                           str(max_len), str(max(1, max_len // 4)), str(int(small_bounds))],
                          check=True, capture_output=True, text=True)
     secs = time.perf_counter() - t0
-    child = json.loads(out.stdout.strip().splitlines()[-1])
+    # the child's own JSON line (the last line that is one: anything else on stdout is not ours)
+    child = json.loads(next(x for x in reversed(out.stdout.splitlines()) if x.startswith("{")))
     events = users * per_user
     return {"rows": rows, "users": users, "events": events, "seconds": round(secs, 1),
             "events_per_s": round(events / secs), "rows_per_s": round(rows / secs),

@@ -71,6 +71,8 @@ class Workspace:
         # database file to write and checkpoint
         self.con = duckdb.connect(config={"memory_limit": MEMORY_LIMIT, "threads": 1,
                                           "temp_directory": str(self.dir / "spill")})
+        # DuckDB draws a progress bar on stdout, the caller's output, on long queries
+        self.con.execute("SET enable_progress_bar = false")
         self.error = duckdb.Error
 
     def close(self) -> None:
