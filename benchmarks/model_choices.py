@@ -96,6 +96,8 @@ def world(root: Path, w: int, users: int, family: int = 1) -> Path:
     if not (out / MANIFEST).exists():
         cfg = world_config("tiny", seed=w,
                            overrides=[f"sizes.num_users={users}", f"structure_seed={w}",
+                                      # the item-match variants read the declaration
+                                      "behaviour.declare_ad_items=true",
                                       *([f"family={family}"] if family != 1 else [])])
         generate(cfg, out, progress=False, observer=OracleCollector)
     return out

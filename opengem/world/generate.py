@@ -174,6 +174,10 @@ class Behaviour:
     organic_max_len: int = 4096  # stored history limits (most recent kept)
     event_attributes: bool = True  # per-event attribute columns organic.category, ads.advertiser_id
     ads_max_len: int = 512
+    # the schema declares the ads stream's items the candidate's ``ad_id``
+    # (``SequenceStream.matches``, read by ``model.target_match_items``); off, the schema is the
+    # one written before the field
+    declare_ad_items: bool = False
 
 
 @dataclass
@@ -399,9 +403,8 @@ def build_schema(cfg: WorldConfig) -> FeatureSchema:
         ads_attrs = {"attributes": (EventAttribute("advertiser_id", sizes.num_advertisers),)}
     seqs = [SequenceStream("organic", sizes.num_content_items, len(ORGANIC_EVENTS),
                            beh.organic_max_len, **org_attrs),
-            # its items are ad ids: the candidate's own id space
             SequenceStream("ads", n_ads, len(ADS_EVENTS), beh.ads_max_len, **ads_attrs,
-                           matches="ad_id")]
+                           matches="ad_id" if beh.declare_ad_items else None)]
     tasks = [Task("click", "click", "p_click"),
              Task("conversion", "conversion", "p_conversion", requires="click")]
     embeddings = (
@@ -707,8 +710,8 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
 
 
 def manifest_config(cfg: WorldConfig) -> dict:
-    """``asdict(cfg)`` as the manifest stores it: the content-vector keys and the surface task only
-    when they are on, so a world without them writes the manifest it always did (``from_dict`` fills
+    """``asdict(cfg)`` as the manifest stores it: the content-vector keys and the surface task (and
+    the other options below) only when they are on, so a world without them writes the manifest it always did (``from_dict`` fills
     in the defaults)."""
     d = asdict(cfg)
     if not cfg.click.content_dim:
@@ -720,6 +723,8 @@ def manifest_config(cfg: WorldConfig) -> dict:
         del d["dense_missing"]
     if cfg.family == 1:
         del d["family"]
+    if not cfg.behaviour.declare_ad_items:
+        del d["behaviour"]["declare_ad_items"]
     return d
 
 

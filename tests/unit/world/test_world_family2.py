@@ -239,3 +239,26 @@ def test_similar_histories_raise_the_click_probability(shards):
     assert p[hi].mean() > 5 * p[lo].mean()
     z = np.log(p / (1 - p))
     assert np.corrcoef(z, s)[0, 1] > 0.9
+
+
+def test_declaring_the_ad_items_changes_the_schema_only(tmp_path):
+    """``behaviour.declare_ad_items``: the ads stream's items are declared the candidate's
+    ``ad_id`` in the schema; the shards are the default world's, byte for byte, and the default
+    schema does not carry the field."""
+    import hashlib
+
+    from opengem.features.schema import FeatureSchema
+    from opengem.world.generate import generate
+    from opengem.world.presets import world_config
+
+    def shards(out, *extra):
+        m = generate(world_config("tiny", seed=5, overrides=["sizes.num_users=150", *extra]), out,
+                     progress=False, layout="v1")
+        return {f.path: hashlib.sha256((out / f.path).read_bytes()).hexdigest() for f in m.files}
+
+    plain = shards(tmp_path / "plain")
+    declared = shards(tmp_path / "declared", "behaviour.declare_ad_items=true")
+    assert plain == declared
+    assert FeatureSchema.load(tmp_path / "plain").stream("ads").matches is None
+    assert "matches" not in (tmp_path / "plain" / "schema.json").read_text()
+    assert FeatureSchema.load(tmp_path / "declared").stream("ads").matches == "ad_id"
