@@ -1,8 +1,8 @@
 """Cheaper forms of GEM's sequence side at equal wall time, against DLRM-DCN, on development worlds'
 valid days (the choice the race's quality-per-second gap asks for; nothing reads test).
 
-    python benchmarks/cheap_forms.py --worlds 0 1 2 --users 12000      # ~25 min on 2 shared cores
-    python benchmarks/cheap_forms.py --quick                           # world 0, 3,000 users (~4 min)
+    python benchmarks/cheap_forms.py --worlds 0 1 2 --users 12000  # ~25 min on 2 shared cores
+    python benchmarks/cheap_forms.py --quick                       # world 0, 3,000 users (~4 min)
 
 Each world (the demo's form, data and structure seed = the world seed, so three structures): one
 DLRM-DCN pass of the demo recipe at the race's rates (``instruments.race.RATES``), then one GEM pass

@@ -7,8 +7,8 @@ Each size: the log is written (``opengem.data.sources.fake_log``: impressions, a
 an ad-click table whose items are the impressions' ``item_id``, both shuffled) to a temporary
 directory, then imported by ``opengem.data.sources.generic.convert`` in a fresh process that
 reports its own peak RSS (``VmHWM``: the importer's whole footprint, DuckDB's included; not
-``ru_maxrss``, which Linux carries over from the forking parent, the log's writer). One JSON line per
-size, then one JSON line of headline figures: per size rows, events, seconds, events/s and peak RSS,
+``ru_maxrss``, which Linux carries over from the forking parent, the log's writer). One JSON line
+per size, then one JSON line of headline figures: per size rows, events, seconds, events/s and peak RSS,
 and the slope of peak RSS per impression row between the smallest and the largest size (the goal:
 about zero, memory bounded by chunks and per-user state, not by rows).
 

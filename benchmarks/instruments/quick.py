@@ -184,8 +184,8 @@ def quick_bench(cfg_name: str = "tiny", users: int | None = QUICK_USERS,
     """``opengem bench --quick``: the headline figures on 2 CPU cores in under 5 minutes.
 
     The levers and the loader on the ``cfg_name`` recipe's world; the rest on a demo world cut to
-    ``users`` (12,000; None: the demo's 36,000) drawn with race seed 2100 (a world no rate was tuned
-    on, its structure its own: ``discipline.race_world_seeds``): one run of the race (``race.race``, the
+    ``users`` (12,000; None: the demo's 36,000) drawn with race seed 2100 (a world no rate was
+    tuned on, its structure its own: ``discipline.race_world_seeds``): one run of the race (``race.race``, the
     first of the reported three at another size: GEM trains first, training seed 0; target and
     budgets read on every ``eval_every_kth_file``-th file of ``test``), FP8's NE cost on the budget
     that crossed, int8 tables' memory, examples/s at equal dense parameters."""

@@ -21,7 +21,8 @@ tokens are summed in. A stream with no such attribute has no shared table, so q 
 projection of the candidate-side (``group="ad"``) sparse tokens; with none of those either, q = 0.
 Where the schema declares a stream's items an impression feature's ids (``SequenceStream.matches``:
 the ads stream's items are ad ids) and ``model.target_match_items`` is on, q also holds the item
-table's row at the candidate's id: DIN's own query (the candidate goods id in the behaviours' table).
+table's row at the candidate's id: DIN's own query (the candidate goods id in the behaviours'
+table).
 """
 
 from __future__ import annotations

@@ -710,9 +710,9 @@ def generate(cfg: WorldConfig, out_dir: str | Path, progress: bool = True,
 
 
 def manifest_config(cfg: WorldConfig) -> dict:
-    """``asdict(cfg)`` as the manifest stores it: the content-vector keys and the surface task (and
-    the other options below) only when they are on, so a world without them writes the manifest it always did (``from_dict`` fills
-    in the defaults)."""
+    """``asdict(cfg)`` as the manifest stores it: the content-vector keys, the surface task and the
+    other options below only when they are on, so a world without them writes the manifest it
+    always did (``from_dict`` fills in the defaults)."""
     d = asdict(cfg)
     if not cfg.click.content_dim:
         for k in ("content_dim", "content_sigma"):

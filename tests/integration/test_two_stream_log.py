@@ -1,6 +1,6 @@
-"""A log of two behaviour streams from two events tables, through the whole chain: ``opengem import
---source generic`` → ``validate`` → ``train`` (tiny, ``model.target_match_items``) → ``export`` →
-``history-store``; requests that give only the user id score as the same requests with their
+"""A log of two behaviour streams from two events tables, through the whole chain: ``opengem
+import --source generic`` → ``validate`` → ``train`` (tiny, ``model.target_match_items``) →
+``export`` → ``history-store``; requests that give only the user id score as the same requests with their
 histories inline, the organic stream's dwell seconds (a per-event value) included. The log and
 spec are ``examples/two_streams.py``'s, so the example's are exercised too."""
 
