@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.nn.functional import one_hot
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from opengem.data.batch import Batch
 from opengem.features.schema import FeatureSchema
@@ -486,8 +487,6 @@ class GEM(TableModel):
         candidate can be compared directly. Looked up through the stream's own (possibly
         sharded) collection: one event per row, the candidate's id, under every matched key.
         """
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
         B, seq, cand = batch.batch_size, batch.sequences, batch.sparse.to_dict()
         matched = {col: feat for s in self.token_streams for col, feat, _ in self.match_pairs[s]}
         values, lengths = [], []

@@ -213,15 +213,21 @@ def test_target_match_flags_events_equal_to_the_candidate():
     schema = tiny_schema()
     assert match_attributes(schema, "s0") == [("s0.category", "category", 5)]
     assert match_attributes(schema, "s1") == []
-    model = _gem(schema=schema)
-    b = _batch(schema, n=6, lengths={"s0": np.array([3, 0, 2, 4, 1, 5])})
+    _check_flags(_gem(schema=schema), schema, "s0", "s0.category", "category", 5)
+
+
+def _check_flags(model, schema, stream, col, feat, oov):
+    """``model``'s first match flag of ``stream`` against a loop: event ``col`` equals the row's
+    candidate ``feat``, OOV never matching; the seeded rows hold both cases."""
+    b = _batch(schema, n=6, lengths={stream: np.array([3, 0, 2, 4, 1, 5])})
     seq, sp = b.sequences.to_dict(), b.sparse.to_dict()
-    lengths = seq["s0.item"].lengths()
-    flags = model._match_flags(b, "s0", lengths)
-    cats, cand = seq["s0.category"].values().tolist(), sp["category"].values().tolist()
+    lengths = seq[f"{stream}.item"].lengths()
+    flags = model._match_flags(b, stream, lengths)
+    ids, cand = seq[col].values().tolist(), sp[feat].values().tolist()
     rows = [r for r, n in enumerate(lengths.tolist()) for _ in range(n)]
-    assert flags[:, 0].tolist() == [float(c == cand[r] and c != 5) for c, r in zip(cats, rows)]
-    assert 0 < flags.sum() < len(cats)  # the seeded rows hold both cases
+    assert flags[:, 0].tolist() == [float(i == cand[r] and i != oov) for i, r in zip(ids, rows)]
+    assert 0 < flags.sum() < len(ids)
+    return b
 
 
 def test_item_match_flags_events_of_the_candidates_own_item():
@@ -240,14 +246,7 @@ def test_item_match_flags_events_of_the_candidates_own_item():
     base = _gem(schema=schema)
     assert base.match_pairs["s1"] == []
     model = _gem(dataclasses.replace(base.cfg, target_match_items=True), schema)
-    b = _batch(schema, n=6, lengths={"s1": np.array([3, 0, 2, 4, 1, 5])})
-    seq, sp = b.sequences.to_dict(), b.sparse.to_dict()
-    lengths = seq["s1.item"].lengths()
-    flags = model._match_flags(b, "s1", lengths)
-    items, cand = seq["s1.item"].values().tolist(), sp["ad_id"].values().tolist()
-    rows = [r for r, n in enumerate(lengths.tolist()) for _ in range(n)]
-    assert flags[:, 0].tolist() == [float(i == cand[r] and i != 4) for i, r in zip(items, rows)]
-    assert 0 < flags.sum() < len(items)
+    b = _check_flags(model, schema, "s1", "s1.item", "ad_id", 4)
     assert torch.isfinite(model(b)).all()
 
 

@@ -79,11 +79,15 @@ def reference(model, schema, reqs):
     return torch.sigmoid(logits.double())[:-1]
 
 
-def _compare(model, schema, reqs, fn=None):
+def _inputs(model, schema, reqs):
+    """The serving program's inputs (and the parse reports) of ``reqs``, laid out for ``model``."""
     layout = Layout(model.max_seq_len(), model.cfg.sequence.recent_len)
     _, req_model = request_models(schema)
-    x, reports = assemble(schema, [parse(schema, req_model.model_validate(r)) for r in reqs],
-                          layout)
+    return assemble(schema, [parse(schema, req_model.model_validate(r)) for r in reqs], layout)
+
+
+def _compare(model, schema, reqs, fn=None):
+    x, reports = _inputs(model, schema, reqs)
     with torch.no_grad():
         got = (fn or serving_module(model))(x).double()
     return (got - reference(model, schema, reqs)).abs().max().item(), reports
@@ -217,15 +221,8 @@ def test_exported_program_runs_every_size(kw):
     """One exported graph serves 1 or many users, candidates and events (0/1 sizes included)."""
     schema = tiny_schema()
     model = _model(schema, **kw)
-    layout = Layout(model.max_seq_len(), model.cfg.sequence.recent_len)
-    _, req_model = request_models(schema)
-
-    def inputs(reqs):
-        return assemble(schema, [parse(schema, req_model.model_validate(r)) for r in reqs],
-                        layout)[0]
-
     ep = export_program(serving_module(model),
-                        inputs(_requests(schema, [(3, 23), (5, 11)], seed=7)))
+                        _inputs(model, schema, _requests(schema, [(3, 23), (5, 11)], seed=7))[0])
     program = ep.module()
     for specs in ([(2, 0)], [(2, 1)], [(1, 3), (1, 0)], [(7, -1), (2, 2), (1, 0)], [(40, 5)]):
         diff, _ = _compare(model, schema, _requests(schema, specs, seed=1), fn=program)
@@ -247,9 +244,7 @@ def test_serving_module_with_embedding_features(specs):
     diff, _ = _compare(model, schema, reqs)
     assert diff < TOL
     # the vectors matter: another candidate vector changes that candidate's score
-    layout = Layout(model.max_seq_len(), model.cfg.sequence.recent_len)
-    _, req_model = request_models(schema)
-    x, _ = assemble(schema, [parse(schema, req_model.model_validate(r)) for r in reqs], layout)
+    x, _ = _inputs(model, schema, reqs)
     assert x["embeddings"].shape == (sum(c for c, _ in specs), 8)
     with torch.no_grad():
         before = serving_module(model)(x)
@@ -281,10 +276,7 @@ def test_exported_program_with_an_embedding_feature():
 
     schema = dataclasses.replace(tiny_schema(), embeddings=(EmbeddingFeature("content", 5, "ad"),))
     model = _model(schema)
-    layout = Layout(model.max_seq_len(), model.cfg.sequence.recent_len)
-    _, req_model = request_models(schema)
-    x = assemble(schema, [parse(schema, req_model.model_validate(r))
-                          for r in _requests(schema, [(3, 23), (5, 11)], seed=7)], layout)[0]
+    x = _inputs(model, schema, _requests(schema, [(3, 23), (5, 11)], seed=7))[0]
     program = export_program(serving_module(model), x).module()
     # C = 1 fails the graph's guard with or without vectors (main too)
     for specs in ([(2, 3)], [(7, -1), (1, 0)]):
@@ -324,9 +316,7 @@ def test_serving_module_equals_gem_with_missing_values(norm):
     reqs = _with_missing(_requests(schema, [(3, -1), (2, 0), (4, 5)], seed=23))
     diff, _ = _compare(model, schema, reqs)
     assert diff < TOL
-    layout = Layout(model.max_seq_len(), model.cfg.sequence.recent_len)
-    _, req_model = request_models(schema)
-    x, _ = assemble(schema, [parse(schema, req_model.model_validate(r)) for r in reqs], layout)
+    x, _ = _inputs(model, schema, reqs)
     assert (
         torch.isnan(x["dense"][:3, 0]).all()
         and torch.isnan(x["dense"][0, 1])
@@ -343,11 +333,7 @@ def test_exported_program_with_missing_values():
     to eager."""
     schema = _missing_schema()
     model = _model(schema, dense_norm="quantile")
-    layout = Layout(model.max_seq_len(), model.cfg.sequence.recent_len)
-    _, req_model = request_models(schema)
-    x = assemble(schema, [parse(schema, req_model.model_validate(r))
-                          for r in _with_missing(_requests(schema, [(3, 23), (5, 11)], seed=7))],
-                 layout)[0]
+    x = _inputs(model, schema, _with_missing(_requests(schema, [(3, 23), (5, 11)], seed=7)))[0]
     program = export_program(serving_module(model), x).module()
     for specs in ([(2, 3)], [(7, -1), (1, 0)]):
         diff, _ = _compare(model, schema, _with_missing(_requests(schema, specs, seed=2)),
@@ -404,15 +390,13 @@ def test_serving_module_with_per_event_values(specs, kw):
     diff, _ = _compare(model, schema, reqs)
     assert diff < TOL
     # the values matter: another dwell in the newest event of the first request moves its scores
-    layout = Layout(model.max_seq_len(), model.cfg.sequence.recent_len)
-    _, req_model = request_models(schema)
-    x, _ = assemble(schema, [parse(schema, req_model.model_validate(r)) for r in reqs], layout)
+    x, _ = _inputs(model, schema, reqs)
     assert x["seq_values.s0"].shape == (len(x["seq.s0.item"]), 2) and "seq_values.s1" not in x
     assert not x["seq_values.s0"][-1].any()  # the sentinel event
     reqs[0]["s0.dwell"][-1] *= 50.0
     assert _compare(model, schema, reqs)[0] < TOL
     with torch.no_grad():
-        y, _ = assemble(schema, [parse(schema, req_model.model_validate(r)) for r in reqs], layout)
+        y, _ = _inputs(model, schema, reqs)
         before, after = serving_module(model)(x), serving_module(model)(y)
     C0 = specs[0][0]
     assert not torch.allclose(before[:C0], after[:C0]) and torch.equal(before[C0:], after[C0:])
@@ -424,10 +408,7 @@ def test_exported_program_with_per_event_values():
 
     schema = valued_schema()
     model = _model(schema)
-    layout = Layout(model.max_seq_len(), model.cfg.sequence.recent_len)
-    _, req_model = request_models(schema)
-    x = assemble(schema, [parse(schema, req_model.model_validate(r))
-                          for r in _requests(schema, [(3, 23), (5, 11)], seed=7)], layout)[0]
+    x = _inputs(model, schema, _requests(schema, [(3, 23), (5, 11)], seed=7))[0]
     program = export_program(serving_module(model), x).module()
     for specs in ([(2, 3)], [(7, -1), (1, 0)], [(2, 0)]):
         diff, _ = _compare(model, schema, _requests(schema, specs, seed=2), fn=program)
