@@ -78,6 +78,10 @@ class DatasetManifest:
     layout: int = LAYOUT_V1
     # v2: stream → its event files
     events: dict[str, list[EventFileInfo]] = field(default_factory=dict)
+    # the dataset card (opengem.data.card) and one record per `opengem forget` (no user ids);
+    # written only when present, so manifests without them keep their bytes
+    card: dict = field(default_factory=dict)
+    deletions: list[dict] = field(default_factory=list)
 
     def split_files(self, split: str) -> list[ShardInfo]:
         if split not in self.splits:
@@ -93,7 +97,15 @@ class DatasetManifest:
         out = {"layout": self.layout, "files": files, "splits": self.splits, "source": self.source}
         if self.layout != LAYOUT_V1:
             out["events"] = {s: [vars(e) for e in es] for s, es in self.events.items()}
+        out |= {k: v for k, v in (("card", self.card), ("deletions", self.deletions)) if v}
         return out
+
+    def save(self, data_dir: str | Path) -> None:
+        """Write ``dataset.json`` atomically (a temporary file renamed over it): a reader sees
+        the old manifest or the new one, never half of one."""
+        tmp = Path(data_dir) / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2))
+        os.replace(tmp, Path(data_dir) / MANIFEST)
 
     @classmethod
     def load(cls, data_dir: str | Path) -> "DatasetManifest":
@@ -116,7 +128,7 @@ class DatasetManifest:
             if no_bucket:
                 raise DataError(f"{p}: layout 2 but files {no_bucket[:3]} name no bucket")
         return cls(files=files, splits=splits, source=d.get("source", {}), layout=layout,
-                   events=events)
+                   events=events, card=d.get("card", {}), deletions=d.get("deletions", []))
 
 
 TS = "ts"  # the event time column of an event log (seconds, like request_ts)

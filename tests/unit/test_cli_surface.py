@@ -28,7 +28,7 @@ COMMANDS = {  # command -> sorted flags; a positional is written <dest>
     "demo": ["--no-distill", "--no-recalibrate", "--no-serve", "--out", "--preset", "--seed",
              "<overrides>"],
     "validate": ["--strict", "<data>"],
-    "import": ["--in", "--out", "--seed", "--source", "--spec"],
+    "import": ["--in", "--key-file", "--out", "--seed", "--source", "--spec"],
     "report": ["--bench", "--data", "--eval", "--out", "--run", "--split"],
 }
 

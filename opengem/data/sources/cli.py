@@ -25,13 +25,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--spec", default=None, help="generic only: the JSON spec naming the columns")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of random splits (sources without time)")
+    p.add_argument("--key-file", default=None, metavar="FILE",
+                   help="the key of a spec's pseudonymise (keyed hash of user ids); kept outside "
+                        "the dataset, never written into it (default: $OPENGEM_PSEUDONYM_KEY)")
     p.set_defaults(handler=run)
     return p
 
 
 def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
-    manifest = convert(args.source, args.in_path, args.out, spec=args.spec, seed=args.seed)
+    manifest = convert(args.source, args.in_path, args.out, spec=args.spec, seed=args.seed,
+                       key_file=args.key_file)
     rows = manifest.source.get("rows", {})
     log.info("imported %s: %s rows (%s) in %d shards to %s in %.1f s", args.source,
              sum(rows.values()), ", ".join(f"{k} {v}" for k, v in rows.items()),

@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from opengem.data.parquet import LAYOUT_V1, LAYOUT_V2, DatasetManifest
+from opengem.data.pseudonym import FILE as PSEUDONYMS
+from opengem.data.pseudonym import key_check, load_key, pseudonymise, write_pseudonyms
 from opengem.data.sources.common import (
     SPLITS,
     ColumnError,
@@ -81,15 +83,21 @@ _TABLES = ("*.csv", "*.csv.gz", "*.tsv", "*.parquet")
 
 
 def convert(in_path: str | Path, out_dir: str | Path, spec: dict | str | Path,
-            seed: int = 0, chunk_rows: int = CHUNK_ROWS) -> DatasetManifest:
+            seed: int = 0, chunk_rows: int = CHUNK_ROWS,
+            key_file: str | Path | None = None) -> DatasetManifest:
     """Write the table(s) at ``in_path`` as a dataset in ``out_dir`` per ``spec`` (a dict or a
-    JSON file), ``chunk_rows`` impressions at a time."""
+    JSON file), ``chunk_rows`` impressions at a time. ``key_file``: the pseudonym key of a spec
+    that pseudonymises (else ``$OPENGEM_PSEUDONYM_KEY``; ``opengem.data.pseudonym``)."""
     spec = load_spec(spec) if isinstance(spec, (str, Path)) else check_spec(spec)
+    if key_file is not None and "pseudonymise" not in spec:
+        raise SpecError("a pseudonym key was given but the spec does not pseudonymise: add "
+                        "\"pseudonymise\": {\"hash\": \"hmac-sha256\"} (or leave the key out)")
     sources = [Source(str(f), day, path=f, sep=spec.get("sep", ","))
                for f, day in input_files(in_path, spec)]
     base = Path(in_path) if Path(in_path).is_dir() else Path(in_path).parent
+    key = load_key(key_file) if "pseudonymise" in spec else None
     return _import(sources, spec, out_dir, seed, {"kind": "generic", "in": str(in_path)}, base,
-                   chunk_rows)
+                   chunk_rows, key)
 
 
 def input_files(in_path: str | Path, spec: dict) -> list[tuple[Path, int | None]]:
@@ -137,14 +145,17 @@ _ROW_KEYS = {"rows": ("event",), "column": ("column",), "lists": ("column", "tim
 
 
 def _import(sources: list[Source], spec: dict, out_dir: str | Path, seed: int,
-            source: dict | None, base: Path | None, chunk_rows: int) -> DatasetManifest:
+            source: dict | None, base: Path | None, chunk_rows: int,
+            key: bytes | None = None) -> DatasetManifest:
     """The stages of the module docstring, in order, in one DuckDB workspace."""
     dense = {f["column"] for f in spec["dense"]}
     with Workspace() as ws:
         # scan the impressions (hashed and given ids encoded on the way) and split them
         imp = Impressions(ws, sources, spec, referenced_columns(spec), _stateless(spec),
                           _string_columns(spec), dense.__contains__, chunk_rows)
-        users = imp.split(spec["split"], seed)
+        method = spec.get("pseudonymise", {}).get("hash")
+        users = imp.split(spec["split"], seed,
+                          None if key is None else lambda raw: pseudonymise(raw, key, method))
         # fit the vocabularies on the train rows; embeddings and domains
         encoders = [_encoder(f, imp) for f in spec["sparse"]]
         by_column = {f["column"]: enc for f, enc in zip(spec["sparse"], encoders)}
@@ -159,6 +170,11 @@ def _import(sources: list[Source], spec: dict, out_dir: str | Path, seed: int,
             embeddings.append(EmbeddingFeature(f["name"], dim, f["group"]))
         names = _domains(spec, imp)
         info = {**(source or {}), "split": spec["split"], "files": imp.files}
+        if users.pseudonyms is not None:  # the key's check value, never the key
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            write_pseudonyms(Path(out_dir) / PSEUDONYMS, users.pseudonyms)
+            info["pseudonym"] = {"hash": method, "key_check": key_check(key, method),
+                                 "file": PSEUDONYMS, "users": int(users.count)}
         # each stream's events, then the schema
         seqs, stream_cols, per_chunk, write = _streams(spec, sources, imp, users, ws, by_column,
                                                        base or Path("."), info)

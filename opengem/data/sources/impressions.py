@@ -274,6 +274,8 @@ class Users:
     count: int
     last_ts: np.ndarray
     req_max: int
+    # pseudonymised imports: each user id's pseudonym (row i = user i), sorted
+    pseudonyms: np.ndarray | None = None
 
 
 class Impressions:
@@ -375,11 +377,15 @@ class Impressions:
         return self.files[fi], int(rn) - self.starts[fi]
 
     # ------------------------------------------------------------------------------- 2. split
-    def split(self, by: dict, seed: int) -> Users:
-        """Each row's day (``by``: the spec's split) and user id; per-user times (``Users``)."""
+    def split(self, by: dict, seed: int,
+              pseudonym: Callable[[np.ndarray], np.ndarray] | None = None) -> Users:
+        """Each row's day (``by``: the spec's split) and user id; per-user times (``Users``).
+        ``pseudonym``: user ids are the ranks of the users' pseudonyms, not of their raw values
+        (``opengem.data.pseudonym``)."""
         q = self.con.execute
-        q("CREATE TABLE users AS SELECT u, CAST(row_number() OVER (ORDER BY u) - 1 AS BIGINT) "
-          "AS uid FROM (SELECT DISTINCT u FROM raw)")
+        order = "u" if pseudonym is None else self._pseudonyms(pseudonym)
+        q(f"CREATE TABLE users AS SELECT u, CAST(row_number() OVER (ORDER BY {order}) - 1 AS "
+          f"BIGINT) AS uid FROM {'(SELECT DISTINCT u FROM raw)' if pseudonym is None else 'pu'}")
         src, drop = "raw", "fday"
         if by["by"] == "files":
             day = "fday"
@@ -406,7 +412,27 @@ class Impressions:
         q("ALTER TABLE user_ts RENAME TO users")
         last = self.con.sql("SELECT last_ts FROM users ORDER BY uid").fetchnumpy()["last_ts"]
         last = np.asarray(last, dtype=np.int64)
-        return Users(len(last), last, int(last.max()) if len(last) else 0)
+        names = None
+        if pseudonym is not None:
+            names = self.con.sql("SELECT p FROM pu ORDER BY p").fetchnumpy()["p"].astype(str)
+            q("DROP TABLE pu")
+        return Users(len(last), last, int(last.max()) if len(last) else 0, names)
+
+    def _pseudonyms(self, pseudonym: Callable[[np.ndarray], np.ndarray]) -> str:
+        """The workspace table ``pu`` (u, p): every distinct user and its pseudonym, hashed a
+        chunk of users at a time (the users are per-user state: held whole); returns the column to
+        rank users by."""
+        self.con.execute("CREATE TABLE pu (u VARCHAR, p VARCHAR)")
+        users = self.con.sql("SELECT DISTINCT u FROM raw").to_arrow_table().column(0)
+        for lo in range(0, len(users), self.chunk_rows):
+            u = users.slice(lo, self.chunk_rows).to_numpy(zero_copy_only=False).astype(str)
+            self._insert_into("pu", pa.table({"u": u, "p": pseudonym(u)}))
+        return "p"
+
+    def _insert_into(self, name: str, table: pa.Table) -> None:
+        self.con.register("chunk", table)
+        self.con.execute(f"INSERT INTO {name} SELECT * FROM chunk")
+        self.con.unregister("chunk")
 
     # --------------------------------------------------------------------------------- 3. fit
     def distinct(self, column: str, train: bool = True) -> Iterator[np.ndarray]:

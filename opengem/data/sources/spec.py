@@ -119,6 +119,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from opengem.data.pseudonym import HASHES
 from opengem.data.sources.common import SpecError
 from opengem.features.schema import MISSING, read_json
 
@@ -127,7 +128,8 @@ _TIME_UNITS = {"s": 1, "ms": 1000, "us": 1_000_000}
 _KEYS = {
     "": ({"files": dict, "sep": str, "tasks": list, "sparse": list, "dense": list, "domain": dict,
           "user": str, "time": str, "time_unit": str, "sequence": dict, "sequences": list,
-          "split": dict, "name": str, "embeddings": list}, {"tasks"}),
+          "split": dict, "name": str, "embeddings": list, "pseudonymise": dict}, {"tasks"}),
+    "pseudonymise": ({"hash": str}, {"hash"}),
     "files": ({"train": list, "valid": list, "test": list}, {"train", "test"}),
     "tasks": ({"name": str, "column": str, "requires": str, "positive_at": float},
               {"name", "column"}),
@@ -216,6 +218,8 @@ def check_spec(d: object, where: str = "spec") -> dict:
         raise SpecError(f"{where}: time_unit must be one of {sorted(_TIME_UNITS)}, "
                         f"got {out['time_unit']!r}")
     out["split"] = _split(out, where)
+    if "pseudonymise" in d:
+        out["pseudonymise"] = _pseudonymise(d, where)
     if "sequence" in d and "sequences" in d:
         raise SpecError(f"{where}: give sequence (one stream) or sequences (a list), not both")
     if "sequence" in d:
@@ -285,6 +289,19 @@ def _obj(x: object, kind: str, where: str, path: str | None = None) -> dict:
         if not ok:
             raise SpecError(f"{where}: {path}.{k} must be a {want.__name__}, got {v!r}")
     return dict(x)
+
+
+def _pseudonymise(d: dict, where: str) -> dict:
+    """User ids by the rank of a keyed hash of the raw ids (``opengem.data.pseudonym``): needs a
+    user column and one of its hashes; the key is given at import, never in the spec."""
+    p = _obj(d["pseudonymise"], "pseudonymise", where)
+    if p["hash"] not in HASHES:
+        raise SpecError(f"{where}: pseudonymise.hash must be one of {list(HASHES)}, "
+                        f"got {p['hash']!r}")
+    if "user" not in d:
+        raise SpecError(f"{where}: pseudonymise needs the top-level key 'user' (the column of "
+                        f"raw user ids to hash)")
+    return p
 
 
 def _split(d: dict, where: str) -> dict:
