@@ -20,6 +20,7 @@ from opengem.data.loader import ShardLoader
 from opengem.data.parquet import DatasetManifest
 from opengem.evaluation import EVAL_BATCH
 from opengem.evaluation.accumulator import MetricAccumulator
+from opengem.evaluation.segments import MIN_ROWS, SegmentAccumulator, segment_families
 from opengem.features.schema import FeatureSchema, SchemaError
 from opengem.progress import progress_bar
 from opengem.run import load_base_rates, load_downsampling, load_recalibration, load_run_model
@@ -29,23 +30,36 @@ from opengem.run import load_base_rates, load_downsampling, load_recalibration, 
 def evaluate_model(model, schema: FeatureSchema, data_dir: str | Path, split: str,
                    base_rates: dict | None, batch_size: int = EVAL_BATCH, progress: bool = True,
                    rank: int = 0, world_size: int = 1,
-                   device: torch.device | None = None) -> dict:
+                   device: torch.device | None = None, segments: bool | list[str] = False,
+                   min_rows: int = MIN_ROWS) -> dict:
     """Metrics of ``model`` on the files ``rank``, ``rank + world_size``, … of ``split``; under
     torch.distributed the ranks' rows are reduced (every rank returns the metrics of all
-    of them)."""
+    of them). ``segments`` (True: every family the schema allows; a list: those families) adds
+    ``segments``: the per-segment table of the same pass (``opengem.evaluation.segments``; a
+    named family the schema lacks fails before any row is scored)."""
     acc = MetricAccumulator(list(schema.domains.names), schema.task_names, base_rates)
+    seg, notes = None, []
+    if segments is not False:
+        families, notes = segment_families(schema, None if segments is True else list(segments))
+        seg = SegmentAccumulator(schema, families)
     n = 0
     scored = _Scored(model, schema, data_dir, split, batch_size, progress, rank, world_size, device)
     for probs, batch, counted in scored:
         if counted:
             acc.update(probs, batch.labels, batch.label_mask, batch.domain, batch.user_id,
                        batch.true_probs)
+            if seg is not None:
+                seg.update(probs, batch)
             n += batch.batch_size
     acc.reduce()
-    return {"split": split, "rows": n, "metrics": acc.compute(),
-            "calibration_bins": acc.calibration_bins(),
-            "quarantined": dict(scored.loader.quarantined),
-            "repaired": scored.loader.stats.as_dict()}
+    out = {"split": split, "rows": n, "metrics": acc.compute(),
+           "calibration_bins": acc.calibration_bins(),
+           "quarantined": dict(scored.loader.quarantined),
+           "repaired": scored.loader.stats.as_dict()}
+    if seg is not None:
+        seg.reduce()
+        out["segments"] = {**seg.compute(min_rows), "notes": notes}
+    return out
 
 
 class _Scored:
@@ -139,16 +153,18 @@ def held_out_evaluator(data_dir: str | Path, split: str = "valid", every_kth_fil
 
 def evaluate_run(run_dir: str | Path, data_dir: str | Path, split: str = "test",
                  batch_size: int = EVAL_BATCH,
-                 progress: bool = True, best: bool = False) -> dict:
+                 progress: bool = True, best: bool = False, segments: bool | list[str] = False,
+                 min_rows: int = MIN_ROWS) -> dict:
     """Metrics of a run's model on ``split``; with ``best``, of the best held-out evaluation's model
-    (``train.keep_best``) instead of the last (``run.use_best`` picks it for ``--checkpoint``)."""
+    (``train.keep_best``) instead of the last (``run.use_best`` picks it for ``--checkpoint``);
+    ``segments`` and ``min_rows`` as in ``evaluate_model``."""
     model, cfg, schema = load_run_model(run_dir, best=best)
     data_schema = FeatureSchema.load(data_dir)
     if data_schema.fingerprint() != schema.fingerprint():
         raise SchemaError(f"{data_dir}: its schema differs from the one run {run_dir} was "
                           f"trained on")
     out = evaluate_model(model, schema, data_dir, split, load_base_rates(run_dir), batch_size,
-                         progress)
+                         progress, segments=segments, min_rows=min_rows)
     add_oracle(out["metrics"], data_dir, split)
     out["run"] = str(run_dir)
     out["recipe"] = cfg.recipe
