@@ -22,6 +22,8 @@ HELD_OUT_WORLD_SEED_MIN = 1000
 # held-out worlds the speed races run on, each with its own structure (not the demo's): a block of
 # its own, so races never read the quality figures' seeds (1000-1002 worn, 2000-2004)
 RACE_WORLD_SEED_MIN = 2100
+# held-out worlds of the outcome replay (benchmarks/outcomes.py), a block of its own likewise
+OUTCOME_WORLD_SEED_MIN = 2200
 REPORT_SPLIT = "test"
 
 
@@ -55,6 +57,13 @@ def race_world_seeds(n: int) -> list[int]:
     if n < 1:
         raise ValueError(f"need at least one race world seed, got {n}")
     return list(range(RACE_WORLD_SEED_MIN, RACE_WORLD_SEED_MIN + n))
+
+
+def outcome_world_seeds(n: int) -> list[int]:
+    """The first ``n`` outcome-replay world seeds (2200, 2201, …), structure seed = the seed."""
+    if n < 1:
+        raise ValueError(f"need at least one outcome world seed, got {n}")
+    return list(range(OUTCOME_WORLD_SEED_MIN, OUTCOME_WORLD_SEED_MIN + n))
 
 
 def held_out_world_seeds(n: int) -> list[int]:

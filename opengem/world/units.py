@@ -12,6 +12,8 @@ TAG_GLOBAL, TAG_BLOCK, TAG_DAY, TAG_STRUCTURE = 0, 1, 2, 3
 TAG_CONTENT = 5
 # family 2 (``opengem.world.wide``): its structure draws, its item and ad vectors
 TAG_WIDE, TAG_ITEM_VECTORS = 9, 10
+# the auction replay's market (``opengem.world.replay``): bids and objectives, never written
+TAG_MARKET = 11
 
 ORGANIC_EVENT_WEIGHTS = np.array([1.0, 2.0, 3.0, 2.5])  # w_type in the sequence-match term
 ADS_EVENT_WEIGHTS = np.array([1.0, 3.0])  # click, conversion in the ads-history term
