@@ -41,7 +41,12 @@ from opengem.export.client import free_port, http, wait_ready
 from opengem.export.request import synthetic_request
 from opengem.features.schema import SCHEMA_FILE, FeatureSchema
 from opengem.recipes import recipe
-from opengem.report.text import distill_line, format_table, recalibration_line
+from opengem.report.text import (
+    distill_line,
+    format_table,
+    recalibration_line,
+    worst_segment_line,
+)
 from opengem.run import EVALUATION_FILE
 from opengem.train.trainer import train
 from opengem.transfer.distill import distill
@@ -92,7 +97,8 @@ def demo(out: str | Path, preset: str = "demo", seed: int = 0, overrides: Sequen
         with _timed(times, "recalibrate_s"):
             recal = recalibrate_run(run, data, "valid", progress=progress)
     with _timed(times, "evaluate_s"):
-        ev = evaluate_run(run, data, cfg.data.eval_split, progress=progress)
+        # the segment table reuses this pass's scores (opengem.evaluation.segments)
+        ev = evaluate_run(run, data, cfg.data.eval_split, progress=progress, segments=True)
     served = None
     if distil:
         with _timed(times, "distill_s"):
@@ -183,6 +189,8 @@ def format_demo(result: dict) -> str:
     )
     tr = ev["train"]
     lines = [format_table(ev["metrics"])]
+    if "segments" in ev:
+        lines.append(worst_segment_line(ev["segments"]))
     if recal is not None:
         lines.append("\n" + recalibration_line(recal))
     lines.append(f"\nparameters {tr['parameters']['total']:,} "

@@ -102,3 +102,59 @@ def signal_lines(signal: dict) -> str:
                      f"corr {d['corr']:.3f}\n  "
                      + ", ".join(f"{k} {v:+.2f}" for k, v in d["slopes"].items())
                      for part, d in signal.items())
+
+
+SEGMENT_COLUMNS = ("n", "positives", "ne", "ne_bayes", "auc", "calibration", "calibration_bayes",
+                   "calibration_z")
+
+
+def segment_lines(seg: dict) -> str:
+    """``evaluate --segments``: per task, every segment's figures (``_bayes``: the truth's), the
+    worst segments by calibration and by NE, and the calibration spread."""
+    lines = []
+    for task, d in seg["tasks"].items():
+        lines += [(f"segments of {task} (NE within each segment; * fewer than "
+                  f"{seg['min_rows']:,} rows: out of the worst lists and the spread)"),
+                  f"{'segment':<34}" + "".join(f"{c.replace('calibration', 'cal'):>12}"
+                                               for c in SEGMENT_COLUMNS)]
+        for key, m in d["segments"].items():
+            mark = "*" if m["n"] < seg["min_rows"] else " "
+            lines.append(f"{key[:33]:<33}{mark}" + "".join(_cell(m.get(c))
+                                                          for c in SEGMENT_COLUMNS))
+        lines.append(segment_summary(seg, task))
+        lines.append("")
+    lines += [f"note: {n}" for n in seg.get("notes", [])]
+    return "\n".join(lines).rstrip()
+
+
+def segment_summary(seg: dict, task: str) -> str:
+    """The worst segments of ``task`` by calibration and by NE, and the calibration spread, in
+    three lines."""
+    d = seg["tasks"][task]
+    s, segs = d["spread"], d["segments"]
+    worst_cal = ", ".join(f"{k} {segs[k]['calibration']:.3f} (z {segs[k]['calibration_z']:+.1f})"
+                          for k in d["worst_calibration"])
+    worst_ne = ", ".join(f"{k} {segs[k]['ne']:.4f}"
+                         + (f" (truth {segs[k]['ne_bayes']:.4f})" if "ne_bayes" in segs[k] else "")
+                         for k in d["worst_ne"])
+    spread = (f"calibration spread over {s['segments']} segments of ≥ {seg['min_rows']:,} rows: "
+              f"max {s['max']:.3f} ({s['max_segment']}) / min {s['min']:.3f} "
+              f"({s['min_segment']}) = {s['ratio']:.3f}"
+              + (f"; the truth's own {s['ratio_bayes']:.3f}" if "ratio_bayes" in s else "")
+              if s else f"calibration spread: no segment of ≥ {seg['min_rows']:,} rows")
+    return (f"worst calibration: {worst_cal or '-'}\nworst NE: {worst_ne or '-'}\n{spread}")
+
+
+def worst_segment_line(seg: dict) -> str:
+    """One line naming the worst-calibrated segment of the first task (``opengem demo``)."""
+    task = next(iter(seg["tasks"]))
+    d = seg["tasks"][task]
+    if not d["worst_calibration"]:
+        return f"worst-calibrated segment: none of ≥ {seg['min_rows']:,} rows"
+    key = d["worst_calibration"][0]
+    m = d["segments"][key]
+    truth = (f", the truth's {m['calibration_bayes']:.3f}" if "calibration_bayes" in m else "")
+    return (f"worst-calibrated segment ({task}, of {d['spread']['segments']} with ≥ "
+            f"{seg['min_rows']:,} rows): {key}, {m['n']:,} rows, calibration "
+            f"{m['calibration']:.3f} (z {m['calibration_z']:+.1f}{truth}); spread max/min "
+            f"{d['spread']['ratio']:.3f}")

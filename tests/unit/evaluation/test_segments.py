@@ -18,6 +18,7 @@ from opengem.evaluation.segments import (
     worst_calibrated,
 )
 from opengem.features.schema import SchemaError
+from opengem.report.text import segment_lines, worst_segment_line
 from opengem.testing import tiny_schema
 from opengem.world.generate import generate
 from opengem.world.presets import world_config
@@ -73,6 +74,9 @@ def test_families_partition_the_rows():
     assert spread["min"] <= 1.2 and spread["ratio"] == pytest.approx(spread["max"] / spread["min"])
     task, key, figures = worst_calibrated(table)
     assert figures["n"] >= 1
+    text = segment_lines({**table, "notes": ["x: skipped"]})
+    assert "segments of conversion" in text and "calibration spread over" in text
+    assert key in worst_segment_line(table) and "note: x: skipped" in text
     assert task == "click" and key == table["tasks"]["click"]["worst_calibration"][0]
 
 
