@@ -33,7 +33,13 @@ from pathlib import Path
 from opengem.data.sources import cli as import_cli
 from opengem.report import cli as report_cli
 from opengem.report.logs import FORMATS, LEVELS, configure_logging
-from opengem.report.text import distill_line, format_table, recalibration_line, signal_lines
+from opengem.report.text import (
+    distill_line,
+    format_table,
+    recalibration_line,
+    segment_lines,
+    signal_lines,
+)
 
 log = logging.getLogger("opengem")
 
@@ -163,6 +169,10 @@ def _add_evaluate(sub) -> None:
                    help="rows per forward (default: EVAL_BATCH, 1024)")
     e.add_argument("--signal", action="store_true",
                    help="synthetic data: slope of the model's logit on each true term of the world")
+    e.add_argument("--segments", nargs="?", const="all", default=None, metavar="FAMILIES",
+                   help="NE, AUC and calibration per segment: every family the schema allows, or "
+                        "those named (comma-separated: a user feature, surface, activity, "
+                        "history, advertiser_size)")
     _add_checkpoint(e)
     e.set_defaults(handler=cmd_evaluate)
 
@@ -173,7 +183,10 @@ def cmd_evaluate(args) -> dict:
     from opengem.run import load_run_model, use_best
 
     batch, best = args.batch_size or EVAL_BATCH, use_best(args.run, args.checkpoint)
-    out = evaluate_run(args.run, args.data, args.split, batch, progress=not args.quiet, best=best)
+    segments = (False if args.segments is None else True if args.segments == "all"
+                else args.segments.split(","))
+    out = evaluate_run(args.run, args.data, args.split, batch, progress=not args.quiet, best=best,
+                       segments=segments)
     # the world's instrument, not evaluation's: it reads the synthetic world's terms
     if args.signal:
         from opengem.world.signal import signal_decomposition
@@ -183,6 +196,8 @@ def cmd_evaluate(args) -> dict:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=str))
     print(format_table(out["metrics"]))
+    if "segments" in out:
+        print("\n" + segment_lines(out["segments"]))
     if out.get("signal"):
         print(signal_lines(out["signal"]))
     return out
