@@ -14,6 +14,7 @@
                      [--checkpoint best|last]
     opengem serve    --artifact ARTIFACT [--host 127.0.0.1] [--port 8000] [--history STORE]
     opengem history-store --data DATA --out STORE   a v2 dataset's event logs → a memory-mapped history store
+    opengem forget   --users FILE [--data DATA] [--history-store STORE] [--raw-ids --key-file F]
     opengem bench    [--quick] [--recipe R] [--levers eager,compile,ac,bf16,fp8]   benchmarks/speed.py
     opengem import   --source S --in PATH --out DIR [--spec FILE]   real data → our Parquet layout + schema
     opengem validate DATA [--strict]      check a dataset's files, columns, ids, times and event logs
@@ -30,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from opengem.data import forget as forget_cli
 from opengem.data.sources import cli as import_cli
 from opengem.report import cli as report_cli
 from opengem.report.logs import FORMATS, LEVELS, configure_logging
@@ -342,6 +344,18 @@ def cmd_history_store(args) -> dict:
     return meta
 
 
+def _add_forget(sub) -> None:
+    # the parser is data's; the handler is here because the store's part is export's, which
+    # imports torch (parsing must not)
+    forget_cli.add_parser(sub).set_defaults(handler=cmd_forget)
+
+
+def cmd_forget(args) -> dict:
+    from opengem.export.forget import run
+
+    return run(args)
+
+
 def _add_bench(sub) -> None:
     # no arguments of its own: main collects them all (--help included) for
     # benchmarks/speed.py's parser
@@ -416,7 +430,7 @@ def cmd_demo(args) -> dict:
 
 
 _STAGES = (_add_generate, _add_train, _add_evaluate, _add_recalibrate, _add_distill, _add_export,
-           _add_serve, _add_history_store, _add_bench, _add_demo, _add_validate,
+           _add_serve, _add_history_store, _add_forget, _add_bench, _add_demo, _add_validate,
            import_cli.add_parser, report_cli.add_parser)  # the order --help lists them in
 
 

@@ -24,6 +24,7 @@ COMMANDS = {  # command -> sorted flags; a positional is written <dest>
     "serve": ["--artifact", "--batch-window-ms", "--history", "--host", "--max-candidates",
               "--no-admin", "--port", "--runtime", "--threads"],
     "history-store": ["--data", "--out"],
+    "forget": ["--data", "--history-store", "--key-file", "--raw-ids", "--users"],
     "bench": [],
     "demo": ["--no-distill", "--no-recalibrate", "--no-serve", "--out", "--preset", "--seed",
              "<overrides>"],
