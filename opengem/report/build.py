@@ -21,6 +21,7 @@ from pathlib import Path
 from opengem.report import plots
 from opengem.report.calibration import MIN_ROWS, compute_bins
 from opengem.report.sources import Sources, load_sources
+from opengem.report.text import segment_summary
 from opengem.run import REPORT_DIR
 
 EVAL_COLUMNS = ("ne", "ne_bayes", "captured", "auc", "gauc", "calibration", "logloss", "n",
@@ -192,6 +193,8 @@ def evaluation_sections(src: Sources, out: Path, data, split: str, n_bins: int) 
                         "− NE_bayes)"
                         if any("oracle_captured" in v for v in m.values()) else "") + ".</p>")
         sections.append(Section("Evaluation", body, [plots.plot_metric_bars(m, out)]))
+        if "segments" in ev:
+            sections.append(segment_section(ev["segments"]))
     bins = (ev or {}).get("calibration_bins")
     origin = "the evaluation JSON"
     if bins is None and data is not None:
@@ -207,6 +210,28 @@ def evaluation_sections(src: Sources, out: Path, data, split: str, n_bins: int) 
         src.notes.append("no calibration curves: the evaluation JSON has no calibration_bins; pass "
                          "--data DIR to compute them (one pass of the model over the split)")
     return sections
+
+
+SEGMENT_COLUMNS = ("n", "positives", "ne", "ne_bayes", "auc", "auc_bayes", "calibration",
+                   "calibration_bayes", "calibration_z")
+
+
+def segment_section(seg: dict) -> Section:
+    """``opengem evaluate --segments``' table per task (``opengem.evaluation.segments``), the worst
+    segments and the calibration spread."""
+    body = ("<p>NE within each segment (normalised by the segment's own label rate); "
+            "<i>_bayes</i>: the stored true probabilities scored the same way; <i>calibration_z</i>"
+            ": (Σp − Σy) / √Σp(1 − p), |z| ≤ 2 is what label noise alone gives. Segments under "
+            f"{seg['min_rows']:,} rows are left out of the worst lists and the spread.</p><ul>"
+            + "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>"
+                      for k, v in seg["families"].items())
+            + "".join(f"<li>{html.escape(n)}</li>" for n in seg.get("notes", [])) + "</ul>")
+    for task, d in seg["tasks"].items():
+        body += (f"<h3>{html.escape(task)}</h3><pre>{html.escape(segment_summary(seg, task))}</pre>"
+                 + table(["segment", *SEGMENT_COLUMNS],
+                         [[k, *(v.get(c) for c in SEGMENT_COLUMNS)]
+                          for k, v in d["segments"].items()]))
+    return Section("Segments", body)
 
 
 def transfer_sections(src: Sources, out: Path) -> list[Section]:
