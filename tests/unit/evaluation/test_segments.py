@@ -18,6 +18,7 @@ from opengem.evaluation.segments import (
     worst_calibrated,
 )
 from opengem.features.schema import SchemaError
+from opengem.report.build import segment_section
 from opengem.report.text import segment_lines, worst_segment_line
 from opengem.testing import tiny_schema
 from opengem.world.generate import generate
@@ -77,6 +78,8 @@ def test_families_partition_the_rows():
     text = segment_lines({**table, "notes": ["x: skipped"]})
     assert "segments of conversion" in text and "calibration spread over" in text
     assert key in worst_segment_line(table) and "note: x: skipped" in text
+    html = segment_section(table).body  # opengem report's section
+    assert "<h3>conversion</h3>" in html and f"<td>{key}</td>" in html
     assert task == "click" and key == table["tasks"]["click"]["worst_calibration"][0]
 
 
