@@ -348,3 +348,18 @@ def plot_scaling(eps: dict[int, float], out: Path, name: str = "scaling.png") ->
     ax.set_ylabel("examples/s (all ranks)")
     ax.legend(fontsize=8)
     return _save(fig, out, name, "Scaling")
+
+
+def plot_outcomes(points: dict[str, tuple[float, float]], out: Path,
+                  name: str = "outcomes.png") -> Plot:
+    """Expected conversions ÷ the truth ranking's against expected conversion NE: one point per
+    policy, so how far NE and outcomes move together is seen, not assumed."""
+    fig, axes = _figure(1)
+    ax = axes[0]
+    for label, (x, y) in points.items():
+        ax.scatter([x], [y], s=30)
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("expected NE, conversion (candidates at the top slot)")
+    ax.set_ylabel("expected conversions ÷ truth ranking's")
+    ax.set_title("outcomes against NE")
+    return _save(fig, out, name, "Outcomes against NE")

@@ -9,7 +9,8 @@
     evaluation JSON        ``--eval FILE``; else RUN/evaluation.json (a distilled student), else
                            RUN/../evaluation.json (``opengem demo``'s layout: DIR/run, DIR/evaluation.json)
     benchmark outputs      ``--bench FILE``: benchmarks/transfer.py or benchmarks/scaling.py output
-                           (the JSON object, or the whole log: its last JSON line is read)
+                           (the JSON object, or the whole log: its last JSON line is read), or
+                           ``opengem outcomes --json``'s auction replay
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Sources:
     evaluation_file: str | None = None
     transfer: dict | None = None  # benchmarks/transfer.py's JSON
     scaling: dict | None = None  # benchmarks/scaling.py's JSON
+    outcomes: dict | None = None  # opengem outcomes --json (opengem.world.replay)
     notes: list[str] = field(default_factory=list)  # what was missing or skipped
 
 
@@ -106,8 +108,9 @@ def load_sources(run_dir: str | Path, evaluation: str | Path | dict | None = Non
             src.transfer = obj
         elif any(k.startswith("eps_") for k in obj):
             src.scaling = obj
+        elif "totals" in obj and "vs_truth" in obj:
+            src.outcomes = obj
         else:
-            src.notes.append(f"{Path(b).name}: neither benchmarks/transfer.py nor "
-                             f"benchmarks/scaling.py output; "
-                             "left out")
+            src.notes.append(f"{Path(b).name}: neither benchmarks/transfer.py, "
+                             f"benchmarks/scaling.py nor opengem outcomes output; left out")
     return src

@@ -256,8 +256,11 @@ def replay(data_dir: str | Path, scorers: dict[str, Scorer], split: str = "test"
                 "base_rates": run_auction(mk, mk.objective_prob(np.broadcast_to(rates, top.shape)),
                                           reserve, np.random.default_rng(seed))}
     calibration = {}
+    ne = {"truth": expected_ne(top, top, mk.eligible),
+          "base_rates": expected_ne(np.broadcast_to(rates, top.shape), top, mk.eligible)}
     for name, scorer in scorers.items():
         pred = np.asarray(scorer(table), dtype=np.float64).reshape(n, k, 2)
+        ne[name] = expected_ne(pred, top, mk.eligible)
         policies[name] = run_auction(mk, mk.objective_prob(pred), reserve,
                                      np.random.default_rng(seed))
         recal = _platt_on_truth(pred, top, mk.eligible)
@@ -270,7 +273,21 @@ def replay(data_dir: str | Path, scorers: dict[str, Scorer], split: str = "test"
             "totals": {p: totals(v) for p, v in policies.items()},
             "vs_baseline": {"baseline": baseline, **lifts(policies, baseline, resamples, seed)},
             "vs_truth": lifts(policies, "truth", resamples, seed),
-            "calibration_share": calibration}
+            "calibration_share": calibration, "expected_ne": ne}
+
+
+def expected_ne(pred: np.ndarray, truth: np.ndarray, eligible: np.ndarray) -> dict[str, float]:
+    """Per task, the expected log loss of ``pred`` under the true probabilities over the eligible
+    candidates at the top slot, ÷ the entropy of their mean rate: the NE these rows would have in
+    expectation, so the replay's outcomes can be set against the figure models are chosen by."""
+    out = {}
+    for t, name in ((CLICK, "click"), (CONVERSION, "conversion")):
+        q = np.clip(pred[..., t][eligible], 1e-7, 1 - 1e-7)
+        p = truth[..., t][eligible]
+        rate = float(np.clip(p.mean(), 1e-7, 1 - 1e-7))
+        h = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
+        out[name] = float(np.mean(-(p * np.log(q) + (1 - p) * np.log1p(-q))) / h)
+    return out
 
 
 def _calibration_share(policies: dict, name: str) -> dict:

@@ -1,6 +1,6 @@
 """The auction replay on a synthetic world: the truth scored through the model path reaches the
 ceiling exactly, the logged candidate's truth is the generator's, the market is the seed's,
-a trained run beats random ranking, and bad inputs (K < S, another schema's run, non-synthetic
+a trained run beats random ranking and shows in the report, and bad inputs (K < S, another schema's run, non-synthetic
 data) are refused by name."""
 
 import json
@@ -108,6 +108,15 @@ def test_a_trained_run_replays_from_the_command_line(world, run, tmp_path, capsy
     assert t["random"]["clicks"] < t["run"]["clicks"] <= t["truth"]["clicks"] * 1.01
     assert set(got["calibration_share"]["run"]) == {"conversions", "value"}
     assert got["vs_baseline"]["baseline"] == "run"
+    ne = got["expected_ne"]
+    assert ne["truth"]["click"] < ne["run"]["click"] and ne["truth"]["click"] < 1
+    # the report shows the replay: its table and conversions against NE, one point per model
+    report = tmp_path / "report"
+    assert main(["--quiet", "report", "--run", str(run), "--out", str(report),
+                 "--bench", str(out)]) == 0
+    page = (report / "report.html").read_text()
+    assert "Outcomes (auction replay)" in page and "run+recal" in page
+    assert (report / "outcomes.png").stat().st_size > 0
 
 
 def test_bad_inputs_are_refused(world, run, tmp_path, capsys):
