@@ -37,7 +37,7 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
 from opengem.data.card import dataset_card
-from opengem.data.parquet import LAYOUT_V2, DataError, DatasetManifest
+from opengem.data.parquet import DataError, DatasetManifest
 from opengem.data.pseudonym import write_pseudonyms
 from opengem.features.schema import FeatureSchema
 

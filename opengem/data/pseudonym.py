@@ -88,14 +88,9 @@ def user_ids_of(data_dir: str | Path, raw: np.ndarray, key: bytes,
         raise DataError(f"{data_dir}: the key given is not the one this dataset was imported "
                         f"with (key checks differ); the raw ids cannot be mapped")
     table = pq.read_table(Path(data_dir) / info["file"]).column("pseudonym")
-    names = np.asarray(table.to_pylist(), dtype=object)
-    known = np.flatnonzero(pd_notnull(names))
-    have = names[known].astype(str)
+    known = np.flatnonzero(table.is_valid().to_numpy(zero_copy_only=False))  # not forgotten
+    have = np.asarray(table.to_pylist(), dtype=object)[known].astype(str)
     want = pseudonymise(raw, key, info["hash"])
     pos = np.clip(np.searchsorted(have, want), 0, max(len(have) - 1, 0))
     hit = (have[pos] == want) if len(have) else np.zeros(len(want), bool)
     return known[pos[hit]].astype(np.int64), int((~hit).sum())
-
-
-def pd_notnull(x: np.ndarray) -> np.ndarray:
-    return np.array([v is not None for v in x], dtype=bool)

@@ -66,7 +66,8 @@ def make_report(run_dir, out: Path, evaluation=None, *, benchmarks=(), data=None
     out.mkdir(parents=True, exist_ok=True)
     sections = [summary_section(src), *training_sections(src, out),
                 *evaluation_sections(src, out, data, split, n_bins),
-                *transfer_sections(src, out), *scaling_sections(src, out)]
+                *transfer_sections(src, out), *scaling_sections(src, out),
+                *dataset_sections(data)]
     title = f"OpenGEM run {'/'.join(src.run.resolve().parts[-2:])}"
     return Report(title, [s for s in sections if s is not None], src.notes)
 
@@ -288,6 +289,19 @@ STYLE = """body{font:14px/1.45 system-ui,sans-serif;max-width:1200px;margin:2em 
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}
 td:first-child,th:first-child{text-align:left}figure{margin:1em 0}img{max-width:100%}
 figcaption{color:#555;font-size:13px}.notes{background:#fff8e1;padding:.5em 1em}"""
+
+
+def dataset_sections(data) -> list[Section]:
+    """The dataset card of ``--data`` (``opengem.data.card``): the manifest's, or computed from
+    the shards for datasets written before cards existed."""
+    if data is None:
+        return []
+    from opengem.data.card import card_lines, dataset_card
+    from opengem.data.parquet import DatasetManifest
+
+    card = DatasetManifest.load(data).card or dataset_card(data)
+    return [Section("Dataset card", "<ul>" + "".join(f"<li>{html.escape(x)}</li>"
+                                                      for x in card_lines(card)) + "</ul>")]
 
 
 def render(report: Report) -> str:

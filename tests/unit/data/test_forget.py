@@ -205,3 +205,14 @@ def test_pseudonymised_and_plain_imports_train_to_the_same_parameters(tmp_path):
     a = train(cfg, tmp_path / "plain", tmp_path / "run_plain")
     b = train(cfg, tmp_path / "pseudo", tmp_path / "run_pseudo")
     assert a["steps"] == b["steps"] == 3 and a["params_sha256"] == b["params_sha256"]
+
+
+def test_the_report_shows_the_dataset_card_with_its_deletions(data):
+    from opengem.report.build import dataset_sections
+
+    first = DatasetManifest.load(data).files[0].path
+    forget_dataset(data, np.array(sorted(_users_in(data, first))[:1]))
+    [section] = dataset_sections(data)
+    assert section.title == "Dataset card"
+    assert "source: generic (layout v2)" in section.body and "train / default:" in section.body
+    assert "deletions: 1 forget runs, 1 users" in section.body
