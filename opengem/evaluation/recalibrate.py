@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from opengem.data.loader import ShardLoader
 from opengem.discipline import require_tuning_split
 from opengem.evaluation import EVAL_BATCH
+from opengem.evaluation.segments import MIN_ROWS, assign, row_key, segment_families
 from opengem.features.schema import FeatureSchema
 from opengem.model.logit_shift import RecalibrationError, gem_heads, offset_groups, own_logits
 from opengem.progress import progress_bar
@@ -49,15 +50,17 @@ FORMS = ("offset", "platt")
 
 @torch.no_grad()
 def head_inputs(model: torch.nn.Module, schema: FeatureSchema, data_dir: str | Path, split: str,
-                batch_size: int, progress: bool = True) -> dict[str, torch.Tensor]:
+                batch_size: int, progress: bool = True,
+                keys: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """Each row's raw (pre-chain) logits [R, T], output group [R], labels, label mask [R, T], weight
-    and user id [R] on ``split`` (``own_logits``: any model with a ``LogitOutput``)."""
+    and user id [R] on ``split`` (``own_logits``: any model with a ``LogitOutput``), and each
+    segment key source of ``keys`` [R] (``opengem.evaluation.segments.row_key``)."""
     gem_heads(model)  # a model without one stops before the split is read
     loader = ShardLoader(data_dir, split, batch_size, schema, shuffle=False, epochs=1,
                          max_seq_len=model.max_seq_len(), prefetch=2)
     parts: dict[str, list[torch.Tensor]] = {k: []
                                             for k in ("raw", "group", "labels", "mask", "weights",
-                                                      "user_id")}
+                                                      "user_id", *keys)}
     for batch in progress_bar(loader, desc=f"recalibrate on {split}", unit="batch",
                               disable=not progress):
         raw, group = own_logits(model, batch)
@@ -67,6 +70,8 @@ def head_inputs(model: torch.nn.Module, schema: FeatureSchema, data_dir: str | P
         parts["mask"].append(batch.label_mask)
         parts["weights"].append(batch.weights.double())
         parts["user_id"].append(batch.user_id)
+        for k in keys:
+            parts[k].append(torch.from_numpy(row_key(batch, k)))
     if not parts["raw"]:
         raise RecalibrationError(f"{data_dir}: split {split!r} has no rows to fit the "
                                  f"recalibration on")
@@ -203,3 +208,77 @@ def crossfit_forms(run_dir: str | Path, data_dir: str | Path, split: str = "vali
                 counts[task] += float(w.sum()) if f == "raw" else 0.0
     return {t: {f: v / counts[t] for f, v in fs.items()} for t,
             fs in losses.items() if counts[t] > 0}
+
+
+def crossfit_segments(run_dir: str | Path, data_dir: str | Path, family: str,
+                      split: str = "valid", prior_std: float = 0.1,
+                      batch_size: int | None = None, min_rows: int = MIN_ROWS) -> dict:
+    """What offsets per segment of ``family`` (``opengem.evaluation.segments``) add to today's per
+    (domain, task) ones, read on ``split`` alone, as ``crossfit_forms`` does: its rows halved by
+    user, each half fitted and scored on the other, both ways. Per segment, one offset per task
+    on top of the domain offsets, under the same prior (``prior_std``): the first stage takes the
+    part every segment shares, the second only what is left, and a thin segment stays near its
+    domain's. Returns per task the mean log loss of ``raw``, ``domain`` and ``segment`` on the
+    held-out halves, and the max / min calibration over segments of at least ``min_rows`` rows
+    (on a held-out half) of each. Fitted offsets are not written: a served model has one bias per
+    (domain, task), and no per-segment one to fold them into."""
+    require_tuning_split(split, "the per-segment recalibration")
+    model, _, schema = load_run_model(run_dir, recalibrated=False)
+    families, _ = segment_families(schema, [family])
+    fam = families[0]
+    heads = gem_heads(model)
+    rows = head_inputs(model, schema, data_dir, split, batch_size or EVAL_BATCH, progress=False,
+                       keys=(fam.source,))
+    code, names = assign(fam, rows.pop(fam.source).numpy(), schema)
+    rows["segment"] = torch.from_numpy(code)
+    return {"family": family, "segments": names, "split": split, "prior_std": prior_std,
+            "rows": int(rows["raw"].shape[0]),
+            "tasks": crossfit_segment_rows(heads, rows, schema.task_names, len(names), prior_std,
+                                           min_rows)}
+
+
+def crossfit_segment_rows(heads, rows: dict[str, torch.Tensor], task_names: list[str], K: int,
+                          prior_std: float = 0.1, min_rows: int = MIN_ROWS) -> dict:
+    """``crossfit_segments`` on rows (``head_inputs``' with ``user_id`` and a ``segment`` code in
+    [0, K)): task → {"raw", "domain", "segment"} → {"logloss", "calibration_ratio"}, each the mean
+    of the two held-out halves."""
+    half = rows["user_id"] % 2 == 0
+    G = heads.out_b.shape[0]
+    forms = ("raw", "domain", "segment")
+    sums = {t: {f: [0.0, 0.0] for f in forms} for t in task_names}
+    spread = {t: {f: [] for f in forms} for t in task_names}
+    for fit_on in (half, ~half):
+        part = {k: v[fit_on] for k, v in rows.items()}
+        other = {k: v[~fit_on] for k, v in rows.items()}
+        _, dom = fit_recalibration(heads, part, G, prior_std, "offset")
+        on_top = {**part, "raw": part["raw"] + dom[part["group"]], "group": part["segment"]}
+        _, seg = fit_recalibration(heads, on_top, K, prior_std, "offset")
+        shifts = {"raw": torch.zeros_like(other["raw"]), "domain": dom[other["group"]],
+                  "segment": dom[other["group"]] + seg[other["segment"]]}
+        for f, shift in shifts.items():
+            with torch.no_grad():
+                z = heads.chain(other["raw"] + shift)
+            for t, task in enumerate(task_names):
+                w = other["mask"][:, t].double() * other["weights"]
+                y = other["labels"][:, t]
+                bce = F.binary_cross_entropy_with_logits(z[:, t], y, reduction="none")
+                sums[task][f][0] += float((bce * w).sum())
+                sums[task][f][1] += float(w.sum())
+                spread[task][f].append(_calibration_ratio(torch.sigmoid(z[:, t]), y, w,
+                                                          other["segment"], K, min_rows))
+    return {t: {f: {"logloss": v[0] / v[1] if v[1] else float("nan"),
+                    "calibration_ratio": sum(spread[t][f]) / 2}
+                for f, v in fs.items()} for t, fs in sums.items()}
+
+
+def _calibration_ratio(p: torch.Tensor, y: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
+                       K: int, min_rows: int) -> float:
+    """Max / min of Σp / Σy over the segments with at least ``min_rows`` rows and a positive."""
+    n = torch.bincount(seg, weights=(w > 0).double(), minlength=K)
+    sp = torch.bincount(seg, weights=p * w, minlength=K)
+    sy = torch.bincount(seg, weights=y * w, minlength=K)
+    ok = (n >= min_rows) & (sy > 0)
+    if not ok.any():
+        return float("nan")
+    cal = sp[ok] / sy[ok]
+    return float(cal.max() / cal.min())

@@ -157,7 +157,7 @@ class SegmentAccumulator:
         if batch.true_probs is not None:
             part["pt"] = batch.true_probs.double().cpu().numpy()
         for s in self.sources:
-            part[s] = _key(batch, s)
+            part[s] = row_key(batch, s)
         self._parts.append(part)
 
     def reduce(self) -> None:
@@ -182,7 +182,7 @@ class SegmentAccumulator:
         return segment_table(self.rows(), self.schema, self.families, min_rows, top)
 
 
-def _key(batch, source: str) -> np.ndarray:
+def row_key(batch, source: str) -> np.ndarray:
     """Per-row key [B] int64 of ``source``: a sparse feature's id, the domain, the user, or the
     number of events in every stream before the request."""
     if source == "domain":

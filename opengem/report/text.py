@@ -158,3 +158,17 @@ def worst_segment_line(seg: dict) -> str:
             f"{seg['min_rows']:,} rows): {key}, {m['n']:,} rows, calibration "
             f"{m['calibration']:.3f} (z {m['calibration_z']:+.1f}{truth}); spread max/min "
             f"{d['spread']['ratio']:.3f}")
+
+
+def segment_recalibration_lines(out: dict) -> str:
+    """``recalibrate --segments``: per task, the held-out log loss and calibration spread with no
+    offsets, the per-domain ones and per-segment ones on top."""
+    lines = [(f"offsets per segment of {out['family']} ({len(out['segments'])} segments) on "
+             f"{out['split']} ({out['rows']:,} rows), fitted on one half by user and scored on "
+             f"the other, both ways (prior_std {out['prior_std']}):")]
+    for task, forms in out["tasks"].items():
+        d = forms["domain"]["logloss"]
+        lines.append(f"  {task}: " + "; ".join(
+            f"{f} logloss {m['logloss']:.5f} ({(m['logloss'] / d - 1) * 100:+.2f} % vs domain), "
+            f"calibration max/min {m['calibration_ratio']:.3f}" for f, m in forms.items()))
+    return "\n".join(lines)
