@@ -40,6 +40,7 @@ from opengem.report.text import (
     format_table,
     recalibration_line,
     segment_lines,
+    segment_recalibration_lines,
     signal_lines,
 )
 
@@ -218,14 +219,21 @@ def _add_recalibrate(sub) -> None:
     r.add_argument("--form", choices=("offset", "platt"), default="offset",
                    help="offset: one per (domain, task); platt: also a slope per task (logits "
                         "too spread)")
+    r.add_argument("--segments", default=None, metavar="FAMILY",
+                   help="measure offsets per segment of FAMILY (evaluate --segments) on top of "
+                        "the per-domain ones, cross-fitted on halves of --split; writes nothing")
     _add_checkpoint(r, "the model to fit on (later stages should read the same one)")
     r.set_defaults(handler=cmd_recalibrate)
 
 
 def cmd_recalibrate(args) -> dict:
-    from opengem.evaluation.recalibrate import recalibrate_run
+    from opengem.evaluation.recalibrate import crossfit_segments, recalibrate_run
     from opengem.run import use_best
 
+    if args.segments:
+        out = crossfit_segments(args.run, args.data, args.segments, args.split, args.prior_std)
+        print(segment_recalibration_lines(out))
+        return out
     rec = recalibrate_run(args.run, args.data, args.split, args.prior_std, progress=not args.quiet,
                           form=args.form, best=use_best(args.run, args.checkpoint))
     print(recalibration_line(rec))
