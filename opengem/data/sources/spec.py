@@ -24,6 +24,10 @@ Every key is checked; an unknown key, a missing one or a value of the wrong type
       "split": {"by": "user_time", "valid": 0.1, "test": 0.1}
     }
 
+Users: ``"pseudonymise": {"hash": "hmac-sha256" | "blake2b"}`` gives user ids by the rank of a
+keyed hash of the raw ids; the key comes from ``opengem import --key-file`` or
+``$OPENGEM_PSEUDONYM_KEY`` and never enters the dataset (``opengem.data.pseudonym``).
+
 Sparse ids: ``hash_size`` N hashes each value's text into [0, N); ``vocab_size`` N takes the values
 as ids already in [0, N) (others → the OOV row); neither: contiguous ids fitted on the train rows
 (unseen → OOV). ``multi_hot`` is the delimiter of a list of values in one cell. A feature's ``name``

@@ -176,6 +176,7 @@ def test_raw_ids_are_forgotten_with_the_key_which_the_dataset_never_holds(made, 
     assert main(args + [str(tmp_path / "other")]) == 2  # a wrong key is refused, nothing changes
     assert DatasetManifest.load(d).deletions == []
     assert main(args + [str(made / "key")]) == 0
+    assert main(["--quiet", "validate", str(d), "--strict"]) == 0
     rec = DatasetManifest.load(d).deletions[0]
     gone = len({raw[0], raw[1]})
     assert rec["users_found"] == gone and rec["users_unknown"] == 1 and rec["users_requested"] == 3
@@ -216,3 +217,26 @@ def test_the_report_shows_the_dataset_card_with_its_deletions(data):
     assert section.title == "Dataset card"
     assert "source: generic (layout v2)" in section.body and "train / default:" in section.body
     assert "deletions: 1 forget runs, 1 users" in section.body
+
+
+def test_pseudonymising_refuses_a_missing_short_or_stray_key_and_an_unknown_hash(made, tmp_path,
+                                                                                 monkeypatch):
+    from opengem.data.sources.common import SpecError
+
+    monkeypatch.delenv("OPENGEM_PSEUDONYM_KEY", raising=False)
+    log, ps = made / "log", spec(max_len=4) | {"pseudonymise": {"hash": "hmac-sha256"}}
+    with pytest.raises(DataError, match="needs a key: give --key-file FILE or set"):
+        convert("generic", log, tmp_path / "a", spec=ps)
+    (tmp_path / "short").write_bytes(b"tiny")
+    with pytest.raises(DataError, match="has 4 bytes; use at least 16"):
+        convert("generic", log, tmp_path / "b", spec=ps, key_file=tmp_path / "short")
+    with pytest.raises(SpecError, match="the spec does not pseudonymise"):
+        convert("generic", log, tmp_path / "c", spec=spec(max_len=4), key_file=made / "key")
+    with pytest.raises(SpecError, match="pseudonymise.hash must be one of"):
+        convert("generic", log, tmp_path / "d", key_file=made / "key",
+                spec=spec(max_len=4) | {"pseudonymise": {"hash": "md5"}})
+    monkeypatch.setenv("OPENGEM_PSEUDONYM_KEY", KEY.decode())  # the environment's key works too
+    m = convert("generic", log, tmp_path / "e", spec=ps)
+    assert m.source["pseudonym"]["key_check"] == DatasetManifest.load(
+        made / "pseudo").source["pseudonym"]["key_check"]
+    assert main(["--quiet", "forget", "--users", str(tmp_path / "short")]) == 2  # no target
