@@ -166,3 +166,17 @@ def test_empty_and_scalar_inputs_are_named():
         check_log([], [], [])
     with pytest.raises(ValueError, match="scalar"):
         ips(1.0, 0.5, 1.0)
+
+
+def test_snips_is_nan_when_the_target_never_takes_a_logged_action():
+    assert np.isnan(snips([1.0, 0.0], [0.5, 0.5], [0.0, 0.0]))
+
+
+def test_bootstrap_settings_are_checked():
+    args = ([1.0, 0.0], [0.5, 0.5], [1.0, 1.0])
+    with pytest.raises(ValueError, match="level"):
+        bootstrap_ci(ips, *args, level=1.0)
+    with pytest.raises(ValueError, match="n_boot"):
+        bootstrap_ci(ips, *args, n_boot=0)
+    with pytest.raises(ValueError, match="pscore"):
+        bootstrap_ci(ips, [1.0, 0.0], [0.5, 0.0], [1.0, 1.0])
