@@ -6,6 +6,8 @@
     opengem train    --data DIR --continue RUN --days D [--resume] [key=value …]   continuous training
     opengem evaluate --run RUN --data DIR [--split test] [--json FILE] [--signal]
                      [--checkpoint best|last]
+    opengem outcomes --run RUN --data DIR [--baseline RUN2 …] [--requests N] [--candidates K]
+                     [--slots S]   synthetic worlds: auction replay, expected clicks/conversions/spend
     opengem recalibrate --run RUN --data DIR [--split valid] [--form offset|platt]
                      [--checkpoint best|last]
     opengem distill  --teacher RUN --student-recipe R --data DIR --out RUN [--via FM_RUN]
@@ -160,6 +162,44 @@ def cmd_train(args) -> dict:
     log.info("trained %d steps (%d examples) in %.1f s", final["steps"], final["examples"],
              final["wall_s"])
     return final
+
+
+def _add_outcomes(sub) -> None:
+    o = sub.add_parser("outcomes",
+                       help="synthetic data: auction replay of runs' rankings (expected clicks, "
+                            "conversions, spend) against the truth, random and each other")
+    o.add_argument("--run", required=True, help="the run to replay")
+    o.add_argument("--data", required=True, help="the synthetic world it was trained on")
+    o.add_argument("--baseline", action="append", default=[], metavar="RUN2",
+                   help="another run on the same data (repeatable); lifts are over the first "
+                        "(default: over --run)")
+    o.add_argument("--split", default="test")
+    o.add_argument("--requests", type=int, default=2000, help="requests sampled from the split")
+    o.add_argument("--candidates", type=int, default=8, help="K: candidates per request")
+    o.add_argument("--slots", type=int, default=3, help="S: slots filled per request")
+    o.add_argument("--reserve-frac", type=float, default=0.25,
+                   help="reserve, in bid x probability, as a share of target CTR x a unit bid")
+    o.add_argument("--resamples", type=int, default=200, help="bootstrap resamples of requests")
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--json", default=None, help="write the outcomes JSON here")
+    _add_checkpoint(o)
+    o.set_defaults(handler=cmd_outcomes)
+
+
+def cmd_outcomes(args) -> dict:
+    from opengem.world.replay import MarketConfig, format_outcomes, replay, run_scorers
+
+    scorers = run_scorers([args.run, *args.baseline], args.data, args.checkpoint)
+    names = list(scorers)
+    out = replay(args.data, scorers, args.split, args.requests,
+                 MarketConfig(candidates=args.candidates, slots=args.slots,
+                              reserve_frac=args.reserve_frac),
+                 args.seed, baseline=names[1] if args.baseline else names[0],
+                 resamples=args.resamples)
+    print(format_outcomes(out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+    return out
 
 
 def _add_evaluate(sub) -> None:
@@ -437,8 +477,9 @@ def cmd_demo(args) -> dict:
     return result
 
 
-_STAGES = (_add_generate, _add_train, _add_evaluate, _add_recalibrate, _add_distill, _add_export,
-           _add_serve, _add_history_store, _add_forget, _add_bench, _add_demo, _add_validate,
+_STAGES = (_add_generate, _add_train, _add_evaluate, _add_outcomes, _add_recalibrate,
+           _add_distill, _add_export, _add_serve, _add_history_store, _add_forget, _add_bench,
+           _add_demo, _add_validate,
            import_cli.add_parser, report_cli.add_parser)  # the order --help lists them in
 
 

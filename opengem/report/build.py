@@ -67,7 +67,7 @@ def make_report(run_dir, out: Path, evaluation=None, *, benchmarks=(), data=None
     sections = [summary_section(src), *training_sections(src, out),
                 *evaluation_sections(src, out, data, split, n_bins),
                 *transfer_sections(src, out), *scaling_sections(src, out),
-                *dataset_sections(data)]
+                *outcome_sections(src, out), *dataset_sections(data)]
     title = f"OpenGEM run {'/'.join(src.run.resolve().parts[-2:])}"
     return Report(title, [s for s in sections if s is not None], src.notes)
 
@@ -282,6 +282,38 @@ def scaling_sections(src: Sources, out: Path) -> list[Section]:
             f"{fmt(s.get('per_rank_batch'))}, {fmt(s.get('steps'))} steps.</p>"
             + table(["processes", "examples/s", "scaling", "peak RSS per rank (MB)"], rows))
     return [Section("Scaling", body, [plots.plot_scaling(eps, out)])]
+
+
+def outcome_sections(src: Sources, out: Path) -> list[Section]:
+    """The auction replay: each policy's expected outcomes, its lifts over the baseline with
+    their intervals, and conversions against expected NE, one point per model."""
+    o = src.outcomes
+    if o is None:
+        return []
+    base, ne = o["vs_baseline"]["baseline"], o.get("expected_ne", {})
+
+    def lift(name: str, m: str) -> str:
+        r = o["vs_baseline"].get(name, {}).get(m)
+        return "–" if r is None else f"{r['ratio']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}]"
+
+    rows = [[name, t["clicks"], t["conversions"], t["spend"], t["cost_per_conversion"],
+             lift(name, "conversions"), lift(name, "cost_per_conversion"),
+             o["vs_truth"].get(name, {}).get("conversions", {}).get("ratio"),
+             ne.get(name, {}).get("click"), ne.get(name, {}).get("conversion")]
+            for name, t in o["totals"].items()]
+    body = (f"<p>Auction replay (<code>opengem outcomes</code>): {fmt(o['requests'])} requests of "
+            f"{html.escape(o['split'])}, K = {o['candidates']} candidates, S = {o['slots']} slots, "
+            f"second price with reserve {fmt(o['reserve'])}; expected outcomes from the world's "
+            f"true probabilities; lifts over <b>{html.escape(base)}</b> with 90 % intervals over "
+            f"request resamples. <i>+recal</i>: the same model recalibrated against the truth "
+            f"(what calibration alone would win back).</p>"
+            + table(["policy", "clicks", "conversions", "spend", "cost / conversion",
+                     f"conversions ÷ {base}", f"cost / conv. ÷ {base}", "conversions ÷ truth",
+                     "expected NE (click)", "expected NE (conv.)"], rows))
+    points = {n: (ne[n]["conversion"], o["vs_truth"][n]["conversions"]["ratio"])
+              for n in ne if n in o["vs_truth"] and "conversions" in o["vs_truth"][n]}
+    return [Section("Outcomes (auction replay)", body,
+                    [plots.plot_outcomes(points, out)] if points else [])]
 
 
 # ---------------------------------------------------------------------------------- HTML

@@ -16,6 +16,8 @@ COMMANDS = {  # command -> sorted flags; a positional is written <dest>
     "train": ["--continue", "--data", "--days", "--out", "--recipe", "--resume", "<overrides>"],
     "evaluate": ["--batch-size", "--checkpoint", "--data", "--json", "--run", "--segments",
                  "--signal", "--split"],
+    "outcomes": ["--baseline", "--candidates", "--checkpoint", "--data", "--json", "--requests",
+                 "--resamples", "--reserve-frac", "--run", "--seed", "--slots", "--split"],
     "recalibrate": ["--checkpoint", "--data", "--form", "--prior-std", "--run", "--segments",
                     "--split"],
     "distill": ["--checkpoint", "--data", "--out", "--student-recipe", "--teacher", "--via",
