@@ -220,3 +220,6 @@ def test_demo_runs_every_stage_and_serves(tmp_path, capsys):
     assert (
         "vertical model click on video" in printed and "served" in printed and "p(click)" in printed
     )
+    # the segment table of the same evaluation pass, and its one line
+    assert "surface=video" in ev["segments"]["tasks"]["click"]["segments"]
+    assert "worst-calibrated segment" in printed
