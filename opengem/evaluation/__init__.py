@@ -1,8 +1,9 @@
 """Offline evaluation: exact metrics (NE, AUC, gAUC, calibration) per (domain, task).
 
-The modules, lowest first: ``metrics`` (pure functions), ``accumulator`` (streaming state), then the
-ones that run a model over a split: ``logistic`` (the L2 solver), ``platt``, ``recalibrate`` (fits
-``RUN/recalibration.json``), ``evaluate`` (``opengem evaluate``). This file imports only the first
+The modules, lowest first: ``metrics`` (pure functions), ``accumulator`` (streaming state),
+``segments`` (per-segment figures of the same rows), then the ones that run a model over a split:
+``logistic`` (the L2 solver), ``platt``, ``recalibrate`` (fits ``RUN/recalibration.json``),
+``evaluate`` (``opengem evaluate``). This file imports only the first
 two, so the others can read ``EVAL_BATCH`` from it.
 """
 

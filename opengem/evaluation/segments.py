@@ -293,10 +293,3 @@ def _summary(segs: dict, min_rows: int) -> dict:
             spread["ratio_bayes"] = max(truth) / min(truth)
     return {"worst_calibration": worst_cal, "worst_ne": worst_ne, "spread": spread}
 
-
-def worst_calibrated(table: dict, task: str | None = None) -> tuple[str, str, dict] | None:
-    """(task, segment, figures) of the worst-calibrated segment of ``task`` (default: the first
-    task), or None when no segment has enough rows."""
-    task = task or next(iter(table["tasks"]))
-    worst = table["tasks"][task]["worst_calibration"]
-    return (task, worst[0], table["tasks"][task]["segments"][worst[0]]) if worst else None
