@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import torch
 
 from opengem.data.parquet import list_array
 from opengem.features.schema import (
@@ -139,3 +140,15 @@ def differing(a: dict, b: dict) -> set[str]:
     """The dotted keys whose leaves differ between two config dicts: what a preset dial moves."""
     a, b = config_leaves(a), config_leaves(b)
     return {k for k in a if a[k] != b[k]}
+
+
+class TrueLogits(torch.nn.Module):
+    """A "model" whose logits are the batch's stored true probabilities (synthetic worlds): click,
+    and conversion chained on it; what a perfect model scores, through any model path."""
+
+    def max_seq_len(self):
+        return {}
+
+    def forward(self, batch):
+        p = batch.true_probs.double().clamp(1e-12, 1 - 1e-12)
+        return torch.log(p) - torch.log1p(-p)

@@ -50,7 +50,9 @@ def _true_value(w):
     return p[np.arange(len(x)), _target_action(w, x)].mean()
 
 
-def _log(w, seed):
+def _log(w, seed, true_reward_model=False):
+    """A logged sample; the reward model is wrong (DR must stay unbiased anyway) unless
+    ``true_reward_model``."""
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(N, D))
     pb = _logging_probs(w, x)
@@ -58,7 +60,7 @@ def _log(w, seed):
     p = _click_prob(w, x)
     r = (rng.random(N) < p[np.arange(N), a]).astype(float)
     target_a = _target_action(w, x)
-    q = 0.5 * p + 0.02  # a wrong reward model: DR must stay unbiased anyway
+    q = p if true_reward_model else 0.5 * p + 0.02
     return {"reward": r, "pscore": pb[np.arange(N), a], "target": (a == target_a).astype(float),
             "q_logged": q[np.arange(N), a], "q_target": q[np.arange(N), target_a]}
 
@@ -97,16 +99,10 @@ def test_dr_with_the_true_reward_model_has_less_spread_than_ips():
     w = _world()
     spread = {"ips": [], "dr": []}
     for seed in range(40):
-        rng = np.random.default_rng(seed)
-        x = rng.normal(size=(N, D))
-        pb = _logging_probs(w, x)
-        a = (rng.random((N, 1)) > pb.cumsum(1)).sum(1).clip(max=K - 1)
-        p = _click_prob(w, x)
-        r = (rng.random(N) < p[np.arange(N), a]).astype(float)
-        ta = _target_action(w, x)
-        t = (a == ta).astype(float)
-        spread["ips"].append(ips(r, pb[np.arange(N), a], t))
-        spread["dr"].append(dr(r, pb[np.arange(N), a], t, p[np.arange(N), a], p[np.arange(N), ta]))
+        log = _log(w, seed, true_reward_model=True)
+        base = (log["reward"], log["pscore"], log["target"])
+        spread["ips"].append(ips(*base))
+        spread["dr"].append(dr(*base, log["q_logged"], log["q_target"]))
     assert np.std(spread["dr"]) < np.std(spread["ips"])
 
 

@@ -2,26 +2,15 @@
 refit) give the same numbers on a v2 world as on the v1 world of the same config."""
 
 import pytest
-import torch
 
 from opengem.cli import main
 from opengem.data.parquet import LAYOUT_V2, DatasetManifest
 from opengem.features.schema import FeatureSchema
+from opengem.testing import TrueLogits
 from opengem.world.generate import _plain, generate
 from opengem.world.oracle import OracleCollector, refit
 from opengem.world.presets import world_config
 from opengem.world.signal import signal_decomposition
-
-
-class _Oracle(torch.nn.Module):
-    """Logits from the stored true probabilities (as in test_signal)."""
-
-    def max_seq_len(self):
-        return {}
-
-    def forward(self, batch):
-        p = batch.true_probs.double().clamp(1e-12, 1 - 1e-12)
-        return torch.log(p) - torch.log1p(-p)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +36,8 @@ def test_oracle_refit_reads_v2(worlds):
 def test_signal_decomposition_reads_v2(worlds):
     p1, p2 = worlds["v1"][0], worlds["v2"][0]
     schema = FeatureSchema.load(p2)
-    a = signal_decomposition(_Oracle(), schema, p1, "test")
-    b = signal_decomposition(_Oracle(), schema, p2, "test")
+    a = signal_decomposition(TrueLogits(), schema, p1, "test")
+    b = signal_decomposition(TrueLogits(), schema, p2, "test")
     assert a == b
     varying = [k for k, v in b["click"]["term_var"].items() if v > 1e-6]
     # the history terms were computed from joined rows

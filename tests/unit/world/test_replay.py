@@ -7,13 +7,13 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from opengem.cli import main
 from opengem.config import apply_overrides
 from opengem.data.parquet import DatasetManifest
 from opengem.features.schema import FeatureSchema
 from opengem.recipes import recipe
+from opengem.testing import TrueLogits
 from opengem.train.trainer import train
 from opengem.world.generate import columns_from_table, generate, world_from_manifest
 from opengem.world.presets import world_config
@@ -27,17 +27,6 @@ from opengem.world.replay import (
     replay,
     true_by_slot,
 )
-
-
-class _Truth(torch.nn.Module):
-    """Logits of the stored true probabilities: the truth, scored the way a run is."""
-
-    def max_seq_len(self):
-        return {}
-
-    def forward(self, batch):
-        p = batch.true_probs.double().clamp(1e-12, 1 - 1e-12)
-        return torch.log(p) - torch.log1p(-p)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +47,7 @@ def run(world, tmp_path_factory):
 
 def test_the_truth_through_the_model_path_is_the_ceiling(world):
     schema = FeatureSchema.load(world / "schema.json")
-    out = replay(world, {"truth_model": model_scorer(_Truth(), schema)}, requests=300,
+    out = replay(world, {"truth_model": model_scorer(TrueLogits(), schema)}, requests=300,
                  resamples=20)
     for m in ("clicks", "conversions", "spend", "value"):
         assert out["totals"]["truth_model"][m] == pytest.approx(out["totals"]["truth"][m],
@@ -122,10 +111,10 @@ def test_a_trained_run_replays_from_the_command_line(world, run, tmp_path, capsy
 def test_bad_inputs_are_refused(world, run, tmp_path, capsys):
     schema = FeatureSchema.load(world / "schema.json")
     with pytest.raises(ValueError, match="at least the slots"):
-        replay(world, {"m": model_scorer(_Truth(), schema)}, market=MarketConfig(candidates=2,
+        replay(world, {"m": model_scorer(TrueLogits(), schema)}, market=MarketConfig(candidates=2,
                                                                                   slots=3))
     with pytest.raises(ValueError, match="own policies"):
-        replay(world, {"truth": model_scorer(_Truth(), schema)})
+        replay(world, {"truth": model_scorer(TrueLogits(), schema)})
     other = tmp_path / "other"
     generate(world_config("tiny", 4, ["sizes.num_users=300", "sizes.num_categories=7"]), other,
              progress=False, layout="v2")
@@ -138,4 +127,4 @@ def test_bad_inputs_are_refused(world, run, tmp_path, capsys):
     (tmp_path / "plain" / "dataset.json").write_text(json.dumps(m.to_dict()))
     (tmp_path / "plain" / "schema.json").write_text((world / "schema.json").read_text())
     with pytest.raises(ValueError, match="not a synthetic dataset"):
-        replay(tmp_path / "plain", {"m": model_scorer(_Truth(), schema)})
+        replay(tmp_path / "plain", {"m": model_scorer(TrueLogits(), schema)})

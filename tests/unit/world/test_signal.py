@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-import torch
 
 from opengem.cli import main
 from opengem.features.schema import FeatureSchema
+from opengem.testing import TrueLogits
 from opengem.world.signal import signal_decomposition, term_slopes
 
 
@@ -18,22 +18,13 @@ def test_term_slopes_recover_known_mix():
     assert out["term_var"]["b"] == pytest.approx(4.0, rel=0.1)
 
 
-class _Oracle(torch.nn.Module):
-    """Logits from the stored true probabilities: click, and conversion chained on it."""
-
-    def max_seq_len(self):
-        return {}
-
-    def forward(self, batch):
-        p = batch.true_probs.double().clamp(1e-12, 1 - 1e-12)
-        return torch.log(p) - torch.log1p(-p)
 
 
 def test_true_logits_have_slope_one_on_every_term(tmp_path):
     data = tmp_path / "data"
     assert main(["--quiet", "generate", "--preset", "tiny", "--out", str(data), "--seed", "3"]) == 0
     schema = FeatureSchema.load(data)
-    out = signal_decomposition(_Oracle(), schema, data, "test")
+    out = signal_decomposition(TrueLogits(), schema, data, "test")
     for part in ("click", "conversion_given_click"):
         slopes = out[part]["slopes"]
         varying = [k for k, v in out[part]["term_var"].items() if v > 1e-6]
