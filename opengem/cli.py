@@ -6,6 +6,8 @@
     opengem train    --data DIR --continue RUN --days D [--resume] [key=value …]   continuous training
     opengem evaluate --run RUN --data DIR [--split test] [--json FILE] [--signal]
                      [--checkpoint best|last]
+    opengem explain  --run RUN --data DIR (--rows 0,5,9 | --sample N) [--split test] [--k 5]
+                     [--background 16] [--json FILE]   per row: each input group's contribution
     opengem outcomes --run RUN --data DIR [--baseline RUN2 …] [--requests N] [--candidates K]
                      [--slots S]   synthetic worlds: auction replay, expected clicks/conversions/spend
     opengem recalibrate --run RUN --data DIR [--split valid] [--form offset|platt]
@@ -246,6 +248,38 @@ def cmd_evaluate(args) -> dict:
     return out
 
 
+def _add_explain(sub) -> None:
+    e = sub.add_parser("explain",
+                       help="per row: each input group's and the top history events' "
+                            "contribution to a run's logits (occlusion)")
+    e.add_argument("--run", required=True)
+    e.add_argument("--data", required=True)
+    e.add_argument("--split", default="test")
+    e.add_argument("--rows", default=None,
+                   help="row indices of --split: 0,5,9 or a range 10-19 (or both)")
+    e.add_argument("--sample", type=int, default=None, metavar="N",
+                   help="N rows of --split drawn with --seed instead of --rows")
+    e.add_argument("--k", type=int, default=5, help="history events reported per stream and row")
+    e.add_argument("--background", type=int, default=16, metavar="B",
+                   help="train rows each feature is replaced from (0: streams and events only)")
+    e.add_argument("--seed", type=int, default=0, help="draws the background (and --sample)")
+    e.add_argument("--json", default=None, help="write the explanations JSON here")
+    _add_checkpoint(e)
+    e.set_defaults(handler=cmd_explain)
+
+
+def cmd_explain(args) -> dict:
+    from opengem.evaluation.explain import explain_run, format_explanation, parse_rows
+
+    ex = explain_run(args.run, args.data, None if args.rows is None else parse_rows(args.rows),
+                     args.sample, args.split, args.k, args.background, args.seed, args.checkpoint)
+    out = ex.to_dict()
+    print(format_explanation(ex))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return out
+
+
 def _add_recalibrate(sub) -> None:
     r = sub.add_parser("recalibrate",
                        help="fit a logit offset per (domain, task) (--form platt: and a slope "
@@ -477,7 +511,8 @@ def cmd_demo(args) -> dict:
     return result
 
 
-_STAGES = (_add_generate, _add_train, _add_evaluate, _add_outcomes, _add_recalibrate,
+_STAGES = (_add_generate, _add_train, _add_evaluate, _add_explain, _add_outcomes,
+           _add_recalibrate,
            _add_distill, _add_export, _add_serve, _add_history_store, _add_forget, _add_bench,
            _add_demo, _add_validate,
            import_cli.add_parser, report_cli.add_parser)  # the order --help lists them in

@@ -16,6 +16,8 @@ COMMANDS = {  # command -> sorted flags; a positional is written <dest>
     "train": ["--continue", "--data", "--days", "--out", "--recipe", "--resume", "<overrides>"],
     "evaluate": ["--batch-size", "--checkpoint", "--data", "--json", "--run", "--segments",
                  "--signal", "--split"],
+    "explain": ["--background", "--checkpoint", "--data", "--json", "--k", "--rows", "--run",
+                "--sample", "--seed", "--split"],
     "outcomes": ["--baseline", "--candidates", "--checkpoint", "--data", "--json", "--requests",
                  "--resamples", "--reserve-frac", "--run", "--seed", "--slots", "--split"],
     "recalibrate": ["--checkpoint", "--data", "--form", "--prior-std", "--run", "--segments",
@@ -62,7 +64,7 @@ def test_every_command_has_a_handler():
 
 def test_checkpoint_choices_are_the_runs():
     """The CLI spells run.CHECKPOINTS itself (parsing imports no torch); they must stay the same."""
-    for name in ("evaluate", "recalibrate", "distill", "export"):
+    for name in ("evaluate", "explain", "recalibrate", "distill", "export"):
         action = next(a for a in _subcommands(_parser())[name]._actions if a.dest == "checkpoint")
         assert tuple(action.choices) == CHECKPOINTS and action.default == "best", name
 
