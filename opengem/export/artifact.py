@@ -11,6 +11,8 @@ Layout (every file hashed in the manifest; the predictor refuses a file whose ha
                          with --table-dtype fp16|int8, the torchrec.quant tables' compressed rows)
       program.pt2        torch.export ExportedProgram of the serving module (plain tensors in, probabilities out)
       program.aoti.pt2   (optional) the same program compiled by AOTInductor for this CPU + torch build
+      explain_background.json  (with --data) 16 train rows' user/context feature values: the
+                         background ``"explain": true`` requests occlude them with (export/explain.py)
 
 Preprocessing is not a separate file: it is the schema (vocabularies → OOV row, stream limits)
 plus ``manifest.layout`` (the model's history cap and recent window), applied by the same code
@@ -58,6 +60,7 @@ import torch.fx.experimental._config as fx_config
 from opengem.checkpoint import BEST
 from opengem.data.batch import collate
 from opengem.evaluation.evaluate import evaluate_model
+from opengem.export.explain import BACKGROUND_FILE, write_background
 from opengem.export.layout import Layout, assemble
 from opengem.export.program import serving_module
 from opengem.export.request import Limits, parse, request_models, rows_of, synthetic_request
@@ -258,6 +261,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, data_dir: str | Path | 
 
     evaluation = None
     if data_dir is not None:
+        write_background(data_dir, schema, tmp / BACKGROUND_FILE)
         ev = evaluate_model(model, schema, data_dir, split, load_base_rates(run), progress=False)
         evaluation = {"source": f"evaluated at export on split {split!r}", "split": split,
                       "metrics": ev["metrics"]}

@@ -37,6 +37,7 @@ import torch
 from pydantic import ValidationError
 
 from opengem.export.artifact import ArtifactError, load_manifest
+from opengem.export.explain import RequestExplainer, read_background
 from opengem.export.layout import Layout, assemble
 from opengem.export.request import (
     Limits,
@@ -86,6 +87,9 @@ class Predictor:
             self.schema, limits, history is not None
         )
         self.program, self.runtime = self._load(runtime)
+        self.explainer = RequestExplainer(self.schema, self.layout.max_seq_len,
+                                          read_background(self.root, self.manifest),
+                                          self._probs)
 
     # ------------------------------------------------------------------ loading
     def _load(self, runtime: str):
@@ -185,7 +189,19 @@ class Predictor:
             out.append({"model_version": self.version, "tasks": self.tasks,
                         "predictions": {t: p[:, j].tolist() for j, t in enumerate(self.tasks)},
                         **rep, **r.lookup})
+            if r.explain:  # opt-in and costly: its own forwards, after the micro-batch's
+                out[-1]["explanation"] = self.explainer.explain(r)
         return out
+
+    @torch.inference_mode()
+    def _probs(self, reqs: list[ParsedRequest]) -> np.ndarray:
+        """Probabilities [candidates of all ``reqs``, T] of the program (the explainer's forward)."""
+        padded = [_doubled(reqs[0])] + reqs[1:] if sum(r.num_candidates
+                                                       for r in reqs) == 1 else reqs
+        x, _ = assemble(self.schema, padded, self.layout)
+        probs = self.program(x)
+        probs = (probs[0] if isinstance(probs, (list, tuple)) else probs).double().numpy()
+        return probs[reqs[0].num_candidates:] if padded is not reqs else probs
 
     def predict(self, request: dict | bytes | str) -> dict:
         return self.score([self.parse(request)])[0]

@@ -10,7 +10,8 @@ A request is one impression opportunity with many candidate ads, in the raw fiel
      "ads.item": [...], …,                                        histories, oldest → newest
      "organic.dwell": [...],                                      per-event values (floats), if any
      "candidates": [{"ad_id": 5, "advertiser_id": 2, …, "ad_quality": 0.7,        ad-group fields
-                     "ad_content": [0.1, -0.3, …]}, …]}                  (embedding features: dim floats)
+                     "ad_content": [0.1, -0.3, …]}, …],                  (embedding features: dim floats)
+     "explain": false}                                            opt-in explanations (export/explain.py)
 
 Feature ``group`` in the schema decides the side: ``ad`` fields belong to each candidate, ``user``
 and ``context`` fields to the request. Everything a log row has except labels is accepted.
@@ -21,8 +22,8 @@ a null dense value (422) unless its feature is ``missing="indicator"``: then nul
 missing; an embedding vector of another length than its feature's ``dim`` (422); history lists of
 one stream of different lengths, event times not before the request or out of order, a per-event
 value (``SequenceStream.values``) NaN or ±inf (422, the checks ``validate_rows`` quarantines
-training rows for); empty candidate lists (422); more candidates, longer histories or more
-multi-hot ids than the limits (413). A stream's history fields are required
+training rows for); empty candidate lists (422); ``explain`` not a JSON boolean (422); more
+candidates, longer histories or more multi-hot ids than the limits (413). A stream's history fields are required
 unless the server has a history store (``opengem.export.history``): then a request with ``user_id``
 may leave out all fields of a stream and the store fills them (one field of a stream without the
 others is still a 422). Ids outside a feature's vocabulary are *not* errors: as in training they
@@ -87,6 +88,7 @@ class ParsedRequest:
     embeddings: dict[str, np.ndarray] = field(default_factory=dict)
     # ad embedding → [C, dim] float32
     cand_embeddings: dict[str, np.ndarray] = field(default_factory=dict)
+    explain: bool = False  # the response adds an explanation (``opengem.export.explain``)
 
 
 def _py(name: str) -> str:
@@ -175,6 +177,10 @@ def request_models(schema: FeatureSchema, limits: Limits = Limits(),
                                        description=desc + "; omitted: looked up by user_id"))
                                 if optional_histories
                                 else (t, Field(..., alias=col, description=desc)))
+    fields["explain"] = (Annotated[bool, Field(strict=True)],
+                         Field(False, description="true: add each candidate's explanation "
+                                                  "(occlusion; costs many forwards, see "
+                                                  "docs/serving.md)"))
     fields["candidates"] = (Annotated[list[cand],
                                       Field(min_length=1, max_length=limits.max_candidates)],
                             Field(..., description="ads to score for this request"))
@@ -269,7 +275,7 @@ def parse(schema: FeatureSchema, req: BaseModel) -> ParsedRequest:
     )
     return ParsedRequest(ts, get[_py(schema.domains.column)], sparse, dense, sequences, cand_sparse,
                          cand_dense, C, user, tuple(missing), embeddings=embeddings,
-                         cand_embeddings=cand_embeddings)
+                         cand_embeddings=cand_embeddings, explain=get.get("explain", False))
 
 
 def check_history(schema: FeatureSchema, s, fields: dict, ts: int) -> dict[str, np.ndarray]:
@@ -314,7 +320,7 @@ def rows_of(schema: FeatureSchema, request: dict) -> list[dict]:
     # a value left out is a null in a row
     left_out = [f for f in schema.dense if f.missing == "indicator"]
     base = {f.name: None for f in left_out if f.group != "ad"}
-    base.update({k: v for k, v in request.items() if k != "candidates"})
+    base.update({k: v for k, v in request.items() if k not in ("candidates", "explain")})
     base.update({t.label_column: float("nan") for t in schema.tasks})
     for col in (schema.day_column, schema.user_column):  # optional in a request, required in a row
         if base.get(col) is None:

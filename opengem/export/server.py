@@ -75,6 +75,11 @@ class ScoreResponse(BaseModel):
         description="with a history store: stream → 1 where the "
         "store has no events of the user (empty history)",
     )
+    explanation: dict | None = Field(
+        None,
+        description='with "explain": true: per candidate, each input group\'s and the top '
+        "history events' contribution to its logits (occlusion, opengem.export.explain)",
+    )
 
 
 class ErrorDetail(BaseModel):
