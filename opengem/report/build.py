@@ -67,7 +67,7 @@ def make_report(run_dir, out: Path, evaluation=None, *, benchmarks=(), data=None
     sections = [summary_section(src), *training_sections(src, out),
                 *evaluation_sections(src, out, data, split, n_bins),
                 *transfer_sections(src, out), *scaling_sections(src, out),
-                *outcome_sections(src, out), *dataset_sections(data)]
+                *outcome_sections(src, out), *explanation_sections(src), *dataset_sections(data)]
     title = f"OpenGEM run {'/'.join(src.run.resolve().parts[-2:])}"
     return Report(title, [s for s in sections if s is not None], src.notes)
 
@@ -314,6 +314,28 @@ def outcome_sections(src: Sources, out: Path) -> list[Section]:
               for n in ne if n in o["vs_truth"] and "conversions" in o["vs_truth"][n]}
     return [Section("Outcomes (auction replay)", body,
                     [plots.plot_outcomes(points, out)] if points else [])]
+
+
+def explanation_sections(src: Sources) -> list[Section]:
+    """``opengem explain --json``: per group, mean |contribution| over the explained rows and the
+    share of rows it ranks first on, per task (the largest groups first)."""
+    e = src.explanations
+    if e is None:
+        return []
+    tasks = e["tasks"]
+    groups = sorted(e["summary"][tasks[0]], key=lambda g: -e["summary"][tasks[0]][g]["mean_abs"])
+    rows = [[g, e["kinds"].get(g, "")] + [x for t in tasks
+                                          for x in (e["summary"][t][g]["mean_abs"],
+                                                    e["summary"][t][g]["first_share"])]
+            for g in groups]
+    body = (f"<p>Occlusion explanations (<code>opengem explain</code>) of {len(e['rows'])} rows, "
+            f"logit units: a feature against {e['background_rows']} background rows of the train "
+            f"split, a stream emptied; {e['forwards_per_row']} forwards per row, "
+            f"{fmt(e['ms_per_row'])} ms per row.</p>"
+            + table(["group", "kind"] + [h for t in tasks
+                                         for h in (f"mean |Δ logit| ({t})", f"ranked first ({t})")],
+                    rows))
+    return [Section("Explanations", body, [])]
 
 
 # ---------------------------------------------------------------------------------- HTML

@@ -10,7 +10,8 @@
                            RUN/../evaluation.json (``opengem demo``'s layout: DIR/run, DIR/evaluation.json)
     benchmark outputs      ``--bench FILE``: benchmarks/transfer.py or benchmarks/scaling.py output
                            (the JSON object, or the whole log: its last JSON line is read), or
-                           ``opengem outcomes --json``'s auction replay
+                           ``opengem outcomes --json``'s auction replay, or ``opengem explain
+                           --json``'s explanations (their summary per group)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Sources:
     transfer: dict | None = None  # benchmarks/transfer.py's JSON
     scaling: dict | None = None  # benchmarks/scaling.py's JSON
     outcomes: dict | None = None  # opengem outcomes --json (opengem.world.replay)
+    explanations: dict | None = None  # opengem explain --json (opengem.evaluation.explain)
     notes: list[str] = field(default_factory=list)  # what was missing or skipped
 
 
@@ -110,7 +112,10 @@ def load_sources(run_dir: str | Path, evaluation: str | Path | dict | None = Non
             src.scaling = obj
         elif "totals" in obj and "vs_truth" in obj:
             src.outcomes = obj
+        elif obj.get("method") == "occlusion" and "summary" in obj:
+            src.explanations = obj
         else:
             src.notes.append(f"{Path(b).name}: neither benchmarks/transfer.py, "
-                             f"benchmarks/scaling.py nor opengem outcomes output; left out")
+                             f"benchmarks/scaling.py, opengem outcomes nor opengem explain "
+                             f"output; left out")
     return src

@@ -1,6 +1,6 @@
 """Occlusion explanations (``opengem.evaluation.explain``): on synthetic worlds where one effect is
 planted strong, the world's own truth explained as a model puts that group first on most rows; a
-trained run is explained end to end from the command line, its event and stream effects are what a
+trained run is explained end to end from the command line (and summarised by the report), its event and stream effects are what a
 direct re-score of the edited row gives; bad inputs are refused by name."""
 
 import json
@@ -120,6 +120,12 @@ def test_the_cli_explains_a_trained_run(world, run, tmp_path, capsys):
         assert all(len(e) <= 5 for e in r["events"].values())
     assert ex["forwards_per_row"] > 16 and ex["ms_per_row"] > 0
     assert "row 7 click" in capsys.readouterr().out
+    # the report's summary of them: every group, its mean |contribution| per task
+    assert main(["--quiet", "report", "--run", str(run), "--bench", str(out),
+                 "--out", str(tmp_path / "report")]) == 0
+    html = (tmp_path / "report" / "report.html").read_text()
+    assert "<h2>Explanations</h2>" in html or "Explanations</h2>" in html
+    assert all(f"<td>{g}</td>" in html for g in ex["kinds"])
 
 
 def test_event_and_stream_effects_are_direct_rescores(world, run):
