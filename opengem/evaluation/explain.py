@@ -100,7 +100,8 @@ class Explanation:
                 "logit": _per_task(self.tasks, self.logits[i]),
                 "groups": {g: _per_task(self.tasks, self.contributions[i, k])
                            for k, g in enumerate(self.groups)},
-                "sides": {s: _per_task(self.tasks, self.sides[i, k]) for k, s in enumerate(SIDES)},
+                "sides": {s: _per_task(self.tasks, self.sides[i, k]) for k, s in enumerate(SIDES)
+                          if np.isfinite(self.sides[i, k]).all()},
                 "events": {s: [{**e, "effect": {t: round(v, 5) for t, v in e["effect"].items()}}
                                for e in evs] for s, evs in self.events[i].items()},
             })
@@ -111,8 +112,10 @@ class Explanation:
                 "rows": rows}
 
 
-def _per_task(tasks: list[str], v: np.ndarray) -> dict[str, float]:
-    return {t: round(float(x), 5) for t, x in zip(tasks, v)}
+def _per_task(tasks: list[str], v: np.ndarray) -> dict[str, float | None]:
+    """Per task, rounded; None where not measured (a side without background rows): JSON has
+    no NaN."""
+    return {t: round(float(x), 5) if np.isfinite(x) else None for t, x in zip(tasks, v)}
 
 
 # ------------------------------------------------------------------------------ scorers

@@ -151,6 +151,7 @@ def test_event_and_stream_effects_are_direct_rescores(world, run):
             assert plain[s.item_column][e["index"]] == e["item"]
             assert np.allclose([e["effect"][t] for t in ex.tasks], base - z, rtol=0, atol=1e-6)
     assert not ex.features_available and ex.groups == [s.name for s in schema.sequences]
+    assert ex.to_dict()["rows"][0]["sides"] == {}  # nothing measured, nothing written (no NaN)
     assert "features unavailable" in ex.notes[0]
 
 
