@@ -3,8 +3,8 @@
 The modules, lowest first: ``metrics`` (pure functions), ``accumulator`` (streaming state),
 ``segments`` (per-segment figures of the same rows), then the ones that run a model over a split:
 ``logistic`` (the L2 solver), ``platt``, ``recalibrate`` (fits ``RUN/recalibration.json``),
-``evaluate`` (``opengem evaluate``). This file imports only the first
-two, so the others can read ``EVAL_BATCH`` from it.
+``evaluate`` (``opengem evaluate``), ``explain`` (occlusion explanations, ``opengem explain``).
+This file imports only the first two, so the others can read ``EVAL_BATCH`` from it.
 """
 
 from opengem.evaluation.accumulator import ALL_DOMAIN, MetricAccumulator

@@ -7,6 +7,7 @@ over HTTP.
     request.py    request JSON schema (from the FeatureSchema), validation, parsed form
     layout.py     parsed requests → program inputs (OOV, truncation, ages: the training path's code)
     predictor.py  Predictor: load an artifact, score requests
+    explain.py    ``"explain": true``: occlusion explanations through the served program
     batcher.py    micro-batching worker that owns the predictor; atomic model swap
     server.py     FastAPI app and ``serve``
     client.py     a stdlib HTTP client of the server: free port, JSON call, wait until ready
