@@ -9,7 +9,10 @@
     OUT/vm                the default vertical model distilled from that snapshot (``distill_demo``:
                           a teacher reads published snapshots, as it would of a GEM trained continuously)
     OUT/artifact          the vertical model exported, served once and scored (``serve_smoke``)
-    OUT/evaluation.json   GEM's test metrics, the VM's (``distill``), serving, training and timings
+    OUT/evaluation.json   GEM's test metrics and segments, the VM's (``distill``), serving, training
+                          and timings
+    OUT/explain.json      GEM's explanations of a sample of test rows (``opengem explain``), for the
+                          report
 
 An earlier demo's OUT/run, OUT/vm and OUT/artifact are removed first: the demo owns them, and a
 run directory holding another run's snapshots is refused by training (``refuse_a_used_run_dir``).
@@ -35,6 +38,7 @@ from pathlib import Path
 from opengem.config import apply_overrides
 from opengem.data.parquet import DatasetManifest
 from opengem.evaluation.evaluate import evaluate_run, held_out_evaluator
+from opengem.evaluation.explain import explain_run
 from opengem.evaluation.recalibrate import recalibrate_run
 from opengem.export.artifact import export_run
 from opengem.export.client import free_port, http, wait_ready
@@ -47,7 +51,7 @@ from opengem.report.text import (
     recalibration_line,
     worst_segment_line,
 )
-from opengem.run import EVALUATION_FILE
+from opengem.run import EVALUATION_FILE, EXPLAIN_FILE
 from opengem.train.trainer import train
 from opengem.transfer.distill import distill
 from opengem.world.generate import generate
@@ -60,6 +64,8 @@ DEMO_RECIPE, DEMO_OVERRIDES = "vm_s", ("transfer.domains=video",)
 # The held-out NE over training scores 1 file in 3 of valid (6 of the demo world's 18, ~27k rows):
 # the same rows at every evaluation, a few seconds each on 2 CPU cores.
 DEMO_EVAL_EVERY_KTH_FILE = 3
+# Test rows the demo explains for its report: a few seconds of occlusion on 2 cores (docs/trust.md)
+DEMO_EXPLAIN_ROWS = 32
 
 
 def demo(out: str | Path, preset: str = "demo", seed: int = 0, overrides: Sequence[str] = (), *,
@@ -99,6 +105,11 @@ def demo(out: str | Path, preset: str = "demo", seed: int = 0, overrides: Sequen
     with _timed(times, "evaluate_s"):
         # the segment table reuses this pass's scores (opengem.evaluation.segments)
         ev = evaluate_run(run, data, cfg.data.eval_split, progress=progress, segments=True)
+    with _timed(times, "explain_s"):
+        explained = explain_run(run, data, sample=DEMO_EXPLAIN_ROWS, split=cfg.data.eval_split)
+        (out / EXPLAIN_FILE).write_text(json.dumps(explained.to_dict(), indent=1))
+        ev["explain"] = {"file": EXPLAIN_FILE, "rows": len(explained.rows),
+                         "first": _first_group(explained.to_dict()["summary"])}
     served = None
     if distil:
         with _timed(times, "distill_s"):
@@ -114,6 +125,15 @@ def demo(out: str | Path, preset: str = "demo", seed: int = 0, overrides: Sequen
     ev["times"] = times
     (out / EVALUATION_FILE).write_text(json.dumps(ev, indent=2, default=str))
     return {"evaluation": ev, "recalibration": recal, "served": served, "out": str(out)}
+
+
+def _first_group(summary: dict) -> dict:
+    """Per task, the input group that ranks first on the most explained rows, and that share."""
+    out = {}
+    for task, groups in summary.items():
+        g = max(groups, key=lambda k: groups[k]["first_share"])
+        out[task] = {"group": g, "share": groups[g]["first_share"]}
+    return out
 
 
 def _has_split(data: Path, split: str) -> bool:
@@ -191,6 +211,11 @@ def format_demo(result: dict) -> str:
     lines = [format_table(ev["metrics"])]
     if "segments" in ev:
         lines.append(worst_segment_line(ev["segments"]))
+    if "explain" in ev:
+        firsts = ", ".join(f"{t} {f['group']} ({f['share']:.0%})"
+                           for t, f in ev["explain"]["first"].items())
+        lines.append(f"explained {ev['explain']['rows']} test rows ({EXPLAIN_FILE}); the input "
+                     f"group most often first: {firsts}")
     if recal is not None:
         lines.append("\n" + recalibration_line(recal))
     lines.append(f"\nparameters {tr['parameters']['total']:,} "

@@ -89,6 +89,7 @@ FINAL_FILE = "final.json"
 RECALIBRATION_FILE = "recalibration.json"
 DOWNSAMPLING_FILE = "downsampling.json"
 EVALUATION_FILE = "evaluation.json"
+EXPLAIN_FILE = "explain.json"  # opengem explain --json; the demo writes one beside its evaluation
 TRANSFER_FILE = "transfer.json"
 USER_REP_FILE = "user_rep.pt"
 REPORT_DIR = "report"

@@ -7,7 +7,8 @@
     RUN/final.json         the summary block (absent while the run is training)
     RUN/base_rates.json    NE's normaliser: turns the per-slice training loss into training-batch NE
     evaluation JSON        ``--eval FILE``; else RUN/evaluation.json (a distilled student), else
-                           RUN/../evaluation.json (``opengem demo``'s layout: DIR/run, DIR/evaluation.json)
+                           RUN/../evaluation.json (``opengem demo``'s layout: DIR/run, DIR/evaluation.json,
+                           DIR/explain.json: the explanations it names)
     benchmark outputs      ``--bench FILE``: benchmarks/transfer.py or benchmarks/scaling.py output
                            (the JSON object, or the whole log: its last JSON line is read), or
                            ``opengem outcomes --json``'s auction replay, or ``opengem explain
@@ -118,4 +119,13 @@ def load_sources(run_dir: str | Path, evaluation: str | Path | dict | None = Non
             src.notes.append(f"{Path(b).name}: neither benchmarks/transfer.py, "
                              f"benchmarks/scaling.py, opengem outcomes nor opengem explain "
                              f"output; left out")
+    # the demo's own explanations, named by its evaluation (DIR/evaluation.json → DIR/explain.json)
+    named = (src.evaluation or {}).get("explain", {}).get("file")
+    if src.explanations is None and named and src.evaluation_file:
+        path = Path(src.evaluation_file).parent / named
+        if path.exists():
+            src.explanations = json.loads(path.read_text())
+        else:
+            src.notes.append(f"{path}: the evaluation names it, but it is missing; explanations "
+                             f"left out")
     return src

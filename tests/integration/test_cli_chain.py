@@ -223,3 +223,9 @@ def test_demo_runs_every_stage_and_serves(tmp_path, capsys):
     # the segment table of the same evaluation pass, and its one line
     assert "surface=video" in ev["segments"]["tasks"]["click"]["segments"]
     assert "worst-calibrated segment" in printed
+    # its explanations of test rows, and a report showing segments, explanations and the card
+    assert ev["explain"]["rows"] == len(json.loads((out / "explain.json").read_text())["rows"])
+    assert "explained" in printed and "explain_s" in ev["times"]
+    assert main(["--quiet", "report", "--run", str(out / "run"), "--data", str(out / "data")]) == 0
+    page = (out / "run" / "report" / "report.html").read_text()
+    assert all(s in page for s in ("Segments", "Explanations", "Dataset card")), page[:300]
