@@ -11,7 +11,6 @@ import pyarrow as pa
 import pytest
 
 from opengem.cli import main
-from opengem.config import apply_overrides
 from opengem.data.parquet import DatasetManifest
 from opengem.evaluation.explain import (
     background_rows,
@@ -21,9 +20,7 @@ from opengem.evaluation.explain import (
     table_scorer,
 )
 from opengem.features.schema import FeatureSchema
-from opengem.recipes import recipe
 from opengem.run import load_run_model
-from opengem.train.trainer import train
 from opengem.world.generate import columns_from_table, generate, world_from_manifest
 from opengem.world.latent import probabilities
 from opengem.world.presets import world_config
@@ -86,19 +83,13 @@ def test_a_planted_history_effect_ranks_first(tmp_path):
 
 # ---------------------------------------------------------------------------------- a trained run
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    data = tmp_path_factory.mktemp("explain") / "data"
-    generate(world_config("tiny", 3, ["sizes.num_users=600"]), data, progress=False, layout="v2")
-    return data
+def world(tiny_v2_world):
+    return tiny_v2_world
 
 
 @pytest.fixture(scope="module")
-def run(world, tmp_path_factory):
-    out = tmp_path_factory.mktemp("explain-run") / "run"
-    cfg = apply_overrides(recipe("tiny"), ["train.max_steps=30", "train.threads=1",
-                                           "train.progress=false", "optim.warmup_steps=2"])
-    train(cfg, world, out)
-    return out
+def run(tiny_v2_run):
+    return tiny_v2_run
 
 
 def _row_with_history(world, schema, n=40):

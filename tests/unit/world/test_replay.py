@@ -9,12 +9,9 @@ import numpy as np
 import pytest
 
 from opengem.cli import main
-from opengem.config import apply_overrides
 from opengem.data.parquet import DatasetManifest
 from opengem.features.schema import FeatureSchema
-from opengem.recipes import recipe
 from opengem.testing import TrueLogits
-from opengem.train.trainer import train
 from opengem.world.generate import columns_from_table, generate, world_from_manifest
 from opengem.world.presets import world_config
 from opengem.world.replay import (
@@ -30,19 +27,13 @@ from opengem.world.replay import (
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    data = tmp_path_factory.mktemp("replay") / "data"
-    generate(world_config("tiny", 3, ["sizes.num_users=600"]), data, progress=False, layout="v2")
-    return data
+def world(tiny_v2_world):
+    return tiny_v2_world
 
 
 @pytest.fixture(scope="module")
-def run(world, tmp_path_factory):
-    out = tmp_path_factory.mktemp("replay-run") / "run"
-    cfg = apply_overrides(recipe("tiny"), ["train.max_steps=40", "train.threads=1",
-                                           "train.progress=false", "optim.warmup_steps=2"])
-    train(cfg, world, out)
-    return out
+def run(tiny_v2_run):
+    return tiny_v2_run
 
 
 def test_the_truth_through_the_model_path_is_the_ceiling(world):
