@@ -56,24 +56,13 @@ def write_background(data_dir: str | Path, schema: FeatureSchema, path: Path,
     return len(rows)
 
 
-def read_background(root: Path, manifest: dict) -> list[dict] | None:
-    """The artifact's background rows (hash checked), or None where it has none (an older
-    artifact, or one exported without ``--data``)."""
-    from opengem.export.artifact import load_manifest
-
-    if BACKGROUND_FILE not in manifest.get("files", {}):
-        return None
-    load_manifest(root, verify=(BACKGROUND_FILE,))
-    return json.loads((root / BACKGROUND_FILE).read_text())["rows"]
-
-
 class RequestExplainer:
     """Occlusion explanations of parsed requests (module docstring).
 
     Args:
         schema: the artifact's schema.
         max_seq_len: the model's history limit per stream (the layout's).
-        background: user/context rows (``read_background``), or None.
+        background: user/context rows (``predictor.read_background``), or None.
         probs: parsed requests → probabilities [candidates over all requests, T] (the program).
     """
 

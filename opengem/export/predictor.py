@@ -37,7 +37,7 @@ import torch
 from pydantic import ValidationError
 
 from opengem.export.artifact import ArtifactError, load_manifest
-from opengem.export.explain import RequestExplainer, read_background
+from opengem.export.explain import BACKGROUND_FILE, RequestExplainer
 from opengem.export.layout import Layout, assemble
 from opengem.export.request import (
     Limits,
@@ -54,6 +54,15 @@ from opengem.features.schema import SCHEMA_FILE, FeatureSchema
 
 log = logging.getLogger("opengem.export")
 RUNTIMES = ("aoti", "exported", "eager")
+
+
+def read_background(root: Path, manifest: dict) -> list[dict] | None:
+    """The artifact's explain background rows (hash checked), or None where it has none (an older
+    artifact, or one exported without ``--data``)."""
+    if BACKGROUND_FILE not in manifest.get("files", {}):
+        return None
+    load_manifest(root, verify=(BACKGROUND_FILE,))
+    return json.loads((root / BACKGROUND_FILE).read_text())["rows"]
 
 
 class Predictor:
