@@ -96,7 +96,8 @@ def one_world(work: Path, seed: int, users: int | None, train_seeds: list[int],
         print(f"[outcomes] world {seed}, training seed {s}:\n{format_outcomes(r)}", flush=True)
         out["seeds"][s] = {"train_s": walls, "totals": r["totals"], "vs_baseline":
                            r["vs_baseline"], "vs_truth": r["vs_truth"],
-                           "calibration_share": r["calibration_share"]}
+                           "calibration_share": r["calibration_share"],
+                           "expected_ne": r["expected_ne"]}
     return out
 
 
