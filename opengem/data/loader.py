@@ -45,6 +45,22 @@ from opengem.features.schema import FeatureSchema
 log = logging.getLogger(__name__)
 
 
+def split_files(manifest: DatasetManifest, split: str) -> list[ShardInfo]:
+    """The split's shards in the order an unshuffled loader reads them on one process (days in
+    order, a day's shards as listed), so a row index means the same row to every reader."""
+    files = manifest.split_files(split)
+    return [f for day in sorted({f.day for f in files}) for f in files if f.day == day]
+
+
+def read_split(data_dir: str | Path, schema: FeatureSchema, split: str) -> pa.Table:
+    """Every row of ``split`` with histories joined (v2) as list columns, in ``split_files``
+    order: for readers that need the rows' columns beside the model's scores of them."""
+    manifest = DatasetManifest.load(data_dir)
+    reader = ShardReader(data_dir, manifest, schema)
+    return pa.concat_tables([reader.read(f, schema.columns())
+                             for f in split_files(manifest, split)])
+
+
 class ShardLoader:
     """Batches of one split for one rank, in the order the module docstring gives; resumable.
 

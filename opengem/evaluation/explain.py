@@ -305,12 +305,6 @@ def _top_events(events: list[dict], rows: pa.Table, s, r: np.ndarray, pos: np.nd
 
 
 # ------------------------------------------------------------------------------ a run on a dataset
-def _split_files(manifest, split: str):
-    """The split's shards in the order ``evaluate`` reads them (days in order, a day's shards as
-    listed), so a row index means the same row to both."""
-    files = manifest.split_files(split)
-    return [f for day in sorted({f.day for f in files}) for f in files if f.day == day]
-
 
 def read_rows(data_dir: str | Path, schema: FeatureSchema, split: str,
               rows: list[int], strict: bool = True) -> pa.Table:
@@ -318,10 +312,11 @@ def read_rows(data_dir: str | Path, schema: FeatureSchema, split: str,
     asked; an index past the split's end is refused by name, and so (``strict``) is a row the
     loader would quarantine, else it is left out."""
     from opengem.data.events import ShardReader
+    from opengem.data.loader import split_files
     from opengem.data.parquet import DatasetManifest
 
     manifest = DatasetManifest.load(data_dir)
-    files = _split_files(manifest, split)
+    files = split_files(manifest, split)
     total = sum(f.rows for f in files)
     bad = [r for r in rows if not 0 <= r < total]
     if bad:

@@ -24,23 +24,22 @@ from __future__ import annotations
 
 import math
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from opengem.data.events import ShardReader
-from opengem.data.loader import ShardLoader
+from opengem.data.loader import read_split
 from opengem.data.parquet import LAYOUT_V1, DatasetManifest, ShardWriter
 from opengem.evaluation.auction import CLICK, CONVERSION, Market, lifts, run_auction, totals
 from opengem.evaluation.evaluate import score_rows
 from opengem.evaluation.platt import fit_platt
 from opengem.features.schema import FeatureSchema
 from opengem.world.generate import columns_from_table, world_from_manifest
-from opengem.world.latent import NUM_POSITIONS, World, UserBlock, probabilities
+from opengem.world.latent import NUM_POSITIONS, UserBlock, World, probabilities
 from opengem.world.units import DAY, TAG_MARKET, rng_for
 
 # A scorer maps the candidates' rows (a table in the dataset's schema, histories joined) to
@@ -90,13 +89,6 @@ def market_of(world: World, cfg: MarketConfig) -> tuple[np.ndarray, np.ndarray]:
     bid = level[camp] * np.exp(rng.normal(0.0, cfg.bid_sigma / 2, len(camp)))
     return bid, conv[camp].astype(np.int64)
 
-
-def _read_split(data_dir: Path, manifest: DatasetManifest, schema: FeatureSchema,
-                split: str) -> pa.Table:
-    reader = ShardReader(data_dir, manifest, schema)
-    files = ShardLoader(data_dir, split, 1024, schema, shuffle=False, epochs=1,
-                        prefetch=0).shard_order(0)
-    return pa.concat_tables([reader.read(f, schema.columns()) for f in files])
 
 
 def draw_candidates(world: World, c: dict, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -232,7 +224,7 @@ def replay(data_dir: str | Path, scorers: dict[str, Scorer], split: str = "test"
     manifest = DatasetManifest.load(data_dir)
     world = world_from_manifest(manifest)  # raises on non-synthetic data
     schema = FeatureSchema.load(data_dir / "schema.json")
-    rows = _read_split(data_dir, manifest, schema, split)
+    rows = read_split(data_dir, schema, split)
     rng = np.random.default_rng(seed)
     take = np.sort(rng.choice(rows.num_rows, min(requests, rows.num_rows), replace=False))
     req = rows.take(pa.array(take))
@@ -325,11 +317,12 @@ def format_outcomes(out: dict) -> str:
     """The replay as a table: each policy's totals, its conversions and cost per conversion over
     the baseline (with the interval) and its conversions as a share of the truth's."""
     base = out["vs_baseline"]["baseline"]
-    lines = [f"auction replay: {out['requests']} requests of {out['split']}, K={out['candidates']} "
-             f"candidates, S={out['slots']} slots, reserve {out['reserve']:.4g}; lifts over "
-             f"{base} (90 % interval over request resamples)",
-             f"{'policy':<22}{'clicks':>9}{'convs':>9}{'spend':>10}{'cost/conv':>10}"
-             f"{'convs ÷ base':>22}{'cost/conv ÷ base':>22}{'convs ÷ truth':>15}"]
+    title = (f"auction replay: {out['requests']} requests of {out['split']}, "
+             f"K={out['candidates']} candidates, S={out['slots']} slots, reserve "
+             f"{out['reserve']:.4g}; lifts over {base} (90 % interval over request resamples)")
+    header = (f"{'policy':<22}{'clicks':>9}{'convs':>9}{'spend':>10}{'cost/conv':>10}"
+              f"{'convs ÷ base':>22}{'cost/conv ÷ base':>22}{'convs ÷ truth':>15}")
+    lines = [title, header]
 
     def ratio(d: dict, m: str) -> str:
         r = d.get(m)

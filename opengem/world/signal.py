@@ -17,11 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import torch
 
-from opengem.data.events import ShardReader
-from opengem.data.loader import ShardLoader
+from opengem.data.loader import ShardLoader, read_split
 from opengem.data.parquet import DatasetManifest
 from opengem.evaluation import EVAL_BATCH
 from opengem.features.schema import FeatureSchema
@@ -70,9 +68,7 @@ def signal_decomposition(model, schema: FeatureSchema, data_dir: str | Path, spl
                          f"the decomposition "
                          "needs every row of the split")
     # Every column, histories joined in v2: the world's terms need the rows the loader scored.
-    reader = ShardReader(data_dir, manifest, schema)
-    table = pa.concat_tables([reader.read(f, schema.columns()) for f in loader.shard_order(0)])
-    cols = columns_from_table(table)
+    cols = columns_from_table(read_split(data_dir, schema, split))
     if len(cols["p_click"]) != len(logits):
         raise ValueError(f"{len(logits)} scored rows but {len(cols['p_click'])} rows in the split")
     _, _, click_terms, conv_terms = probabilities(world, cols)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from opengem.cli import main
+from opengem.data.loader import read_split
 from opengem.data.parquet import DatasetManifest
 from opengem.features.schema import FeatureSchema
 from opengem.testing import TrueLogits
@@ -16,7 +17,6 @@ from opengem.world.generate import columns_from_table, generate, world_from_mani
 from opengem.world.presets import world_config
 from opengem.world.replay import (
     MarketConfig,
-    _read_split,
     candidate_table,
     draw_candidates,
     market_of,
@@ -51,7 +51,7 @@ def test_the_logged_candidate_has_the_generators_truth(world):
     manifest = DatasetManifest.load(world)
     w = world_from_manifest(manifest)
     schema = FeatureSchema.load(world / "schema.json")
-    rows = _read_split(world, manifest, schema, "test")
+    rows = read_split(world, schema, "test")
     c = columns_from_table(rows)
     ads = draw_candidates(w, c, 4, np.random.default_rng(0))
     assert (ads[:, 0] == c["ad_id"]).all()
