@@ -7,6 +7,12 @@
     python benchmarks/quality.py --demo      # 3 held-out worlds x 2 training seeds at the demo's size (36,000
                                              # users, the demo recipe, one pass), grid 2 x 2, no real data (~2 h)
 
+Worlds: the wider family (``--family 2``, the default: item similarity, fatigue, repeat engagement
+and last-k beside family 1's effects, ``opengem.world.wide``) on the fresh held-out block 2000-2004
+(``discipline.quality_world_seeds``); development worlds are drawn from the same family.
+``--worn --family 1`` reads the old ruler, family-1 worlds 1000-1002, which were read in 13+
+sections while the recipe changed. Every read of a held-out block is counted in docs/results.md.
+
 Models: ``gem`` (GEM as its recipe builds it), TorchRec ``dlrm`` and ``dlrm_dcn``, ``din`` (DIN's
 target attention over each history, ``opengem.model.peers``), ``lightgbm`` (``instruments.gbdt``:
 generic history summaries) and ``logreg`` (``instruments.linear``: one-hot ids, their user x ad
@@ -64,12 +70,12 @@ import tempfile
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
 
 from opengem.data.parquet import MANIFEST
-from opengem.discipline import held_out_world_seeds, require_dev_world
+from opengem.discipline import held_out_world_seeds, quality_world_seeds, require_dev_world
 from opengem.run import FINAL_FILE
 
 NEURAL: dict[str, list[str]] = {
@@ -100,7 +106,7 @@ class Mode:
     """What one mode runs: worlds, seeds, grid, epochs."""
 
     dev_worlds: list[int]
-    held_out: list[int]
+    held_out: list[int]  # the worn block's seeds; ``held_out_for`` picks the block a run reads
     train_seeds: list[int]
     world: list[str]  # WorldConfig overrides of the ``preset`` world
     dense_lrs: tuple[float, ...]
@@ -139,18 +145,26 @@ REAL_SOURCES = {"ml100k": ("movielens", "movielens-100k"),
 
 
 # ------------------------------------------------------------------------------- data
-def synthetic_world(work: Path, world_seed: int, mode: Mode) -> Path:
-    """World ``world_seed`` (structure seed = data seed), with its oracle, generated once
-    under ``work``."""
+def held_out_for(mode: Mode, worn: bool) -> list[int]:
+    """The held-out seeds a run reports on: the fresh block (2000 …) unless ``worn`` asks for the
+    old ruler (1000 …), as many as the mode reads."""
+    n = len(mode.held_out)
+    return held_out_world_seeds(n) if worn else quality_world_seeds(n)
+
+
+def synthetic_world(work: Path, world_seed: int, mode: Mode, family: int = 1) -> Path:
+    """World ``world_seed`` of ``family`` (structure seed = data seed), with its oracle,
+    generated once under ``work``."""
     from opengem.world.generate import generate
     from opengem.world.oracle import OracleCollector
     from opengem.world.presets import world_config
 
-    out = work / "data" / f"world-{world_seed}"
+    out = work / "data" / (f"world-{world_seed}" + (f"-f{family}" if family != 1 else ""))
     # written last by generate: a world cut off half-way is made again
     if not (out / MANIFEST).exists():
         cfg = world_config(mode.preset, seed=world_seed,
-                           overrides=[*mode.world, f"structure_seed={world_seed}"])
+                           overrides=[*mode.world, f"structure_seed={world_seed}",
+                                      *([f"family={family}"] if family != 1 else [])])
         generate(cfg, out, progress=False, observer=OracleCollector)
     return out
 
@@ -459,10 +473,14 @@ def main() -> None:
                     help="also report each neural model stacked with the regression (bench.stack)")
     ap.add_argument("--work", default=None,
                     help="where data and runs go (default: a temporary directory)")
+    ap.add_argument("--family", type=int, choices=(1, 2), default=2,
+                    help="the world family of every synthetic world, development ones included")
+    ap.add_argument("--worn", action="store_true",
+                    help="report on the worn block 1000-1002 (the old ruler) instead of 2000-")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mode_name = "quick" if args.quick else "demo" if args.demo else "full"
-    mode = MODES[mode_name]
+    mode = replace(MODES[mode_name], held_out=held_out_for(MODES[mode_name], args.worn))
     for w in mode.dev_worlds:
         require_dev_world(w, "the benchmark's learning-rate choice")
     models = args.models.split(",")
@@ -479,7 +497,8 @@ def main() -> None:
             for ov in [*mode.real.values(), []]:
                 apply_overrides(recipe(mode.recipe), [*ov, *NEURAL[model]])
     grid = lr_grid(mode.dense_lrs, mode.table_lrs)
-    worlds = {w: synthetic_world(work, w, mode) for w in [*mode.dev_worlds, *mode.held_out]}
+    worlds = {w: synthetic_world(work, w, mode, args.family)
+              for w in [*mode.dev_worlds, *mode.held_out]}
     asked = [n for n in args.real.split(",") if n]
     names = [n for n in asked if n in mode.real]
     if names != asked:
@@ -499,7 +518,8 @@ def main() -> None:
 
     def run_dir(kind: str, model: str, point, seed: int) -> str:
         tag = "gbdt" if point is None else f"lr{point[0]:g}-t{point[1]:g}"
-        return str(work / "runs" / kind / model / f"{tag}-s{seed}")
+        runs = work / "runs" / (f"f{args.family}" if args.family != 1 else "")  # families apart
+        return str(runs / kind / model / f"{tag}-s{seed}")
 
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
         # 1. the search: dev worlds (synthetic) and each real dataset's own valid split; seed 0
@@ -617,6 +637,7 @@ def main() -> None:
                       {n: summaries[n] for n in real if n in summaries})
     out = headline(mode_name, mode, models, chosen, *views["metrics"], time.perf_counter() - t0,
                    *views["metrics_platt"])
+    out["family"] = args.family
     out["recalibration_dev_crossfit"] = crossfit_summary(models, crossfits)
     out["pair_blind_oracle_over_oracle"] = pair_blind_summary(pair_blind)
     # a real dataset absent from --shared drops its rows: the JSON line names them, so a figure

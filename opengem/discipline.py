@@ -19,6 +19,10 @@ from __future__ import annotations
 
 DEV_WORLD_SEEDS = range(0, 100)
 HELD_OUT_WORLD_SEED_MIN = 1000
+# held-out worlds of the quality figures from issue 48 on: 1000-1002 were read in 13+ sections while
+# the recipe changed (worn), so new quality figures read this block (2000-2004) instead
+QUALITY_WORLD_SEED_MIN = 2000
+QUALITY_WORLD_SEEDS = 5
 # held-out worlds the speed races run on, each with its own structure (not the demo's): a block of
 # its own, so races never read the quality figures' seeds (1000-1002 worn, 2000-2004)
 RACE_WORLD_SEED_MIN = 2100
@@ -66,8 +70,19 @@ def outcome_world_seeds(n: int) -> list[int]:
     return list(range(OUTCOME_WORLD_SEED_MIN, OUTCOME_WORLD_SEED_MIN + n))
 
 
+def quality_world_seeds(n: int) -> list[int]:
+    """The first ``n`` of the quality figures' held-out seeds (2000 … 2004), structure seed = the
+    seed: the block nothing was read on while the recipe changed."""
+    if not 1 <= n <= QUALITY_WORLD_SEEDS:
+        raise ValueError(f"the quality block has {QUALITY_WORLD_SEEDS} world seeds "
+                         f"({QUALITY_WORLD_SEED_MIN}-{QUALITY_WORLD_SEED_MIN + QUALITY_WORLD_SEEDS - 1}),"
+                         f" asked for {n}")
+    return list(range(QUALITY_WORLD_SEED_MIN, QUALITY_WORLD_SEED_MIN + n))
+
+
 def held_out_world_seeds(n: int) -> list[int]:
-    """The first ``n`` held-out world seeds (1000, 1001, …): what reported figures average over."""
+    """The first ``n`` held-out world seeds (1000, 1001, …): the old ruler, worn by reads while the
+    recipe changed (``quality_world_seeds`` for new figures)."""
     if n < 1:
         raise ValueError(f"need at least one held-out world seed, got {n}")
     return list(range(HELD_OUT_WORLD_SEED_MIN, HELD_OUT_WORLD_SEED_MIN + n))

@@ -5,6 +5,7 @@ from opengem.discipline import (
     HELD_OUT_WORLD_SEED_MIN,
     DisciplineError,
     held_out_world_seeds,
+    quality_world_seeds,
     race_world_seeds,
     require_dev_world,
     require_tuning_split,
@@ -36,6 +37,12 @@ def test_development_and_held_out_seeds_do_not_overlap():
     assert not set(race) & (set(DEV_WORLD_SEEDS) | set(range(2000, 2005)) | set(held))
     with pytest.raises(DisciplineError, match="held-out seed"):
         require_dev_world(race[0], "x")
+    # the fresh quality block: five seeds, apart from the worn one and the races'
+    fresh = quality_world_seeds(5)
+    assert fresh == [2000, 2001, 2002, 2003, 2004]
+    assert not set(fresh) & (set(held) | set(race) | set(DEV_WORLD_SEEDS))
+    with pytest.raises(ValueError, match="2000-2004"):
+        quality_world_seeds(6)
 
 
 @pytest.mark.parametrize("choose", ["select_on_valid", "valid_gains"])
