@@ -13,7 +13,20 @@ DLRM-DCN's seconds. Variants (GEM overrides after the race's rates):
 - ``shipped``: the demo recipe (recent window 16, 4 pooled queries, histories of 256 events);
 - ``recent8``: a recent window of 8 events (each tower layer's attention is O(S²));
 - ``pooled2``: 2 pooled queries instead of 4 (the pooling is O(N·M));
-- ``hist128`` / ``hist64``: histories cut to the newest 128 / 64 events (``model.max_seq_len``).
+- ``hist128`` / ``hist64``: histories cut to the newest 128 / 64 events (``model.max_seq_len``);
+- ``lean``: towers of 8 tokens instead of 24 (2 summary tokens, 2 pooled queries, 4 recent events):
+  a step's time is mostly the towers' per-row tokens, not the events
+  (``benchmarks/step_profile.py``);
+- ``layers1``: one interleaved layer instead of two (Wukong and towers alike);
+  ``lean_layers1``: both;
+- ``pooled_only``: towers without self-attention layers (``model.interformer.tower_layers=false``:
+  the pooled queries and the recent window go straight to the summaries); ``pooled_only_lean``:
+  with ``lean``'s token counts; ``pooled_only_lean_layers1``: and one interleaved layer.
+
+Recipe variants (``RECIPE_VARIANTS``) change both sides, so DLRM-DCN's pass is run again with them
+and GEM races that pass: ``ema_warmup`` (``train.ema_warmup=true``: the EMA's decay warmed up, so a
+short run's shadow is not mostly its initial weights); ``lean_layers1_ema_warmup``: with GEM's
+``lean_layers1``.
 
 Timings are one thread (``--threads 1``) on a shared machine: the seconds move with its load, the NE
 values do not. Ends with one JSON line.
@@ -37,6 +50,26 @@ VARIANTS: dict[str, list[str]] = {
     "pooled2": ["model.sequence.num_pooled=2"],
     "hist128": ["model.max_seq_len=128"],
     "hist64": ["model.max_seq_len=64"],
+    "lean": ["model.interformer.num_sum=2", "model.sequence.num_pooled=2",
+             "model.sequence.recent_len=4", "model.sequence.min_recent=4"],
+    "layers1": ["model.wukong.num_layers=1"],
+    "lean_layers1": ["model.interformer.num_sum=2", "model.sequence.num_pooled=2",
+                     "model.sequence.recent_len=4", "model.sequence.min_recent=4",
+                     "model.wukong.num_layers=1"],
+    "pooled_only": ["model.interformer.tower_layers=false"],
+    "pooled_only_lean": ["model.interformer.tower_layers=false", "model.interformer.num_sum=2",
+                         "model.sequence.num_pooled=2", "model.sequence.recent_len=4",
+                         "model.sequence.min_recent=4"],
+    "pooled_only_lean_layers1": ["model.interformer.tower_layers=false",
+                                 "model.interformer.num_sum=2", "model.sequence.num_pooled=2",
+                                 "model.sequence.recent_len=4", "model.sequence.min_recent=4",
+                                 "model.wukong.num_layers=1"],
+}
+
+# name → (overrides of both sides, GEM's own overrides)
+RECIPE_VARIANTS: dict[str, tuple[list[str], list[str]]] = {
+    "ema_warmup": (["train.ema_warmup=true"], []),
+    "lean_layers1_ema_warmup": (["train.ema_warmup=true"], VARIANTS["lean_layers1"]),
 }
 
 
@@ -68,19 +101,28 @@ def measure(data: Path, variants: list[str]) -> dict:
         cfg = apply_overrides(base, [f"model.arch={arch}", *RATES[arch], *extra])
         return train_with_evals(cfg, data, every, split="valid", max_steps=steps)
 
-    dcn = run("dlrm_dcn", [])
+    dcns = {(): run("dlrm_dcn", [])}
+    dcn = dcns[()]
     out = {"steps": steps, "dcn_s": round(dcn["train_s"], 1), "dcn_ne": round(dcn["final_ne"], 4),
            "variants": {}}
     for v in variants:
-        gem = run("gem", VARIANTS[v])
-        t = time_to_quality(gem, dcn)
-        at = ne_at(gem["curve"], dcn["train_s"])
+        both, own = RECIPE_VARIANTS.get(v, ([], VARIANTS.get(v, [])))
+        if tuple(both) not in dcns:
+            dcns[tuple(both)] = run("dlrm_dcn", both)
+        peer = dcns[tuple(both)]
+        gem = run("gem", [*both, *own])
+        t = time_to_quality(gem, peer)
+        at = ne_at(gem["curve"], peer["train_s"])
         out["variants"][v] = {"gem_s": round(gem["train_s"], 1),
                               "gem_ne": round(gem["final_ne"], 4),
                               "gem_s_to_dcn_ne": t["gem_s_to_target"], "speedup": t["speedup"],
                               "gem_ne_at_dcn_s": round(at, 4) if at is not None else None}
-        print(json.dumps({"data": data.name, "variant": v, **out["variants"][v],
-                          "dcn_s": out["dcn_s"], "dcn_ne": out["dcn_ne"]}), flush=True)
+        if both:
+            out["variants"][v].update(dcn_s=round(peer["train_s"], 1),
+                                      dcn_ne=round(peer["final_ne"], 4))
+        print(json.dumps({"data": data.name, "variant": v, "dcn_s": round(peer["train_s"], 1),
+                          "dcn_ne": round(peer["final_ne"], 4), **out["variants"][v]}),
+              flush=True)
     return out
 
 
@@ -89,7 +131,8 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", type=int, nargs="*", default=[0, 1, 2])
     p.add_argument("--users", type=int, default=12000)
-    p.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS),
+                   choices=[*VARIANTS, *RECIPE_VARIANTS])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--work", default=None, help="worlds go here (reused); default: a temp dir")
     p.add_argument("--quick", action="store_true", help="world 0, 3,000 users")

@@ -133,6 +133,8 @@ class TrainConfig:
     fp8_activations: bool = False  # store saved activations >= 64 KiB as e4m3 (opengem.ops.fp8)
     # > 0: evaluate, keep and serve an EMA of the dense weights (opengem.train.ema)
     ema_decay: float = 0.0
+    # the EMA's decay at update t is min(ema_decay, (1 + t) / (10 + t)) (opengem.train.ema)
+    ema_warmup: bool = False
     # Runs whose mean predicted probability is mixed into the labels, the share
     # ``soft_label_weight``: one model distilled from an ensemble of trained runs
     # (opengem.train.soft_labels). () = the labels as they are.

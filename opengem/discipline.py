@@ -74,15 +74,15 @@ def quality_world_seeds(n: int) -> list[int]:
     """The first ``n`` of the quality figures' held-out seeds (2000 … 2004), structure seed = the
     seed: the block nothing was read on while the recipe changed."""
     if not 1 <= n <= QUALITY_WORLD_SEEDS:
+        last = QUALITY_WORLD_SEED_MIN + QUALITY_WORLD_SEEDS - 1
         raise ValueError(f"the quality block has {QUALITY_WORLD_SEEDS} world seeds "
-                         f"({QUALITY_WORLD_SEED_MIN}-{QUALITY_WORLD_SEED_MIN + QUALITY_WORLD_SEEDS - 1}),"
-                         f" asked for {n}")
+                         f"({QUALITY_WORLD_SEED_MIN}-{last}), asked for {n}")
     return list(range(QUALITY_WORLD_SEED_MIN, QUALITY_WORLD_SEED_MIN + n))
 
 
 def held_out_world_seeds(n: int) -> list[int]:
-    """The first ``n`` held-out world seeds (1000, 1001, …): the old ruler, worn by reads while the
-    recipe changed (``quality_world_seeds`` for new figures)."""
+    """The first ``n`` held-out world seeds (1000, 1001, …): the old ruler, worn by reads while
+    the recipe changed (``quality_world_seeds`` for new figures)."""
     if n < 1:
         raise ValueError(f"need at least one held-out world seed, got {n}")
     return list(range(HELD_OUT_WORLD_SEED_MIN, HELD_OUT_WORLD_SEED_MIN + n))

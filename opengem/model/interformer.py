@@ -39,6 +39,12 @@ class InterFormerConfig:
     # both summaries.
     wukong: bool = True
     interleave: bool = True
+    # False: the towers keep their first tokens ([CLS | pooled | recent], S_1) through every layer,
+    # no self-attention layers; the summaries and the exchange with Wukong are unchanged. Why an
+    # option: the tower layers are the largest part of a CPU step at the demo's sizes
+    # (benchmarks/step_profile.py), so a pooled-only sequence side is the cheap form to weigh
+    # against them at equal wall time (benchmarks/cheap_forms.py).
+    tower_layers: bool = True
 
     def validate(self) -> None:
         if self.gate not in ("self", "sigmoid_of_product"):
@@ -139,7 +145,9 @@ class InterFormer(nn.Module):
         n_extra = num_streams * cfg.tokens_per_stream if cfg.interleave else 0
         self.interaction = InteractionArch(n_x, n_extra, dim,
                                            wukong if cfg.wukong else replace(wukong, num_layers=0))
-        self.towers = nn.ModuleList(SequenceTower(cfg.num_sum, dim, wukong.num_layers, sequence)
+        self.towers = nn.ModuleList(SequenceTower(cfg.num_sum, dim,
+                                                  wukong.num_layers if cfg.tower_layers else 0,
+                                                  sequence)
                                     for _ in range(num_streams))
         tokens = [n_x] + [wukong.num_out if cfg.wukong else n_x] * wukong.num_layers
         self.cross = nn.ModuleList(CrossArch(tokens[i], dim, num_streams, sequence.num_heads, cfg)
@@ -169,8 +177,9 @@ class InterFormer(nn.Module):
             if self.cfg.wukong:
                 s_sum = self.cross[i].summarize_s(states) if self.cfg.interleave else None
                 x_next = self.interaction.forward_layer(i, x_BND, s_sum, history)
-            states = [tw.layer(i, s, v, self.tower_context(x_sum)) for tw,
-                      (s, v) in zip(self.towers, states)]
+            if self.cfg.tower_layers:
+                states = [tw.layer(i, s, v, self.tower_context(x_sum)) for tw,
+                          (s, v) in zip(self.towers, states)]
             history.append(x_BND)
             x_BND = x_next
         if self.cfg.wukong:

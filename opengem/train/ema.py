@@ -12,6 +12,12 @@ parameters: the tables are updated row by row (row-wise Adagrad), an average ove
 every row at every step, and averaging them too did no better. Under FSDP2 each rank averages its
 own shards (the parameters are DTensors; the arithmetic runs on their local tensors), so the shadow
 costs one copy of this rank's dense shard.
+
+``train.ema_warmup``: the decay at update t is min(d, (1 + t) / (10 + t)), TensorFlow's
+``ExponentialMovingAverage(num_updates=…)`` rule. Why an option: with a fixed d the shadow after t
+updates still holds d^t of the first step's weights (0.99^100 = 37 %), so a short run, or any
+evaluation in a run's first 1/(1 − d) steps, judges weights close to the initial ones; warmed up,
+the shadow follows the weights early and averages like the fixed d once (1 + t)/(10 + t) > d.
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ class DenseEMA:
     """The shadow of ``params`` (name → dense parameter) at ``decay``; ``decay = 0`` is off
     (a no-op)."""
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], decay: float):
-        self.params, self.decay = params, decay
+    def __init__(self, params: dict[str, torch.nn.Parameter], decay: float,
+                 warmup: bool = False):
+        self.params, self.decay, self.warmup = params, decay, warmup
         self.shadow: list[torch.Tensor] | None = None
         self.updates = 0
         # the training weights while the shadow is applied
@@ -56,8 +63,13 @@ class DenseEMA:
         if self.shadow is None:
             self.shadow = [p.detach().clone() for p in live]
         else:
-            torch._foreach_lerp_(_local(self.shadow), _local(live), 1.0 - self.decay)
+            torch._foreach_lerp_(_local(self.shadow), _local(live),
+                                 1.0 - self.decay_at(self.updates))
         self.updates += 1
+
+    def decay_at(self, t: int) -> float:
+        """The decay of update ``t`` (0-based; update 0 copies the weights)."""
+        return min(self.decay, (1.0 + t) / (10.0 + t)) if self.warmup else self.decay
 
     @contextlib.contextmanager
     def applied(self):
@@ -108,8 +120,8 @@ class DenseEMA:
         self.shadow, self.updates = (shadow, int(saved["updates"])) if self.on else (None, 0)
 
 
-def dense_ema(model: torch.nn.Module, decay: float) -> DenseEMA:
+def dense_ema(model: torch.nn.Module, decay: float, warmup: bool = False) -> DenseEMA:
     """The EMA of ``model``'s dense parameters (``model.dense_parameters()``), keyed by
     their names."""
     dense = {id(p) for p in model.dense_parameters()}
-    return DenseEMA({n: p for n, p in model.named_parameters() if id(p) in dense}, decay)
+    return DenseEMA({n: p for n, p in model.named_parameters() if id(p) in dense}, decay, warmup)

@@ -101,7 +101,7 @@ class TrainState:
     soft: SoftLabels | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.ema = dense_ema(self.model, self.cfg.train.ema_decay)
+        self.ema = dense_ema(self.model, self.cfg.train.ema_decay, self.cfg.train.ema_warmup)
         t = self.cfg.train
         self.soft = soft_labels(t.soft_label_runs, t.soft_label_weight, self.schema,
                                 self.info.device)

@@ -24,12 +24,12 @@ TOL = 1e-5
 
 
 def _model(schema, max_rows=0, max_seq_len=12, interleave=True, count_decay_hours=(), seq=None,
-           span="all", **kw):
+           span="all", tower_layers=True, **kw):
     cfg = GEMConfig(
         embedding_dim=16,
         max_seq_len=max_seq_len,
         sparse=SparseArchConfig(max_rows_per_table=max_rows),
-        interformer=InterFormerConfig(interleave=interleave),
+        interformer=InterFormerConfig(interleave=interleave, tower_layers=tower_layers),
         count_decay_hours=count_decay_hours,
         wukong=WukongConfig(
             num_layers=2, num_fm=4, num_lc=4, fm_rank=4, mlp_dims=(32,), cross_layer_span=span
@@ -141,6 +141,14 @@ def test_serving_module_equals_gem_without_interleaving():
     schema = tiny_schema()
     model = _model(schema, interleave=False)
     diff, _ = _compare(model, schema, _requests(schema, [(3, 9), (2, 0)], seed=11))
+    assert diff < TOL
+
+
+def test_serving_module_equals_gem_with_pooled_only_towers():
+    """Towers without self-attention layers (``tower_layers=false``) serve as they train."""
+    schema = tiny_schema()
+    model = _model(schema, tower_layers=False)
+    diff, _ = _compare(model, schema, _requests(schema, [(3, 9), (2, 0)], seed=12))
     assert diff < TOL
 
 

@@ -48,6 +48,25 @@ def test_the_shadow_is_the_exponential_average_and_applied_swaps_back():
     assert off.shadow is None and off.state() == {}
 
 
+def test_the_warmed_up_shadow_follows_the_weights_early_then_decays_at_d():
+    """``train.ema_warmup``: update t's decay is min(d, (1 + t)/(10 + t)); the shadow is the
+    average those decays give, much nearer the weights after a few steps than a fixed d's."""
+    w = torch.nn.Parameter(torch.zeros(1))
+    warm, fixed = DenseEMA({"w": w}, 0.99, warmup=True), DenseEMA({"w": w}, 0.99)
+    assert [round(warm.decay_at(t), 4) for t in (1, 10, 100, 1000)] == [0.1818, 0.55, 0.9182, 0.99]
+    assert fixed.decay_at(1) == 0.99
+    expected = None
+    for t in range(20):
+        with torch.no_grad():
+            w.fill_(float(t > 0))  # the weights jump from 0 to 1 after the first step
+        warm.update()
+        fixed.update()
+        d = min(0.99, (1 + t) / (10 + t))
+        expected = torch.zeros(1) if expected is None else d * expected + (1 - d) * w.detach()
+    torch.testing.assert_close(warm.shadow[0], expected)
+    assert warm.shadow[0].item() > 0.6 and fixed.shadow[0].item() < 0.2
+
+
 def test_the_config_refuses_a_decay_outside_zero_to_one():
     for bad in ("1.0", "-0.1"):
         with pytest.raises(ConfigError, match="ema_decay"):
