@@ -31,6 +31,7 @@ Variants (``tiny`` recipe overrides), one change each from ``shipped``:
   candidate in the stream's matched tables (``model.target_tokens``); ``item_tokens``: both.
 - ``windows``: the history counts also count events in hard windows of the decay times
   (``model.count_windows``); ``windows_recency``: with ``count_recency`` too.
+- ``pooled_only``: towers without self-attention layers (``model.interformer.tower_layers=false``).
 
 ``--family 2`` draws the worlds from the wider family (``opengem.world.wide``: item similarity,
 fatigue, repeat engagement, last-k) instead of the first.
@@ -81,6 +82,7 @@ VARIANTS: dict[str, list[str]] = {
     "item_tokens": ["model.target_match_items=true", "model.target_tokens=true"],
     "windows": ["model.count_windows=true"],
     "windows_recency": ["model.count_windows=true", "model.count_recency=true"],
+    "pooled_only": ["model.interformer.tower_layers=false"],
 }
 
 

@@ -15,7 +15,14 @@ the step time from unprofiled ones (``step_ms``), both medians per step.
 
 Beside it, the step's time at several batch sizes (unprofiled): a step's fixed cost (Python and
 operator dispatch, the same at any batch) against its per-example cost, read as the intercept and
-slope of a least-squares line through (batch, ms). The last line is ONE JSON object.
+slope of a least-squares line through (batch, ms).
+
+``--forms NAME …`` (names of ``cheap_forms.VARIANTS``) instead times GEM's cheaper forms against
+DLRM-DCN: rounds of one step of each in turn, so a shared machine's load falls on all alike; each
+form's median step over DLRM-DCN's. With a form's share of its pass needed to reach DLRM-DCN's NE
+(``cheap_forms.py``: NE values do not move with the load, seconds do), the race's speed-up is
+(DLRM-DCN's step ÷ the form's) ÷ that share, free of the load that moved those runs' seconds.
+The last line is ONE JSON object.
 """
 
 from __future__ import annotations
@@ -218,6 +225,25 @@ def batch_curve(cfg_of, data: Path, sizes: list[int], steps: int, warmup: int) -
             "fixed_ms": round(my - slope * mx, 2), "per_1k_examples_ms": round(slope * 1e3, 2)}
 
 
+def forms_race(cfg_of, data: Path, forms: list[str], rounds: int, warmup: int) -> dict:
+    """Median step ms of DLRM-DCN and of each GEM form, timed in interleaved rounds, and each
+    form's median over DLRM-DCN's (``step_over_dcn``)."""
+    from cheap_forms import VARIANTS
+
+    steps = {"dlrm_dcn": _step_fn(cfg_of("dlrm_dcn", []), data)[1]}
+    steps |= {f: _step_fn(cfg_of("gem", VARIANTS[f]), data)[1] for f in forms}
+    for fn in steps.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for k, fn in steps.items():
+            times[k].append(fn() * 1e3)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {k: {"step_ms": round(m, 2), "step_over_dcn": round(m / med["dlrm_dcn"], 3)}
+            for k, m in med.items()}
+
+
 def _world(work: Path, users: int) -> Path:
     from opengem.data.parquet import MANIFEST
     from opengem.world.generate import generate
@@ -248,6 +274,8 @@ def main() -> dict:
     ap.add_argument("--recipe", default="demo")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default=None, help="where the generated world goes")
+    ap.add_argument("--forms", nargs="*", default=None,
+                    help="time these cheap_forms.VARIANTS against DLRM-DCN instead")
     ap.add_argument("overrides", nargs="*", help="GEM overrides key=value")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -269,6 +297,19 @@ def main() -> dict:
     t0 = time.perf_counter()
     out: dict = {"benchmark": "step_profile", "recipe": args.recipe, "threads": args.threads,
                  "data": str(data) if args.data else f"development world 0, {args.users} users"}
+    if args.forms is not None:
+        def form_cfg(arch: str, extra: list[str]):
+            return apply_overrides(recipe(args.recipe), [f"model.arch={arch}", *RATES[arch],
+                                                         "train.progress=false", *extra])
+
+        out["forms"] = forms_race(form_cfg, data, ["shipped", *(f for f in args.forms
+                                                                if f != "shipped")],
+                                  steps * 2, warmup)
+        for k, v in out["forms"].items():
+            print(f"{k:<26} {v['step_ms']:>8.1f} ms  {v['step_over_dcn']:>6.2f}x DLRM-DCN's step")
+        out["wall_s"] = round(time.perf_counter() - t0, 1)
+        print(json.dumps(out))
+        return out
     for arch, parts in (("gem", GEM_PARTS), ("dlrm_dcn", PEER_PARTS)):
         out[arch] = profile_arch(cfg(arch), data, parts, steps, warmup)
         _print(arch, out[arch])
