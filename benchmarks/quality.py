@@ -477,10 +477,14 @@ def main() -> None:
                     help="the world family of every synthetic world, development ones included")
     ap.add_argument("--worn", action="store_true",
                     help="report on the worn block 1000-1002 (the old ruler) instead of 2000-")
+    ap.add_argument("--synthetic", action=argparse.BooleanOptionalAction, default=True,
+                    help="--no-synthetic: real datasets only (no world is generated or read)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mode_name = "quick" if args.quick else "demo" if args.demo else "full"
     mode = replace(MODES[mode_name], held_out=held_out_for(MODES[mode_name], args.worn))
+    if not args.synthetic:
+        mode = replace(mode, dev_worlds=[], held_out=[])
     for w in mode.dev_worlds:
         require_dev_world(w, "the benchmark's learning-rate choice")
     models = args.models.split(",")
