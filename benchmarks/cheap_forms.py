@@ -44,26 +44,23 @@ from pathlib import Path
 
 import torch
 
+# the towers' lean token counts: 2 summary tokens, 2 pooled queries, 4 recent events
+LEAN = ["model.interformer.num_sum=2", "model.sequence.num_pooled=2",
+        "model.sequence.recent_len=4", "model.sequence.min_recent=4"]
+NO_TOWER_LAYERS = ["model.interformer.tower_layers=false"]
+ONE_LAYER = ["model.wukong.num_layers=1"]
 VARIANTS: dict[str, list[str]] = {
     "shipped": [],
     "recent8": ["model.sequence.recent_len=8", "model.sequence.min_recent=4"],
     "pooled2": ["model.sequence.num_pooled=2"],
     "hist128": ["model.max_seq_len=128"],
     "hist64": ["model.max_seq_len=64"],
-    "lean": ["model.interformer.num_sum=2", "model.sequence.num_pooled=2",
-             "model.sequence.recent_len=4", "model.sequence.min_recent=4"],
-    "layers1": ["model.wukong.num_layers=1"],
-    "lean_layers1": ["model.interformer.num_sum=2", "model.sequence.num_pooled=2",
-                     "model.sequence.recent_len=4", "model.sequence.min_recent=4",
-                     "model.wukong.num_layers=1"],
-    "pooled_only": ["model.interformer.tower_layers=false"],
-    "pooled_only_lean": ["model.interformer.tower_layers=false", "model.interformer.num_sum=2",
-                         "model.sequence.num_pooled=2", "model.sequence.recent_len=4",
-                         "model.sequence.min_recent=4"],
-    "pooled_only_lean_layers1": ["model.interformer.tower_layers=false",
-                                 "model.interformer.num_sum=2", "model.sequence.num_pooled=2",
-                                 "model.sequence.recent_len=4", "model.sequence.min_recent=4",
-                                 "model.wukong.num_layers=1"],
+    "lean": LEAN,
+    "layers1": ONE_LAYER,
+    "lean_layers1": [*LEAN, *ONE_LAYER],
+    "pooled_only": NO_TOWER_LAYERS,
+    "pooled_only_lean": [*NO_TOWER_LAYERS, *LEAN],
+    "pooled_only_lean_layers1": [*NO_TOWER_LAYERS, *LEAN, *ONE_LAYER],
 }
 
 # name → (overrides of both sides, GEM's own overrides)

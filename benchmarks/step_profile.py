@@ -164,26 +164,9 @@ def attribute(events) -> dict[str, dict[str, float]]:
 
 
 def _step_fn(cfg, data: Path):
-    from instruments.race import fresh_model
+    from instruments.race import timed_step
 
-    from opengem.data.loader import ShardLoader
-    from opengem.features.schema import FeatureSchema
-    from opengem.train.step import train_step
-
-    schema = FeatureSchema.load(data)
-    model, opts = fresh_model(cfg, schema)
-    batches = iter(ShardLoader(data, "train", cfg.data.batch_size, schema, shuffle=True,
-                               epochs=1000, drop_last=True, max_seq_len=model.max_seq_len()))
-    task_w, dense = torch.tensor([t.weight for t in schema.tasks]), list(model.dense_parameters())
-
-    def step() -> float:
-        batch = next(batches)
-        t0 = time.perf_counter()
-        train_step(model, opts, batch, task_w, schema.num_domains, grad_clip=cfg.optim.grad_clip,
-                   dense_params=dense)
-        return time.perf_counter() - t0
-
-    return model, step
+    return timed_step(cfg, data)
 
 
 def profile_arch(cfg, data: Path, parts, steps: int, warmup: int) -> dict:

@@ -223,23 +223,32 @@ def fresh_model(cfg: Config, schema: FeatureSchema) -> tuple[torch.nn.Module, li
     return model, [o for o in (dense, sparse) if o]
 
 
-def training_examples_per_s(cfg: Config, data: Path, steps: int = 12, warmup: int = 3) -> float:
-    """The trainer's step (``opengem.train.step.train_step``: forward, loss, backward, clipping,
-    both optimizers) of any arch on one process, timed alone: examples/s (median step)."""
+def timed_step(cfg: Config, data: Path) -> tuple[torch.nn.Module, Callable[[], float]]:
+    """A fresh model of ``cfg`` on one process and a function that runs the trainer's step
+    (``opengem.train.step.train_step``: forward, loss, backward, clipping, both optimizers) on the
+    next training batch and returns its seconds (the batch's loading not included)."""
     schema = FeatureSchema.load(data)
     model, opts = fresh_model(cfg, schema)
     batches = iter(ShardLoader(data, cfg.data.train_split, cfg.data.batch_size, schema,
                                shuffle=True, epochs=1000,
                                drop_last=True, max_seq_len=model.max_seq_len()))
-    task_w, dense, times = torch.tensor([t.weight
-                                         for t in schema.tasks]), list(model.dense_parameters()), []
-    for i in range(warmup + steps):
+    task_w, dense = torch.tensor([t.weight for t in schema.tasks]), list(model.dense_parameters())
+
+    def step() -> float:
         batch = next(batches)
         t0 = time.perf_counter()
         train_step(model, opts, batch, task_w, schema.num_domains, grad_clip=cfg.optim.grad_clip,
                    dense_params=dense)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    return model, step
+
+
+def training_examples_per_s(cfg: Config, data: Path, steps: int = 12, warmup: int = 3) -> float:
+    """The trainer's step of any arch on one process, timed alone (``timed_step``): examples/s
+    (median step)."""
+    _, step = timed_step(cfg, data)
+    times = [step() for _ in range(warmup + steps)][warmup:]
     return cfg.data.batch_size / statistics.median(times)
 
 
