@@ -29,7 +29,8 @@ short run's shadow is not mostly its initial weights); ``lean_layers1_ema_warmup
 ``lean_layers1``.
 
 Timings are one thread (``--threads 1``) on a shared machine: the seconds move with its load, the NE
-values do not. Ends with one JSON line.
+values do not. ``--family 2`` draws the worlds from the wider family (``opengem.world.wide``).
+Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -70,16 +71,18 @@ RECIPE_VARIANTS: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
-def world(root: Path, w: int, users: int) -> Path:
+def world(root: Path, w: int, users: int, family: int = 1) -> Path:
     from opengem.discipline import require_dev_world
     from opengem.world.generate import generate
     from opengem.world.presets import world_config
 
     require_dev_world(w, "the cheap forms")
-    out = root / f"w{w}-u{users}"
+    out = root / (f"w{w}-u{users}" + (f"-f{family}" if family != 1 else ""))
     if not (out / "dataset.json").exists():
         generate(world_config("demo", seed=w, overrides=[f"sizes.num_users={users}",
-                                                         f"structure_seed={w}"]),
+                                                         f"structure_seed={w}",
+                                                         *([f"family={family}"] if family != 1
+                                                           else [])]),
                  out, progress=False)
     return out
 
@@ -131,6 +134,7 @@ def main() -> None:
     p.add_argument("--variants", nargs="*", default=list(VARIANTS),
                    choices=[*VARIANTS, *RECIPE_VARIANTS])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--family", type=int, default=1, help="the world family (1 or 2)")
     p.add_argument("--work", default=None, help="worlds go here (reused); default: a temp dir")
     p.add_argument("--quick", action="store_true", help="world 0, 3,000 users")
     a = p.parse_args()
@@ -143,7 +147,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(a.work or tmp)
-        per = {w: measure(world(root, w, a.users), a.variants) for w in a.worlds}
+        per = {w: measure(world(root, w, a.users, a.family), a.variants) for w in a.worlds}
     summary = {}
     for v in a.variants:
         ne = [per[w]["variants"][v]["gem_ne_at_dcn_s"] for w in a.worlds]
@@ -157,7 +161,8 @@ def main() -> None:
             "final_ne_minus_shipped": round(statistics.fmean(
                 per[w]["variants"][v]["gem_ne"] - per[w]["variants"]["shipped"]["gem_ne"]
                 for w in a.worlds), 4)}
-    print(json.dumps({"benchmark": "cheap_forms", "worlds": a.worlds, "users": a.users,
+    print(json.dumps({"benchmark": "cheap_forms", "worlds": a.worlds, "family": a.family,
+                      "users": a.users,
                       "split": "valid", "per_world": per, "summary": summary}))
 
 
