@@ -43,6 +43,7 @@ class GEMSize:
             size of the big presets is explicit.
         ema_decay: > 0 serves an exponential average of the dense weights (``opengem.train.ema``); its
             best value grows with the steps of a run, so each size measures its own.
+        ema_warmup: the average's decay warmed up over its first updates (``train.ema_warmup``).
     """
 
     embedding_dim: int
@@ -61,6 +62,7 @@ class GEMSize:
     max_seq_len: int = 4096
     max_rows_per_table: int = 0
     ema_decay: float = 0.0
+    ema_warmup: bool = False
 
     def config(self, name: str) -> Config:
         """The full, validated training ``Config`` of this point, recorded as recipe ``name``."""
@@ -80,7 +82,8 @@ class GEMSize:
         return Config(recipe=name, model=model, data=DataConfig(batch_size=self.batch_size),
                       optim=OptimConfig(lr=self.lr, sparse_lr=self.sparse_lr,
                                         warmup_steps=self.warmup_steps),
-                      train=TrainConfig(ema_decay=self.ema_decay)).validate()
+                      train=TrainConfig(ema_decay=self.ema_decay,
+                                        ema_warmup=self.ema_warmup)).validate()
 
 
 def tiny() -> Config:
@@ -99,12 +102,16 @@ def demo() -> Config:
     not a held-out one's (``benchmarks/heldout_demo.py`` reads held-out ones). The learning rates
     and the EMA decay were re-chosen on valid of development worlds at this size, the decay's
     horizon scaled to the pass's length (docs/experiments.md, 'Recipe choices' and 'Figures moved
-    from code docstrings'). Valid is scored every 250 steps (the report's held-out NE over training;
+    from code docstrings'); the decay is warmed up (``train.ema_warmup``) so that a short budget's
+    average, or an early evaluation's, is not mostly the initial weights: a full pass ends as it
+    did, shorter passes end better on development worlds of both families (docs/speed.md, 'Cheaper
+    forms and the EMA's warm-up on both families'). Valid is scored every 250 steps (the report's held-out NE over training;
     ``opengem demo`` scores a third of its files): under a forked RNG, on a loader of its own, so
     the trained parameters are those of a run without it; no best checkpoint is kept."""
     cfg = GEMSize(embedding_dim=32, num_layers=2, num_tokens=8, fm_rank=8, fm_mlp=(256,),
                   num_heads=2, recent_len=16, num_pooled=4, trunk_dims=(256, 128), batch_size=256,
-                  lr=3e-3, sparse_lr=0.3, max_seq_len=256, ema_decay=0.99).config("demo")
+                  lr=3e-3, sparse_lr=0.3, max_seq_len=256, ema_decay=0.99,
+                  ema_warmup=True).config("demo")
     cfg.train.eval_every = 250
     return cfg.validate()
 

@@ -22,7 +22,7 @@ DIAL = {"recipe", "train.eval_every", "model.embedding_dim", "model.max_seq_len"
         "model.wukong.fm_rank", "model.wukong.mlp_dims", "model.sequence.num_heads",
         "model.sequence.recent_len", "model.sequence.num_pooled", "model.heads.trunk_dims",
         "model.heads.task_dims", "data.batch_size", "optim.lr", "optim.sparse_lr",
-        "optim.warmup_steps", "train.ema_decay"}
+        "optim.warmup_steps", "train.ema_decay", "train.ema_warmup"}
 
 
 @pytest.mark.parametrize("name", ["tiny", "demo"])
