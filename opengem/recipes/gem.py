@@ -104,10 +104,11 @@ def demo() -> Config:
     horizon scaled to the pass's length (docs/experiments.md, 'Recipe choices' and 'Figures moved
     from code docstrings'); the decay is warmed up (``train.ema_warmup``) so that a short budget's
     average, or an early evaluation's, is not mostly the initial weights: a full pass ends as it
-    did, shorter passes end better on development worlds of both families (docs/speed.md, 'Cheaper
-    forms and the EMA's warm-up on both families'). Valid is scored every 250 steps (the report's held-out NE over training;
-    ``opengem demo`` scores a third of its files): under a forked RNG, on a loader of its own, so
-    the trained parameters are those of a run without it; no best checkpoint is kept."""
+    did, shorter passes end better on development worlds of both families (docs/speed.md,
+    'Cheaper forms and the EMA's warm-up on both families'). Valid is scored every 250 steps (the
+    report's held-out NE over training; ``opengem demo`` scores a third of its files): under a
+    forked RNG, on a loader of its own, so the trained parameters are those of a run without it;
+    no best checkpoint is kept."""
     cfg = GEMSize(embedding_dim=32, num_layers=2, num_tokens=8, fm_rank=8, fm_mlp=(256,),
                   num_heads=2, recent_len=16, num_pooled=4, trunk_dims=(256, 128), batch_size=256,
                   lr=3e-3, sparse_lr=0.3, max_seq_len=256, ema_decay=0.99,
