@@ -37,6 +37,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from instruments.race import timed_step
 
 SCOPE = "part:"
 BACKWARD = "autograd::engine::evaluate_function: "
@@ -163,17 +164,11 @@ def attribute(events) -> dict[str, dict[str, float]]:
     return dict(out)
 
 
-def _step_fn(cfg, data: Path):
-    from instruments.race import timed_step
-
-    return timed_step(cfg, data)
-
-
 def profile_arch(cfg, data: Path, parts, steps: int, warmup: int) -> dict:
     """One model: the unprofiled median step, then per scope the share of the profiled steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    model, step = _step_fn(cfg, data)
+    model, step = timed_step(cfg, data)
     for _ in range(warmup):
         step()
     step_ms = statistics.median(step() for _ in range(steps)) * 1e3
@@ -197,7 +192,7 @@ def batch_curve(cfg_of, data: Path, sizes: list[int], steps: int, warmup: int) -
     ``fixed_ms`` a (the per-step cost at any batch), ``per_1k_examples_ms`` 1000·b."""
     ms = []
     for b in sizes:
-        _, step = _step_fn(cfg_of(b), data)
+        _, step = timed_step(cfg_of(b), data)
         for _ in range(warmup):
             step()
         ms.append(statistics.median(step() for _ in range(steps)) * 1e3)
@@ -213,8 +208,8 @@ def forms_race(cfg_of, data: Path, forms: list[str], rounds: int, warmup: int) -
     form's median over DLRM-DCN's (``step_over_dcn``)."""
     from cheap_forms import VARIANTS
 
-    steps = {"dlrm_dcn": _step_fn(cfg_of("dlrm_dcn", []), data)[1]}
-    steps |= {f: _step_fn(cfg_of("gem", VARIANTS[f]), data)[1] for f in forms}
+    steps = {"dlrm_dcn": timed_step(cfg_of("dlrm_dcn", []), data)[1]}
+    steps |= {f: timed_step(cfg_of("gem", VARIANTS[f]), data)[1] for f in forms}
     for fn in steps.values():
         for _ in range(warmup):
             fn()
