@@ -59,6 +59,7 @@ to the repository (``--shared``); a missing source is skipped with a message.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -69,7 +70,7 @@ import sys
 import tempfile
 import time
 import warnings
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
@@ -181,6 +182,44 @@ def real_dataset(work: Path, name: str, shared: Path) -> Path | None:
 
     convert(source, shared / path, out)
     return out
+
+
+# ------------------------------------------------------------------------------- finished trials
+class Trials:
+    """Each finished trial's result kept as JSON under ``root`` (``--work``'s ``trials/``), keyed by
+    its function and arguments, so a run cut off half-way (a session's end kills its workers)
+    resumes where it stopped: a neural run's checkpoints were already reused, but the LightGBM
+    grids, regressions, stacks and pair-blind fits took hours again. A result is written only once
+    its trial returned, through a temporary name, so a killed write leaves nothing half-read."""
+
+    def __init__(self, pool: Executor, root: Path):
+        self.pool, self.root = pool, root
+        root.mkdir(parents=True, exist_ok=True)
+        self.reused = 0
+
+    def path(self, fn, args: tuple) -> Path:
+        key = json.dumps([fn.__name__, list(args)], sort_keys=True, default=str)
+        return self.root / f"{fn.__name__}-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+
+    def submit(self, fn, *args) -> Future:
+        path = self.path(fn, args)
+        if path.exists():
+            self.reused += 1
+            done: Future = Future()
+            done.set_result(json.loads(path.read_text()))
+            return done
+        fut = self.pool.submit(fn, *args)
+        fut.add_done_callback(lambda f: self._keep(path, f))
+        return fut
+
+    @staticmethod
+    def _keep(path: Path, fut: Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return  # the caller's .result() raises it; nothing is kept
+        tmp = path.with_suffix(".tmp")
+        # numpy scalars and arrays as their Python values; anything else JSON lacks raises
+        tmp.write_text(json.dumps(fut.result(), default=lambda o: o.tolist()))
+        os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------------- one run (worker)
@@ -472,7 +511,8 @@ def main() -> None:
     ap.add_argument("--stack", action=argparse.BooleanOptionalAction, default=True,
                     help="also report each neural model stacked with the regression (bench.stack)")
     ap.add_argument("--work", default=None,
-                    help="where data and runs go (default: a temporary directory)")
+                    help="where data, runs and finished trials go (default: a temporary "
+                         "directory); a rerun with the same --work reuses them")
     ap.add_argument("--family", type=int, choices=(1, 2), default=2,
                     help="the world family of every synthetic world, development ones included")
     ap.add_argument("--worn", action="store_true",
@@ -525,7 +565,8 @@ def main() -> None:
         runs = work / "runs" / (f"f{args.family}" if args.family != 1 else "")  # families apart
         return str(runs / kind / model / f"{tag}-s{seed}")
 
-    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as workers:
+        pool = Trials(workers, work / "trials")
         # 1. the search: dev worlds (synthetic) and each real dataset's own valid split; seed 0
         search: dict = {}
         for model in models:
@@ -629,7 +670,7 @@ def main() -> None:
         for model, rs in per_model.items():
             runs.setdefault(kind, {})[stacked_name(model)] = rs
     models = [*models, *(stacked_name(m) for m in models if any(m in v for v in stacked.values()))]
-    print(f"\n[quality] {mode_name}; runs in {work}")
+    print(f"\n[quality] {mode_name}; runs in {work} ({pool.reused} finished trials reused)")
     views = {}
     for key, title in (("metrics", "raw"),
                        ("metrics_platt", "recalibrated: each side Platt-fitted on its valid")):
