@@ -148,7 +148,9 @@ class LinearColumns:
         if self.history is not None:
             x = self.history.batch(batch)
             # counts are heavy-tailed: a linear weight on the raw count is set by the tail
-            cols.append(torch.where(torch.tensor(self.history.counts), torch.log1p(x), x))
+            # (a bool mask even when empty: a dataset without streams has no such columns)
+            counts = torch.tensor(self.history.counts, dtype=torch.bool)
+            cols.append(torch.where(counts, torch.log1p(x), x))
         return torch.cat(cols, 1).numpy()
 
     def design(self, split: str, rows: GBDTRows, sel: np.ndarray, task: int) -> Design:

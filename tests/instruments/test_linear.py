@@ -44,6 +44,15 @@ def test_the_columns_are_ids_their_user_by_ad_crosses_and_counters():
     np.testing.assert_array_equal(ids[:, 4], u * 31 + a)
 
 
+def test_a_schema_without_streams_gets_ids_and_dense_columns_only():
+    # Open Bandit's shape: no behaviour stream, so the practitioner's history has no column
+    schema = tiny_schema(streams=0)
+    cols = LinearColumns(schema)
+    assert PractitionerHistory(schema).names == []
+    x = cols.batch(collate(random_table(schema, 5, seed=1), schema))
+    assert x.shape == (5, len(cols.groups) + 2 * 2) and np.isfinite(x).all()
+
+
 def test_history_counters_of_a_drawn_row():
     schema = tiny_schema()
     table = random_table(schema, 3, seed=0,
