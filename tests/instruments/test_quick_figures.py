@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from instruments.layout import layout_bytes
-from instruments.quick import loader_and_step_examples_per_s
+from instruments.quick import fp8_budget, loader_and_step_examples_per_s
 
 from opengem.recipes import recipe
 from opengem.world.generate import generate
@@ -30,3 +30,12 @@ def test_loader_over_train_step_is_one_ratio_on_the_same_batches(tmp_path):
     # same rows in each round, so examples/s over examples/s is step seconds over load seconds
     for lo, st, ratio in zip(out["loader"], out["train_step"], out["loader_over_train_step"]):
         assert lo > 0 and st > 0 and abs(ratio - lo / st) < 1e-9 * ratio
+
+
+def test_fp8_is_read_on_the_eighth_of_the_pass_not_on_the_crossing():
+    ladder = [{"pass_fraction": f, "final_ne": ne}
+              for f, ne in ((1 / 32, 1.03), (1 / 16, 0.99), (1 / 8, 0.95), (1 / 4, 0.91),
+                            (1 / 2, 0.87), (1.0, 0.85))]
+    assert fp8_budget(ladder)["pass_fraction"] == 1 / 8
+    # a race that crossed early has no 1/8 run: the nearest budget
+    assert fp8_budget(ladder[:2])["pass_fraction"] == 1 / 16
