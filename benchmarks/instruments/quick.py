@@ -185,14 +185,15 @@ FP8_BUDGET = 1 / 8
 def fp8_budget(gem_runs: list[dict]) -> dict:
     """The GEM budget run FP8's NE cost is read on: the one nearest ``FP8_BUDGET`` of the pass.
     Not the budget that crossed DLRM-DCN's NE: on a held-out structure that is half or all of the
-    pass, and FP8 on a CPU (every saved tensor quantised) steps ~2.7x slower, so its re-run alone
-    took 5 of the bench's 13 minutes."""
+    pass, and FP8 on a CPU (every saved tensor quantised) steps several times slower than fp32, so
+    re-running it took a large share of the bench (docs/speed.md)."""
     return min(gem_runs, key=lambda r: abs(r["pass_fraction"] - FP8_BUDGET))
 
 
 def quick_bench(cfg_name: str = "tiny", users: int | None = QUICK_USERS,
                 eval_every_kth_file: int = 4) -> dict:
-    """``opengem bench --quick``: the headline figures on 2 CPU cores in under 5 minutes.
+    """``opengem bench --quick``: the headline figures on 2 CPU cores in about 6 minutes (the race
+    on a held-out structure is most of it; docs/speed.md).
 
     The levers and the loader on the ``cfg_name`` recipe's world; the rest on a demo world cut to
     ``users`` (12,000; None: the demo's 36,000) drawn with race seed 2100 (a world no rate was
