@@ -5,8 +5,9 @@ valid days (the choice the race's quality-per-second gap asks for; nothing reads
     python benchmarks/cheap_forms.py --quick                       # world 0, 3,000 users (~4 min)
 
 Each world (the demo's form, data and structure seed = the world seed, so three structures): one
-DLRM-DCN pass of the demo recipe at the race's rates (``instruments.race.RATES``), then one GEM pass
-per variant with its valid click NE read along the way (``instruments.race.train_with_evals``), and
+DLRM-DCN pass of the demo recipe at the race's rates of its world family
+(``instruments.race.race_rates``), then one GEM pass per variant with its valid click NE read
+along the way (``instruments.race.train_with_evals``), and
 ``race.time_to_quality``: the seconds GEM needs to reach DLRM-DCN's end-of-pass NE, and GEM's NE at
 DLRM-DCN's seconds. Variants (GEM overrides after the race's rates):
 
@@ -88,17 +89,17 @@ def world(root: Path, w: int, users: int, family: int = 1) -> Path:
 
 
 def measure(data: Path, variants: list[str]) -> dict:
-    from instruments.race import RATES, ne_at, race_steps, time_to_quality, train_with_evals
+    from instruments.race import ne_at, race_rates, race_steps, time_to_quality, train_with_evals
 
     from opengem.config import apply_overrides
     from opengem.recipes import recipe
 
-    steps = race_steps(data)
+    steps, rates = race_steps(data), race_rates(data)
     base = apply_overrides(recipe("demo"), [f"optim.warmup_steps={max(1, steps // 10)}"])
     every = max(steps // 20, 1)
 
     def run(arch: str, extra: list[str]) -> dict:
-        cfg = apply_overrides(base, [f"model.arch={arch}", *RATES[arch], *extra])
+        cfg = apply_overrides(base, [f"model.arch={arch}", *rates[arch], *extra])
         return train_with_evals(cfg, data, every, split="valid", max_steps=steps)
 
     dcns = {(): run("dlrm_dcn", [])}

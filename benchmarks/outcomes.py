@@ -6,8 +6,9 @@ and cost per conversion, at equal impressions, on held-out worlds whose truth is
     python benchmarks/outcomes.py --worlds 2200 --users 12000 --seeds 0 1 2 --requests 5000
 
 Each model trains as ``make demo`` trains GEM (the demo recipe, one pass, recalibrated on
-valid) at the race's learning rates ``race.RATES`` (chosen on a
-development world's valid day for both sides alike), so each is replayed as it would be served. The replay
+valid) at the race's learning rates of its family, ``race.race_rates`` (chosen on a
+development world's valid day for both sides alike), so each is replayed as it would be served. The
+replay
 (``opengem.world.replay``, the same as ``opengem outcomes``) samples ``--requests`` test requests,
 K = 8 candidates each (the logged ad and 7 the world's targeting draws), S = 3 slots, and ranks by
 bid × the model's probability of the campaign's objective.
@@ -60,7 +61,7 @@ def world(work: Path, seed: int, users: int | None) -> Path:
 
 def trained(data: Path, run: Path, arch: str, seed: int) -> float:
     """One pass of ``arch`` at its race rates, recalibrated on valid; the training seconds."""
-    from instruments.race import RATES
+    from instruments.race import race_rates
 
     from opengem.config import apply_overrides
     from opengem.evaluation.evaluate import held_out_evaluator
@@ -71,7 +72,7 @@ def trained(data: Path, run: Path, arch: str, seed: int) -> float:
 
     cfg = apply_overrides(recipe("demo"), ["train.threads=1", "train.progress=false",
                                            f"model.arch={arch}", f"train.seed={seed}",
-                                           *RATES[arch]])
+                                           *race_rates(data)[arch]])
     t = time.perf_counter()
     # the demo's periodic evaluation on valid (a curve only: the demo serves its last checkpoint)
     train(cfg, data, run, evaluator=held_out_evaluator(data, cfg.train.eval_split,

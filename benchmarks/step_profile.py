@@ -257,7 +257,7 @@ def main() -> dict:
     ap.add_argument("overrides", nargs="*", help="GEM overrides key=value")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from instruments.race import RATES
+    from instruments.race import race_rates
 
     from opengem.config import apply_overrides
     from opengem.recipes import recipe
@@ -266,9 +266,10 @@ def main() -> dict:
     sizes = [64, 256, 1024] if args.quick else [64, 128, 256, 512, 1024]
     work = Path(args.work or tempfile.mkdtemp(prefix="opengem-profile-"))
     data = Path(args.data) if args.data else _world(work, args.users)
+    rates = race_rates(data)
 
     def cfg(arch: str, batch: int | None = None):
-        ov = [f"model.arch={arch}", *RATES[arch], "train.progress=false"]
+        ov = [f"model.arch={arch}", *rates[arch], "train.progress=false"]
         ov += [f"data.batch_size={batch}"] if batch else []
         return apply_overrides(recipe(args.recipe), ov + (args.overrides if arch == "gem" else []))
 
@@ -277,7 +278,7 @@ def main() -> dict:
                  "data": str(data) if args.data else f"development world 0, {args.users} users"}
     if args.forms is not None:
         def form_cfg(arch: str, extra: list[str]):
-            return apply_overrides(recipe(args.recipe), [f"model.arch={arch}", *RATES[arch],
+            return apply_overrides(recipe(args.recipe), [f"model.arch={arch}", *rates[arch],
                                                          "train.progress=false", *extra])
 
         out["forms"] = forms_race(form_cfg, data, ["shipped", *(f for f in args.forms

@@ -7,6 +7,8 @@
     python benchmarks/time_to_quality.py --quick       the same race on a 12,000-user world (sized for 5 min)
     python benchmarks/time_to_quality.py --midrun      the race plus the mid-run reading
     python benchmarks/time_to_quality.py --data DIR    a prepared data set with ``valid`` and ``test`` splits
+    ... --family 1                                     family-1 worlds (the old ruler; default: the
+                                                       wider family 2, as benchmarks/quality.py)
 
 Times are one thread (``--threads 1``) on the shared 2-core machine under other jobs' load; at
 torch's default threads a loaded machine slows every run many-fold (docs/speed.md).
@@ -17,8 +19,9 @@ its own run with warm-up and cosine decay fitted to it, until one ends at or bel
 ``test`` (interpolated in log-seconds). The headline is DLRM-DCN's pass time over GEM's time to
 the target:
 the median of ``--runs`` runs (training seeds 0, 1, …; GEM trains first in odd runs, DLRM-DCN in
-even ones) with its min-max, and each run's figures. Each side's rates are ``race.RATES``, chosen by
-``--tune`` on another world's valid day; ``--quick`` uses a smaller world so that its three runs fit
+even ones) with its min-max, and each run's figures. Each side's rates are those of the data's world
+family (``race.RATES_BY_FAMILY``), chosen by ``--tune`` on that family's development world's valid
+day; ``--quick`` uses a smaller world so that its three runs fit
 in 5 minutes on 2 cores (in the earlier readings the speed-up grew with the data: its figure is that
 world's, not the demo's; not yet measured).
 
@@ -59,10 +62,14 @@ def _args() -> argparse.Namespace:
                    help="prepared data (default: generate the mode's world)")
     p.add_argument("--world-seed", type=int, default=None, help="seed of the generated world")
     p.add_argument("--users", type=int, default=None, help="users of the generated world")
+    p.add_argument("--family", type=int, choices=(1, 2), default=2,
+                   help="world family of the generated worlds, tuning world included (default 2, "
+                        "as benchmarks/quality.py)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", default=None, help="also write the full result here")
     p.add_argument("gem_overrides", nargs="*",
-                   help="overrides for GEM only, key=value (after race.RATES['gem'])")
+                   help="overrides for GEM only, key=value (after the data's family's rates, "
+                        "race.RATES_BY_FAMILY)")
     return p.parse_args()
 
 
@@ -84,7 +91,7 @@ def tune(data: Path) -> dict:
 
 
 def race_line(data: Path, runs: int, gem_overrides: list[str]) -> tuple[dict, dict]:
-    from instruments.race import RATES, race, race_steps
+    from instruments.race import race, race_rates, race_steps
 
     def show(t: dict) -> None:
         order = " > ".join(f"{a} {n}" for a, n in t["sequence"])
@@ -94,9 +101,9 @@ def race_line(data: Path, runs: int, gem_overrides: list[str]) -> tuple[dict, di
               f"{t['gem_s_to_target']} s ({t['bound']})  speed-up {t['speedup']}  [{budgets}]  "
               f"order: {order}", flush=True)
 
-    kth = _kth(race_steps(data))
-    full = race(data, runs, eval_every_kth_file=kth, gem_overrides=[*RATES["gem"], *gem_overrides],
-                on_run=show)
+    kth, rates = _kth(race_steps(data)), race_rates(data)
+    full = race(data, runs, eval_every_kth_file=kth, gem_overrides=[*rates["gem"], *gem_overrides],
+                peer_overrides=rates["dlrm_dcn"], on_run=show)
     s = full["speedup"]
     out = {"time_to_dcn_quality_speedup": s["median"], "speedup_min": s["min"],
            "speedup_max": s["max"], "runs": s["runs"], "split": full["split"],
@@ -113,7 +120,7 @@ def race_line(data: Path, runs: int, gem_overrides: list[str]) -> tuple[dict, di
 
 
 def midrun_line(data: Path, gem_overrides: list[str]) -> dict:
-    from instruments.race import RATES, dcn_race, eval_schedule, ne_at, race_steps
+    from instruments.race import dcn_race, eval_schedule, ne_at, race_rates, race_steps
 
     steps = race_steps(data)
     at = (
@@ -121,8 +128,10 @@ def midrun_line(data: Path, gem_overrides: list[str]) -> dict:
         if steps <= 400
         else eval_schedule(steps, steps // 4, 25, 100)
     )
+    rates = race_rates(data)
     midrun = dcn_race(data, eval_at=at, eval_every_kth_file=_kth(steps),
-                      gem_overrides=[*RATES["gem"], *gem_overrides])
+                      gem_overrides=[*rates["gem"], *gem_overrides],
+                      peer_overrides=rates["dlrm_dcn"])
     m, gem = midrun["ttq"], midrun["runs"]["gem"]
     at_dcn = ne_at(gem["curve"], midrun["runs"]["dlrm_dcn"]["train_s"])
     return {"midrun_speedup": m["speedup"], "midrun_speedup_sustained": m["speedup_sustained"],
@@ -149,6 +158,7 @@ def main() -> None:
             # the tuning world keeps the demo's structure (the rates are the demo's); a race
             # world's structure is its own
             own = [] if a.tune else [f"structure_seed={world['seed']}"]
+            own += [f"family={a.family}"] if a.family != 1 else []
             generate(world_config("demo", seed=world["seed"],
                                   overrides=[f"sizes.num_users={world['users']}", *own]), data,
                      progress=False)
@@ -159,7 +169,7 @@ def main() -> None:
             out, full = race_line(data, a.runs, a.gem_overrides)
             if a.midrun:
                 out.update(midrun_line(data, a.gem_overrides))
-    out["world"] = {"data": a.data} if a.data else world
+    out["world"] = {"data": a.data} if a.data else {**world, "family": a.family}
     if a.json:
         Path(a.json).write_text(json.dumps({**out, "race": full["results"]} if full else out,
                                            indent=1))

@@ -49,10 +49,10 @@ from instruments.layout import layout_bytes
 from instruments.levers import run_bench
 from instruments.ops import median_min_max, sequence_side_case, spread
 from instruments.race import (
-    RATES,
     budget_config,
     fresh_model,
     race,
+    race_rates,
     train_with_evals,
     training_examples_per_s,
     widen_to_params,
@@ -180,6 +180,9 @@ def trainer_figures(data: Path, root: Path, split: str = "valid") -> dict:
 
 
 FP8_BUDGET = 1 / 8
+# The race's world family: the wider family 2, as benchmarks/time_to_quality.py and quality.py
+# default to (family 1's figures are the old ruler in docs/speed.md).
+RACE_FAMILY = 2
 
 
 def fp8_budget(gem_runs: list[dict]) -> dict:
@@ -191,13 +194,14 @@ def fp8_budget(gem_runs: list[dict]) -> dict:
 
 
 def quick_bench(cfg_name: str = "tiny", users: int | None = QUICK_USERS,
-                eval_every_kth_file: int = 4) -> dict:
+                eval_every_kth_file: int = 4, family: int = RACE_FAMILY) -> dict:
     """``opengem bench --quick``: the headline figures on 2 CPU cores in about 6 minutes (the race
     on a held-out structure is most of it; docs/speed.md).
 
     The levers and the loader on the ``cfg_name`` recipe's world; the rest on a demo world cut to
-    ``users`` (12,000; None: the demo's 36,000) drawn with race seed 2100 (a world no rate was
-    tuned on, its structure its own: ``discipline.race_world_seeds``): one run of the race (``race.race``, the
+    ``users`` (12,000; None: the demo's 36,000) of world ``family`` drawn with race seed 2100 (a
+    world no rate was tuned on, its structure its own: ``discipline.race_world_seeds``), at that
+    family's rates (``race.race_rates``): one run of the race (``race.race``, the
     first of the reported three at another size: GEM trains first, training seed 0; target and
     budgets read on every ``eval_every_kth_file``-th file of ``test``), FP8's NE cost on GEM's
     1/8-pass budget (``fp8_budget``), int8 tables' memory, examples/s at equal dense
@@ -220,20 +224,23 @@ def quick_bench(cfg_name: str = "tiny", users: int | None = QUICK_USERS,
         data = Path(tmp) / "data"
         generate(world_config("demo", seed=world_seed,
                               overrides=[f"structure_seed={world_seed}",
+                                         *([f"family={family}"] if family != 1 else []),
                                          *([f"sizes.num_users={users}"] if users else [])]),
                  data, progress=False)
         schema = FeatureSchema.load(data)
         seq = sequence_side_case(data, "demo", batches=SEQ_BATCHES, repeats=SEQ_ROUNDS, inner=1)
         fp32 = materialize(build_gem(schema, recipe("demo").model))
         int8_saved = table_bytes(fp32) / table_bytes(quantize_tables(fp32, "int8"))
-        one = race(data, runs=1, eval_every_kth_file=eval_every_kth_file)["results"][0]
+        rates = race_rates(data)
+        one = race(data, runs=1, eval_every_kth_file=eval_every_kth_file,
+                   gem_overrides=rates["gem"], peer_overrides=rates["dlrm_dcn"])["results"][0]
         peer, ttq = one["runs"]["dlrm_dcn"], one["ttq"]
         # FP8's NE cost: GEM's budget nearest FP8_BUDGET of the pass again with saved activations
         # stored as e4m3
         gem = fp8_budget(one["runs"]["gem"])
         n = gem["steps"]
         fp8_cfg = budget_config("gem", n,
-                                [*RATES["gem"], "train.fp8_activations=true",
+                                [*rates["gem"], "train.fp8_activations=true",
                                  f"train.seed={ttq['seed']}",
                                            f"data.seed={ttq['seed']}"])
         fp8_run = train_with_evals(fp8_cfg, data, n + 1, split=ttq["split"],
@@ -276,6 +283,7 @@ def quick_bench(cfg_name: str = "tiny", users: int | None = QUICK_USERS,
         ]["corrected"],
         "time_to_dcn_quality_speedup_single_run": ttq["speedup"],
         "world_seed": world_seed,
+        "world_family": family,
         "fp8_act_mem_saved": round(
             lv["eager"]["saved_activation_mb"] / lv["fp8"]["saved_activation_mb"], 2
         ),

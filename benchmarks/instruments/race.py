@@ -42,6 +42,7 @@ import torch
 from instruments.tune import choose, lr_grid
 from opengem.config import Config
 from opengem.data.loader import ShardLoader
+from opengem.data.parquet import DatasetManifest
 from opengem.discipline import require_dev_world, require_tuning_split
 from opengem.evaluation.evaluate import held_out_evaluator
 from opengem.features.schema import FeatureSchema
@@ -62,6 +63,23 @@ GRIDS = {"gem": ((1e-3, 3e-3, 1e-2), (0.3, 0.8)), "dlrm_dcn": ((3e-4, 1e-3, 3e-3
 # anything GEM is under-tuned.
 RATES = {"gem": ("optim.lr=0.01", "optim.sparse_lr=0.8"),
          "dlrm_dcn": ("optim.lr=0.001", "optim.sparse_lr=0.8")}
+# The same choice per world family: a family's race runs at the rates ``tune_rates`` chose on that
+# family's development world 0 (6,000 users), so neither side races at rates tuned on another form.
+RATES_BY_FAMILY = {1: RATES,
+                   2: {"gem": ("optim.lr=0.003", "optim.sparse_lr=0.3"),
+                       "dlrm_dcn": ("optim.lr=0.001", "optim.sparse_lr=0.3")}}
+
+
+def world_family(data: Path) -> int:
+    """The world family ``data`` was generated from (its manifest's ``source.config.family``; 1 for
+    a synthetic manifest without one and for data that is not synthetic)."""
+    src = DatasetManifest.load(data).source
+    return int(src.get("config", {}).get("family", 1)) if src.get("kind") == "synthetic" else 1
+
+
+def race_rates(data: Path) -> dict[str, tuple[str, str]]:
+    """Each side's rate overrides for a race on ``data``: ``RATES_BY_FAMILY`` of its family."""
+    return RATES_BY_FAMILY[world_family(data)]
 
 
 def train_with_evals(cfg: Config, data: Path, eval_every: int, split: str = "valid",

@@ -1,6 +1,7 @@
 """GEM against DLRM-DCN: learning curves, time to quality (mid-run and budgeted), the tuning of each
 side's rates, the repeated race and its summary, equal-parameter peers."""
 
+import json
 import math
 
 import pytest
@@ -327,3 +328,25 @@ def test_spread_is_the_median_and_min_max_with_missing_runs_ranked_slowest():
     assert spread([None, None, 2.0])["median"] is None
     with pytest.raises(ValueError, match="no runs"):
         spread([])
+
+
+def test_a_race_runs_at_the_rates_chosen_on_its_own_world_family(world, tmp_path):
+    from instruments.race import RATES_BY_FAMILY, race_rates, world_family
+
+    from opengem.data.parquet import DatasetManifest
+    from opengem.world.generate import generate
+    from opengem.world.presets import world_config
+
+    wide = tmp_path / "f2"
+    generate(world_config("tiny", seed=0, overrides=["sizes.num_users=200", "family=2"]), wide,
+             progress=False)
+    assert (world_family(world), world_family(wide)) == (1, 2)
+    assert race_rates(world) == RATES_BY_FAMILY[1] and race_rates(wide) == RATES_BY_FAMILY[2]
+    assert RATES_BY_FAMILY[1] != RATES_BY_FAMILY[2]
+    # data that is not synthetic has no family: the demo form's rates (family 1)
+    real = tmp_path / "real"
+    real.mkdir()
+    m = DatasetManifest.load(wide)
+    (real / "dataset.json").write_text(
+        json.dumps({**m.to_dict(), "source": {"kind": "movielens"}}))
+    assert world_family(real) == 1
