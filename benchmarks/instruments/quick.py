@@ -195,8 +195,8 @@ def fp8_budget(gem_runs: list[dict]) -> dict:
 
 def quick_bench(cfg_name: str = "tiny", users: int | None = QUICK_USERS,
                 eval_every_kth_file: int = 4, family: int = RACE_FAMILY) -> dict:
-    """``opengem bench --quick``: the headline figures on 2 CPU cores in about 6 minutes (the race
-    on a held-out structure is most of it; docs/speed.md).
+    """``opengem bench --quick``: the headline figures on 2 CPU cores in under 5 minutes (the race
+    on a held-out structure is most of it; docs/speed.md has its time).
 
     The levers and the loader on the ``cfg_name`` recipe's world; the rest on a demo world cut to
     ``users`` (12,000; None: the demo's 36,000) of world ``family`` drawn with race seed 2100 (a
