@@ -8,8 +8,7 @@ and cost per conversion, at equal impressions, on held-out worlds whose truth is
 Each model trains as ``make demo`` trains GEM (the demo recipe, one pass, recalibrated on
 valid) at the race's learning rates of its family, ``race.race_rates`` (chosen on a
 development world's valid day for both sides alike), so each is replayed as it would be served. The
-replay
-(``opengem.world.replay``, the same as ``opengem outcomes``) samples ``--requests`` test requests,
+replay (``opengem.world.replay``, the same as ``opengem outcomes``) samples ``--requests`` test requests,
 K = 8 candidates each (the logged ad and 7 the world's targeting draws), S = 3 slots, and ranks by
 bid × the model's probability of the campaign's objective.
 

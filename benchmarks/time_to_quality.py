@@ -3,7 +3,7 @@
     python benchmarks/time_to_quality.py --tune        each side's learning rates, on the valid day of a
                                                        development world (seed 0, 6,000 users; ~20 min)
     python benchmarks/time_to_quality.py               the race: 3 runs on held-out world 2100 (its own
-                                                       structure) at the demo's size (36,000 users; ~16 min)
+                                                       structure) at the demo's size (36,000 users; ~12-16 min)
     python benchmarks/time_to_quality.py --quick       the same race on a 12,000-user world (sized for 5 min)
     python benchmarks/time_to_quality.py --midrun      the race plus the mid-run reading
     python benchmarks/time_to_quality.py --data DIR    a prepared data set with ``valid`` and ``test`` splits
@@ -21,9 +21,8 @@ the target:
 the median of ``--runs`` runs (training seeds 0, 1, …; GEM trains first in odd runs, DLRM-DCN in
 even ones) with its min-max, and each run's figures. Each side's rates are those of the data's world
 family (``race.RATES_BY_FAMILY``), chosen by ``--tune`` on that family's development world's valid
-day; ``--quick`` uses a smaller world so that its three runs fit
-in 5 minutes on 2 cores (in the earlier readings the speed-up grew with the data: its figure is that
-world's, not the demo's; not yet measured).
+day; ``--quick`` uses a smaller world so that its three runs fit in 5 minutes on 2 cores (its
+figure is that world's, not the demo's: docs/speed.md has both).
 
 Evaluations score every 4th file of the split on worlds of more than 400 steps (about 21k rows on
 the demo world), the same files for every run. Ends with ONE JSON line.

@@ -57,8 +57,8 @@ ARCHS = ("gem", "dlrm_dcn")
 # ×~3 apart around where each side did best before (GEM's recipe 3e-3; DLRM-DCN 1e-3, it diverged at
 # 1e-2), table rates the recipe's 0.3 and the 0.8 DLRM-DCN preferred.
 GRIDS = {"gem": ((1e-3, 3e-3, 1e-2), (0.3, 0.8)), "dlrm_dcn": ((3e-4, 1e-3, 3e-3), (0.3, 0.8))}
-# Each side's rates as ``tune_rates`` chose them on the valid day of development world seed 0 at
-# 6,000 users (``benchmarks/time_to_quality.py --tune``; the grid's NE values in
+# Each side's rates as ``tune_rates`` chose them on the valid day of development world seed 0 of
+# family 1 (the demo's form) at 6,000 users (``benchmarks/time_to_quality.py --tune``; the grid's NE values in
 # docs/experiments.md). GEM's dense rate is the grid's top: a higher one was not tried, so if
 # anything GEM is under-tuned.
 RATES = {"gem": ("optim.lr=0.01", "optim.sparse_lr=0.8"),
