@@ -157,7 +157,7 @@ def main() -> None:
             # the tuning world keeps the demo's structure (the rates are the demo's); a race
             # world's structure is its own
             own = [] if a.tune else [f"structure_seed={world['seed']}"]
-            own += [f"family={a.family}"] if a.family != 1 else []
+            own += [f"family={a.family}"]
             generate(world_config("demo", seed=world["seed"],
                                   overrides=[f"sizes.num_users={world['users']}", *own]), data,
                      progress=False)

@@ -224,7 +224,7 @@ def quick_bench(cfg_name: str = "tiny", users: int | None = QUICK_USERS,
         data = Path(tmp) / "data"
         generate(world_config("demo", seed=world_seed,
                               overrides=[f"structure_seed={world_seed}",
-                                         *([f"family={family}"] if family != 1 else []),
+                                         f"family={family}",
                                          *([f"sizes.num_users={users}"] if users else [])]),
                  data, progress=False)
         schema = FeatureSchema.load(data)

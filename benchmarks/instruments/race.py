@@ -51,6 +51,7 @@ from opengem.run import METRICS_FILE
 from opengem.train.optim import build_optimizers
 from opengem.train.step import train_step
 from opengem.train.trainer import train
+from opengem.world.generate import WorldConfig
 
 ARCHS = ("gem", "dlrm_dcn")
 # The tuning grids, dense AdamW lr × tables' row-wise Adagrad lr, 3 × 2 for each side: dense rates
@@ -71,10 +72,10 @@ RATES_BY_FAMILY = {1: RATES,
 
 
 def world_family(data: Path) -> int:
-    """The world family ``data`` was generated from (its manifest's ``source.config.family``; 1 for
-    a synthetic manifest without one and for data that is not synthetic)."""
+    """The world family ``data`` was generated from (its manifest's world config, read as the
+    generator reads it); 1 for data that is not synthetic."""
     src = DatasetManifest.load(data).source
-    return int(src.get("config", {}).get("family", 1)) if src.get("kind") == "synthetic" else 1
+    return WorldConfig.from_dict(src["config"]).family if src.get("kind") == "synthetic" else 1
 
 
 def race_rates(data: Path) -> dict[str, tuple[str, str]]:
