@@ -97,10 +97,9 @@ class ServingGEM(nn.Module):
             toks.append(e if f.group == "ad" else e[cand_user])
         return torch.stack(toks, dim=1)
 
-    def history_tokens(self, x: dict[str, torch.Tensor], tower: nn.Module,
-                       stream) -> list[torch.Tensor]:
-        """[N, D] per target-match combination: event model (tables + per-event values) + match
-        vector + time embedding, once per event."""
+    def event_values(self, x: dict[str, torch.Tensor], stream) -> torch.Tensor:
+        """[N, D] each event's tables (+ per-event values), as ``SparseArch.forward_sequences``
+        (and ``GEM.inputs``) sum them, once per event."""
         cols = [stream.item_column, stream.event_column] + [stream.attribute_column(a)
                                                             for a in stream.attributes]
         names = [f"t_{stream.name}_item", f"t_{stream.name}_event"] + [f"t_{stream.name}_{a.name}"
@@ -113,6 +112,12 @@ class ServingGEM(nn.Module):
         ev = getattr(self.gem, "event_values", None)
         if ev is not None and stream.name in ev.proj:  # then the values, as GEM.inputs adds them
             values = values + ev(stream.name, x[f"seq_values.{stream.name}"])
+        return values
+
+    def history_tokens(self, x: dict[str, torch.Tensor], tower: nn.Module, stream,
+                       values: torch.Tensor) -> list[torch.Tensor]:
+        """[N, D] per target-match combination: ``event_values`` + match vector + time
+        embedding, once per event."""
         age = x[f"seq.{stream.name}.age"]
         A = len(self.match_pairs.get(stream.name, ()))
         if not A:
@@ -151,6 +156,16 @@ class ServingGEM(nn.Module):
             out.append(torch.einsum("cl,cle->ce", flag_CL, w_CLE))
             newest.append((flag_CL[:, :, None] * w_CLE).amax(1))
         return torch.cat(out + newest if hc.recency else out, dim=1)
+
+    def decay_pool(self, x: dict[str, torch.Tensor], i: int, stream: str,
+                   values_ND: torch.Tensor) -> torch.Tensor:
+        """[C, K, D]: ``DecayPool.stream_tokens`` of stream ``i``, pooled once per user (it does not
+        read the candidate) and given to each of the user's candidates."""
+        w_NK = self.gem.decay_pool.weights(i, x[f"seq.{stream}.age"])
+        idx_UL, valid_UL = x[f"seq.{stream}.pool_idx"], x[f"seq.{stream}.pool_valid"]
+        w_ULK = w_NK[idx_UL] * valid_UL.unsqueeze(-1).to(w_NK.dtype)
+        num_UKD = torch.einsum("ulk,uld->ukd", w_ULK, values_ND[idx_UL])
+        return (num_UKD / (1.0 + w_ULK.sum(1))[:, :, None])[x["cand_user"]]
 
     def target_tokens(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
         """[C, S_t, D]: ``GEM.target_tokens``, each candidate's ids in its streams' tables."""
@@ -209,12 +224,16 @@ class ServingGEM(nn.Module):
             tokens.append(self.target_tokens(x))
         if gem.embedding_proj is not None:
             tokens += embedding_tokens(gem.embedding_proj, self.schema, x["embeddings"])
+        streams = [self.schema.stream(s) for s in gem.streams]
+        values = [self.event_values(x, s) for s in streams]
+        if getattr(gem, "decay_pool", None) is not None:
+            tokens += [self.decay_pool(x, i, s.name, v) for i, (s, v) in enumerate(zip(streams,
+                                                                                     values))]
         x_BND = gem.x0(tokens)
         x_sum = gem.interformer.cross[0].summarize_x(x_BND)
         states = []
-        for tower, stream in zip(gem.interformer.towers,
-                                 [self.schema.stream(s) for s in gem.streams]):
-            toks = self.history_tokens(x, tower, stream)
+        for tower, stream, v in zip(gem.interformer.towers, streams, values):
+            toks = self.history_tokens(x, tower, stream, v)
             states.append(self.first_tokens(x, tower, stream.name, toks,
                                             gem.interformer.tower_context(x_sum)))
         return x_BND, states

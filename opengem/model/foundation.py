@@ -66,6 +66,9 @@ class GEMConfig:
     # HistoryCounts also counts the events in hard windows of the same lengths (age ≤ τ), as a
     # practitioner's "events in the last hour / day / week" features do
     count_windows: bool = False
+    # DecayPool: per stream and initial decay time (hours), one X_0 token, the time-decayed mean of
+    # the stream's event embeddings with τ learned; () = off
+    decay_pool_hours: tuple[float, ...] = ()
     # torch: the domain and time-bucket embeddings keep nn.Embedding's N(0, 1) | table: N(0, init_std²) like the
     # id tables. After LayerNorm a unit-scale token dominates 0.05-scale ones; measured
     # in docs/experiments.md.
@@ -88,9 +91,10 @@ class GEMConfig:
         if self.embedding_dim < 1 or self.dense_tokens < 1 or self.max_seq_len < 0:
             raise ValueError("model.embedding_dim and model.dense_tokens must be >= 1, "
                              "max_seq_len >= 0")
-        if any(not h > 0 for h in self.count_decay_hours):
-            raise ValueError(f"model.count_decay_hours must all be > 0 hours, "
-                             f"got {self.count_decay_hours}")
+        for name in ("count_decay_hours", "decay_pool_hours"):
+            hours = getattr(self, name)
+            if any(not h > 0 for h in hours):
+                raise ValueError(f"model.{name} must all be > 0 hours, got {hours}")
         if not self.input_norm_gain > 0:
             raise ValueError(f"model.input_norm_gain must be > 0, got {self.input_norm_gain}")
         if self.input_norm not in ("none", "rms", "rms_ids"):
@@ -289,6 +293,55 @@ class HistoryCounts(nn.Module):
         return self.mlp(torch.log1p(torch.cat(counts, dim=1)))
 
 
+class DecayPool(nn.Module):
+    """Per stream and decay time τ_k, one X_0 token: the time-decayed mean of the stream's event
+    embeddings (item + event type + attributes, the tables' own space), Σ_e w_e v_e / (1 + Σ_e w_e)
+    with w_e = e^(−age_e/τ_k) on the event's age in seconds; each τ_k is learned (its log, one per
+    stream and k), starting at ``hours``.
+
+    Why (a choice; the public record is silent): the towers read the history through the
+    candidate-conditioned softmax pool and the recent window, so "how close is what this user has
+    been doing lately to this ad" reaches the candidate's tokens only after attention and a layer;
+    a decayed mean in the tables' space puts it beside the candidate's own rows in X_0, where one
+    of Wukong's dot products reads it (YouTube's averaged watch embeddings, with a learned decay on
+    real seconds instead of a fixed window). The 1 in the denominator is the towers' sink: an empty
+    or long-past history pools to ~0 rather than to a mean of nothing. Candidate-free and O(N·D):
+    computed once per user at serving. ``model.decay_pool_hours``; () turns it off.
+    """
+
+    def __init__(self, num_streams: int, hours: tuple[float, ...]):
+        super().__init__()
+        self.hours = tuple(float(h) for h in hours)
+        self.log_tau = nn.Parameter(torch.empty(num_streams, len(self.hours)))
+        self.reset_parameters()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.log_tau.numel()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.log_tau.copy_(torch.log(torch.tensor(self.hours) * 3600.0).expand_as(self.log_tau))
+
+    def weights(self, i: int, age_N: torch.Tensor) -> torch.Tensor:
+        """[N, K] e^(−age/τ_k) of stream ``i``'s events."""
+        return torch.exp(-age_N.to(self.log_tau.dtype).clamp(min=0)[:, None]
+                         * torch.exp(-self.log_tau[i])[None, :])
+
+    def stream_tokens(self, i: int, values_ND: torch.Tensor, age_N: torch.Tensor,
+                      lengths_B: torch.Tensor) -> torch.Tensor:
+        """[B, K, D]: stream ``i``'s pooled tokens from its jagged events (values [N, D],
+        lengths [B])."""
+        B, D = lengths_B.numel(), values_ND.shape[1]
+        w_NK = self.weights(i, age_N)
+        row = torch.repeat_interleave(torch.arange(B, device=lengths_B.device), lengths_B)
+        K = w_NK.shape[1]
+        num = values_ND.new_zeros(B, K * D).index_add_(
+            0, row, (w_NK[:, :, None] * values_ND[:, None, :]).flatten(1))
+        den = 1.0 + w_NK.new_zeros(B, K).index_add_(0, row, w_NK)
+        return num.view(B, K, D) / den[:, :, None]
+
+
 class TokenRMSNorm(nn.Module):
     """X_0 [B, n, D] → each token divided by its RMS over D, times a learned gain per (token, dim).
 
@@ -389,9 +442,10 @@ class GEM(TableModel):
                                    if cfg.count_decay_hours and self.streams else None)
             self.token_streams = ([n for n in self.streams if self.match_pairs[n]]
                                   if cfg.target_tokens else [])
+            n_pool = len(self.streams) * len(cfg.decay_pool_hours)
             n_x = (len(schema.sparse) + (cfg.dense_tokens if F else 0) + 1
                    + (self.history_counts is not None) + len(self.token_streams)
-                   + len(schema.embeddings))
+                   + len(schema.embeddings) + n_pool)
             self.input_norm = (TokenRMSNorm(n_x, D, n_norm=len(schema.sparse)
                                                     if cfg.input_norm == "rms_ids" else None,
                                             gain=cfg.input_norm_gain) if cfg.input_norm != "none"
@@ -415,6 +469,9 @@ class GEM(TableModel):
                                    if schema.embeddings else None)
             # After it, for the same reason: only streams with per-event values add a module.
             self.event_values = event_values(schema, self.streams, D)
+            # Last again, and only when on: off, the model builds and seeds what it did before.
+            self.decay_pool = (DecayPool(len(self.streams), cfg.decay_pool_hours) if n_pool
+                               else None)
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
@@ -448,15 +505,18 @@ class GEM(TableModel):
                 self.dense_arch(self.dense_norm(batch.dense)).view(B, self.cfg.dense_tokens, -1)
             )
         tokens.append(self.domain_emb(batch.domain).unsqueeze(1))
-        seqs, counts = [], []
+        seqs, counts, pools = [], [], []
         if self.streams:
             emb = self.sparse_arch.forward_sequences(batch.sequences)
             if self.event_values is not None:
                 emb = self.event_values.add(emb, batch)
             ages = batch.seq_age.to_dict()
             seq = batch.sequences.to_dict() if self.history_counts is not None else {}
-            for tower, name in zip(self.interformer.towers, self.streams):
+            for i, (tower, name) in enumerate(zip(self.interformer.towers, self.streams)):
                 values, lengths = emb[name]
+                if self.decay_pool is not None:
+                    pools.append(self.decay_pool.stream_tokens(i, values, ages[name].values(),
+                                                               lengths))
                 flags = self._match_flags(batch, name, lengths) if self.match_pairs[name] else None
                 if name in self.target_match:
                     values = values + self.target_match[name](
@@ -474,6 +534,7 @@ class GEM(TableModel):
             tokens.append(self.target_tokens(batch))
         if self.embedding_proj is not None:
             tokens += embedding_tokens(self.embedding_proj, self.schema, batch.embeddings)
+        tokens += pools
         return self.x0(tokens), seqs
 
     def target_tokens(self, batch: Batch) -> torch.Tensor:

@@ -481,3 +481,40 @@ def test_a_rows_score_does_not_depend_on_its_batch():
         for i in range(5):
             alone = model(collate(table.slice(i, 1), schema))
             assert torch.allclose(alone[0], together[i], atol=1e-5), i
+
+
+def test_decay_pool_is_the_decayed_mean_of_each_rows_events_and_its_times_learn():
+    """``decay_pool_hours``: per stream and τ, Σ_e w_e v_e / (1 + Σ_e w_e) of the stream's event
+    embeddings (w_e = e^(−age/τ)), against a loop over the rows; an empty history pools to 0; the
+    tokens join X_0 and every parameter, the log-τ ones included, gets a gradient."""
+    schema = tiny_schema()
+    base = GEMConfig(embedding_dim=D, wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2),
+                     sequence=SequenceConfig(num_heads=2, recent_len=4, min_recent=2,
+                                             num_pooled=1))
+    model = _gem(replace(base, decay_pool_hours=(0.5, 24.0)), schema)
+    b = _batch(schema, n=5,
+               lengths={"s0": np.array([3, 0, 6, 1, 4]), "s1": np.array([2, 2, 0, 5, 1])})
+    emb, ages = model.sparse_arch.forward_sequences(b.sequences), b.seq_age.to_dict()
+    torch.testing.assert_close(torch.exp(model.decay_pool.log_tau).detach(),
+                               torch.tensor([[1800.0, 86400.0]] * 2))
+    for i, name in enumerate(("s0", "s1")):
+        values, lengths = emb[name]
+        got = model.decay_pool.stream_tokens(i, values, ages[name].values(), lengths)
+        age, v = ages[name].values().double(), values.double()
+        start = 0
+        for r, n in enumerate(lengths.tolist()):
+            for k, tau in enumerate((1800.0, 86400.0)):
+                w = torch.exp(-age[start:start + n] / tau)
+                want = (w[:, None] * v[start:start + n]).sum(0) / (1 + w.sum())
+                torch.testing.assert_close(got[r, k].double(), want, rtol=1e-5, atol=1e-7)
+            if n == 0:
+                assert got[r].abs().max() == 0
+            start += n
+    x, _ = model.inputs(b)
+    assert x.shape[1] == _gem(base, schema).inputs(b)[0].shape[1] + 4
+    _check_all_params_learn(model, model(b).sum())
+
+
+def test_decay_pool_refuses_a_time_that_is_not_positive():
+    with pytest.raises(ValueError, match="decay_pool_hours"):
+        GEMConfig(decay_pool_hours=(24.0, 0.0)).validate()
