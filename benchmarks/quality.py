@@ -76,7 +76,12 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from opengem.data.parquet import MANIFEST
-from opengem.discipline import held_out_world_seeds, quality_world_seeds, require_dev_world
+from opengem.discipline import (
+    QUALITY_WORLD_SEEDS,
+    held_out_world_seeds,
+    quality_world_seeds,
+    require_dev_world,
+)
 from opengem.run import FINAL_FILE
 
 NEURAL: dict[str, list[str]] = {
@@ -151,6 +156,21 @@ def held_out_for(mode: Mode, worn: bool) -> list[int]:
     old ruler (1000 …), as many as the mode reads."""
     n = len(mode.held_out)
     return held_out_world_seeds(n) if worn else quality_world_seeds(n)
+
+
+def block_seeds(text: str, worn: bool) -> list[int]:
+    """``--seeds``: the held-out world seeds asked for, each checked to be in the block read (the
+    fresh one, or the worn one with ``worn``), so no development seed or other block's seed is
+    reported as held out."""
+    block = held_out_world_seeds(5) if worn else quality_world_seeds(QUALITY_WORLD_SEEDS)
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--seeds must be comma-separated integers, got {text!r}") from None
+    bad = [s for s in seeds if s not in block]
+    if bad or not seeds or len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds {text!r}: each must be one of the block {block}, once")
+    return seeds
 
 
 def synthetic_world(work: Path, world_seed: int, mode: Mode, family: int = 1) -> Path:
@@ -517,12 +537,18 @@ def main() -> None:
                     help="the world family of every synthetic world, development ones included")
     ap.add_argument("--worn", action="store_true",
                     help="report on the worn block 1000-1002 (the old ruler) instead of 2000-")
+    ap.add_argument("--seeds", default=None,
+                    help="held-out world seeds to report on, comma-separated, each in the block "
+                         "read (default: the mode's first 3; e.g. 2003,2004 for the rest of "
+                         "the fresh block)")
     ap.add_argument("--synthetic", action=argparse.BooleanOptionalAction, default=True,
                     help="--no-synthetic: real datasets only (no world is generated or read)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mode_name = "quick" if args.quick else "demo" if args.demo else "full"
     mode = replace(MODES[mode_name], held_out=held_out_for(MODES[mode_name], args.worn))
+    if args.seeds:
+        mode = replace(mode, held_out=block_seeds(args.seeds, args.worn))
     if not args.synthetic:
         mode = replace(mode, dev_worlds=[], held_out=[])
     for w in mode.dev_worlds:

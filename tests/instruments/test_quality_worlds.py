@@ -129,3 +129,17 @@ def test_the_json_line_holds_the_stacks_and_whether_gems_beats_every_peer_stacke
     assert out["worlds"]["1000"]["gem_stacked_beats_every_peer"]  # din and din+logreg both behind
     assert not out["worlds"]["1001"]["gem_stacked_beats_every_peer"]  # din+logreg's AUC 0.75 > 0.7
     assert q.stacked_name("gem") == "gem+" + q.LINEAR
+
+
+def test_seeds_reads_only_seeds_of_the_block_it_reports_on():
+    """``--seeds``: the rest of the fresh block (2003, 2004) is accepted; a development seed, a seed
+    of another block, a repeat or a word is refused with the block named."""
+    import pytest
+
+    q = _quality()
+    assert q.block_seeds("2003,2004", worn=False) == [2003, 2004]
+    assert q.block_seeds("1001", worn=True) == [1001]
+    for bad, worn in [("5", False), ("1001", False), ("2003", True), ("2003,2003", False),
+                      ("2003,x", False), ("", False)]:
+        with pytest.raises(SystemExit, match="--seeds"):
+            q.block_seeds(bad, worn)
