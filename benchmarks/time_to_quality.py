@@ -1,7 +1,8 @@
 """Time to DLRM-DCN's quality: GEM against TorchRec's DLRM-DCN on the same batches.
 
     python benchmarks/time_to_quality.py --tune        each side's learning rates, on the valid day of a
-                                                       development world (seed 0, 6,000 users; ~20 min)
+                                                       development world (seed 0, 6,000 users, 4 × 4 grid
+                                                       per side; ~20 min idle)
     python benchmarks/time_to_quality.py               the race: 3 runs on held-out world 2100 (its own
                                                        structure) at the demo's size (36,000 users; ~12-16 min)
     python benchmarks/time_to_quality.py --quick       the same race on a 12,000-user world (sized for 5 min)
