@@ -7,6 +7,7 @@ Legend: B rows, n sparse features, F dense features, D dim, T tasks.
     batch.domain ─► domain embedding ─► [B, 1, D] ├─ X_0 [B, n+k+2, D] ─┐
     batch.sequences ─► HistoryCounts ─► [B, 1, D] │                      ├─► InterFormer ─► Heads ─► logits [B, T]
     batch.embeddings ─► Linear dim→D each ─► [B, e, D] ┘ (precomputed vectors, e.g. ad content; e may be 0)
+    batch.sequences ─► DecayPool (model.decay_pool_hours, off by default) ─► [B, S·K, D] ┘ (decayed means)
     batch.sequences ─► SparseArch (EC) + ages ─► per stream jagged [N, D] ┘   (Wukong ⇄ pyramid towers)
     batch.seq_values ─► EventValues: Linear(signed_log) ─► + each event token (streams with values)
 
@@ -67,7 +68,8 @@ class GEMConfig:
     # practitioner's "events in the last hour / day / week" features do
     count_windows: bool = False
     # DecayPool: per stream and initial decay time (hours), one X_0 token, the time-decayed mean of
-    # the stream's event embeddings with τ learned; () = off
+    # the stream's event embeddings with τ learned; () = off (within a training seed's noise at the
+    # demo's size, docs/experiments.md)
     decay_pool_hours: tuple[float, ...] = ()
     # torch: the domain and time-bucket embeddings keep nn.Embedding's N(0, 1) | table: N(0, init_std²) like the
     # id tables. After LayerNorm a unit-scale token dominates 0.05-scale ones; measured
@@ -314,10 +316,6 @@ class DecayPool(nn.Module):
         self.hours = tuple(float(h) for h in hours)
         self.log_tau = nn.Parameter(torch.empty(num_streams, len(self.hours)))
         self.reset_parameters()
-
-    @property
-    def num_tokens(self) -> int:
-        return self.log_tau.numel()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
