@@ -35,6 +35,7 @@ from opengem.model.interaction_arch import WukongConfig, mlp, unit_rms
 from opengem.model.interformer import InterFormer, InterFormerConfig
 from opengem.model.sequence_arch import SequenceConfig
 from opengem.model.sparse_arch import SparseArch, SparseArchConfig
+from opengem.ops.jagged import row_ids
 
 
 @dataclass
@@ -209,7 +210,7 @@ def match_flags(pairs: list[tuple[str, str, int]], batch: Batch,
     """[N, A] bool: where event n's attribute a equals its row's candidate id of that name
     (``pairs``: a stream's ``match_attributes``; lengths [B] its events per row). OOV
     never matches."""
-    row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    row = row_ids(lengths)
     seq, sparse = batch.sequences.to_dict(), batch.sparse.to_dict()
     flags = []
     for col, feat, oov in pairs:
@@ -275,7 +276,7 @@ class HistoryCounts(nn.Module):
         sel = [w_NEK.new_ones(w_NEK.shape[0], 1)] + ([flags_NA.to(w_NEK.dtype)]
                                                      if flags_NA is not None else [])
         x = (torch.cat(sel, dim=1)[:, :, None] * w_NEK[:, None, :]).flatten(1)
-        row = torch.repeat_interleave(torch.arange(B, device=lengths_B.device), lengths_B)
+        row = row_ids(lengths_B)
         sums = x.new_zeros(B, x.shape[1]).index_add_(0, row, x)
         if not self.recency:
             return sums
@@ -332,7 +333,7 @@ class DecayPool(nn.Module):
         lengths [B])."""
         B, D = lengths_B.numel(), values_ND.shape[1]
         w_NK = self.weights(i, age_N)
-        row = torch.repeat_interleave(torch.arange(B, device=lengths_B.device), lengths_B)
+        row = row_ids(lengths_B)
         K = w_NK.shape[1]
         num = values_ND.new_zeros(B, K * D).index_add_(
             0, row, (w_NK[:, :, None] * values_ND[:, None, :]).flatten(1))
