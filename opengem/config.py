@@ -90,9 +90,6 @@ class OptimConfig:
         min_lr_ratio: the cosine floor, as a share of ``lr``.
         grad_clip: global norm the dense gradients are clipped to (0 = no clipping).
         sparse_lr / sparse_eps: the tables' row-wise Adagrad.
-        cross_lr: plain SGD on the feature-cross cells (``model.cross_max_cells``), per row: each
-            row moves its cells by ``cross_lr × (label − p)`` (the optimizer's rate is this times
-            the batch size, the loss being a batch mean).
     """
 
     lr: float = 2e-3
@@ -104,12 +101,11 @@ class OptimConfig:
     grad_clip: float = 1.0
     sparse_lr: float = 0.05
     sparse_eps: float = 1e-8
-    cross_lr: float = 0.05
 
     def validate(self) -> None:
-        if self.lr <= 0 or self.sparse_lr <= 0 or self.cross_lr <= 0:
-            raise ConfigError(f"optim.lr, optim.sparse_lr and optim.cross_lr must be > 0 (got "
-                              f"{self.lr}, {self.sparse_lr}, {self.cross_lr})")
+        if self.lr <= 0 or self.sparse_lr <= 0:
+            raise ConfigError(f"optim.lr and optim.sparse_lr must be > 0 (got "
+                              f"{self.lr}, {self.sparse_lr})")
         if self.schedule not in ("cosine", "constant"):
             raise ConfigError(f"optim.schedule must be cosine or constant, got {self.schedule!r}")
         if self.warmup_steps < 0:

@@ -117,7 +117,7 @@ class LeverRun:
 
     def _loss(self, x, seqs, batch) -> torch.Tensor:
         logits = self.model.heads(self.model._features(x, seqs), batch.domain,
-                                  self.model.low_order(x, self.model.cross_ids(batch)))
+                                  self.model.low_order(x))
         return batch_loss(logits.float(), batch, self.task_w, self.num_domains)[0]
 
     def measure_memory(self) -> None:

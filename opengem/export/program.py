@@ -241,10 +241,7 @@ class ServingGEM(nn.Module):
     def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
         inter = self.gem.interformer
         x_BND, states = self.inputs(x)
-        crosses = self.gem.crosses
-        shortcut = self.gem.low_order(
-            x_BND, {n: self._cand_ids(x, n) for a, b, _, _ in crosses.pairs for n in (a, b)}
-            if crosses is not None else None)
+        shortcut = self.gem.low_order(x_BND)
         # InterFormer's own layers after the first tokens
         x_sum, s_sum, _ = inter.run_layers(x_BND, states)
         feats = torch.cat([x_sum.flatten(1)] + ([s_sum.flatten(1)] if s_sum is not None else []),

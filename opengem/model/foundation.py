@@ -30,7 +30,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from opengem.data.batch import Batch
 from opengem.features.schema import FeatureSchema
 from opengem.model.dense_norm import DenseNormalizer, signed_log
-from opengem.model.heads import FeatureCrosses, Heads, HeadsConfig, LowOrderShortcut
+from opengem.model.heads import Heads, HeadsConfig, LowOrderShortcut
 from opengem.model.interaction_arch import WukongConfig, mlp, unit_rms
 from opengem.model.interformer import InterFormer, InterFormerConfig
 from opengem.model.sequence_arch import SequenceConfig
@@ -72,9 +72,6 @@ class GEMConfig:
     # the stream's event embeddings with τ learned; () = off (within a training seed's noise at the
     # demo's size, docs/experiments.md)
     decay_pool_hours: tuple[float, ...] = ()
-    # > 0: FeatureCrosses, a logit cell per value pair of every single-valued (user | context) ×
-    # ad feature pair with at most this many cells, trained by plain SGD (optim.cross_lr)
-    cross_max_cells: int = 0
     # torch: the domain and time-bucket embeddings keep nn.Embedding's N(0, 1) | table: N(0, init_std²) like the
     # id tables. After LayerNorm a unit-scale token dominates 0.05-scale ones; measured
     # in docs/experiments.md.
@@ -94,10 +91,9 @@ class GEMConfig:
     def validate(self) -> None:
         if self.arch not in ("gem", "dlrm", "dlrm_dcn", "din"):
             raise ValueError(f"model.arch must be gem|dlrm|dlrm_dcn|din, got {self.arch!r}")
-        if (self.embedding_dim < 1 or self.dense_tokens < 1 or self.max_seq_len < 0
-                or self.cross_max_cells < 0):
+        if self.embedding_dim < 1 or self.dense_tokens < 1 or self.max_seq_len < 0:
             raise ValueError("model.embedding_dim and model.dense_tokens must be >= 1, "
-                             "max_seq_len and cross_max_cells >= 0")
+                             "max_seq_len >= 0")
         for name in ("count_decay_hours", "decay_pool_hours"):
             hours = getattr(self, name)
             if any(not h > 0 for h in hours):
@@ -143,19 +139,6 @@ def match_attributes(schema: FeatureSchema, stream: str,
     if items and s.matches is not None:
         out.append((s.item_column, s.matches, s.item_vocab_size))
     return out
-
-
-def cross_pairs(schema: FeatureSchema, max_cells: int) -> list[tuple[str, str, int, int]]:
-    """(feature a, feature b, |a|, |b|) for every single-valued user or context feature a and ad
-    feature b with |a|·|b| ≤ ``max_cells`` (|f| = vocab_size + 1: the OOV id has its own cells).
-    ``max_cells = 0`` gives none. The cap is the choice: a cell must see enough rows to learn."""
-    if max_cells <= 0:
-        return []
-    single = [f for f in schema.sparse if not f.multi_hot]
-    return [(a.name, b.name, a.vocab_size + 1, b.vocab_size + 1)
-            for a in single if a.group in ("user", "context")
-            for b in single
-            if b.group == "ad" and (a.vocab_size + 1) * (b.vocab_size + 1) <= max_cells]
 
 
 def embedding_tokens(proj: nn.ModuleList, schema: FeatureSchema,
@@ -400,15 +383,9 @@ class TableModel(nn.Module):
     def sparse_parameters(self) -> list[nn.Parameter]:
         return self.sparse_arch.sparse_parameters()
 
-    def cross_parameters(self) -> list[nn.Parameter]:
-        """The feature-cross cells (plain SGD, ``FeatureCrosses``); none unless the model has
-        them."""
-        crosses = getattr(self, "crosses", None)
-        return list(crosses.parameters()) if crosses is not None else []
-
     def dense_parameters(self) -> list[nn.Parameter]:
-        other = {id(p) for p in self.sparse_parameters() + self.cross_parameters()}
-        return [p for p in self.parameters() if id(p) not in other]
+        sparse = {id(p) for p in self.sparse_parameters()}
+        return [p for p in self.parameters() if id(p) not in sparse]
 
     def max_seq_len(self) -> dict[str, int]:
         """Per-stream history cap for ``collate`` (the loader applies it, never the model)."""
@@ -494,8 +471,6 @@ class GEM(TableModel):
             # Last again, and only when on: off, the model builds and seeds what it did before.
             self.decay_pool = (DecayPool(len(self.streams), cfg.decay_pool_hours) if n_pool
                                else None)
-            pairs = cross_pairs(schema, cfg.cross_max_cells)
-            self.crosses = FeatureCrosses(pairs, len(schema.tasks)) if pairs else None
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
@@ -607,25 +582,11 @@ class GEM(TableModel):
         representation transfer)."""
         return self._features(*self.inputs(batch))
 
-    def low_order(self, x_BND: torch.Tensor,
-                  ids: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
-        """[B, T] logits of the low-order shortcut from X_0 and of the feature crosses (None
-        without either); ``ids``: the crossed features' ids per row [B] (``cross_ids``)."""
-        out = self.shortcut(x_BND) if self.shortcut is not None else None
-        if self.crosses is not None:
-            c = self.crosses(ids).to(x_BND.dtype)
-            out = c if out is None else out + c
-        return out
-
-    def cross_ids(self, batch: Batch) -> dict[str, torch.Tensor] | None:
-        """The crossed features' ids per row [B] from the batch (None without crosses)."""
-        if self.crosses is None:
-            return None
-        sparse = batch.sparse.to_dict()
-        return {n: sparse[n].values() for a, b, _, _ in self.crosses.pairs for n in (a, b)}
+    def low_order(self, x_BND: torch.Tensor) -> torch.Tensor | None:
+        """[B, T] logits of the low-order shortcut from X_0 (None without one)."""
+        return self.shortcut(x_BND) if self.shortcut is not None else None
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """logits [B, T] in schema task order."""
         x, seqs = self.inputs(batch)
-        return self.heads(self._features(x, seqs), batch.domain,
-                          self.low_order(x, self.cross_ids(batch)))
+        return self.heads(self._features(x, seqs), batch.domain, self.low_order(x))

@@ -215,39 +215,3 @@ class LowOrderShortcut(nn.Module):
                 out = out + self.pairs(gram[:, i, j])
         return out
 
-
-
-class FeatureCrosses(nn.Module):
-    """Wide & Deep's cross-product cells: one learned logit per task for every value pair of
-    chosen (user or context) × ad field pairs, trained by plain SGD (``optim.cross_lr``).
-
-    Legend: P field pairs, T tasks; pair k crosses fields a_k (|a_k| ids) and b_k (|b_k| ids).
-
-        cell_k = offset_k + id_a · |b_k| + id_b       [B, P]
-        out    = Σ_k table[cell_k]                      [B, T]
-
-    Not in the public GEM record. The FM and the Wukong stack fit a country × advertiser affinity
-    only through embeddings that serve every other interaction too; a cell per value pair learns
-    it directly, as the practitioner's logistic regression does. Why plain SGD and not the
-    tables' Adagrad or the dense AdamW: both divide each cell's step by its own gradient's scale,
-    so a rarely seen cell moves by ~the learning rate whatever its rows say (noise), where SGD
-    moves it by the sum of its rows' residuals (shrunk by the rate), the estimate a convex fit
-    with an L2 penalty approaches. The table starts at zero: at init the model equals the one
-    without it.
-    """
-
-    def __init__(self, pairs: list[tuple[str, str, int, int]], num_tasks: int):
-        super().__init__()
-        self.pairs = pairs
-        sizes = [na * nb for _, _, na, nb in pairs]
-        # python ints: no buffer to shard
-        self.offsets = [sum(sizes[:k]) for k in range(len(sizes))]
-        self.table = nn.Parameter(torch.zeros(sum(sizes), num_tasks))
-
-    def reset_parameters(self) -> None:
-        nn.init.zeros_(self.table)
-
-    def forward(self, ids: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``ids``: each crossed feature's id per row [B] (OOV = vocab_size) → logits [B, T]."""
-        cells = [off + ids[a] * nb + ids[b] for off, (a, b, _, nb) in zip(self.offsets, self.pairs)]
-        return F.embedding(torch.stack(cells, dim=1), self.table).sum(1)

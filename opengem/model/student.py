@@ -66,7 +66,7 @@ def forward_with_features(gem: GEM, batch: Batch) -> tuple[torch.Tensor, torch.T
     """(logits [B, T], features [B, F]) in one pass; the logits equal ``gem(batch)``."""
     x, seqs = gem.inputs(batch)
     feats = gem._features(x, seqs)  # GEM.forward's own path, keeping the features it computes
-    return gem.heads(feats, batch.domain, gem.low_order(x, gem.cross_ids(batch))), feats
+    return gem.heads(feats, batch.domain, gem.low_order(x)), feats
 
 
 class _GradScale(torch.autograd.Function):

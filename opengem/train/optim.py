@@ -33,14 +33,6 @@ def build_optimizers(dense_params, sparse_params,
     return dense, sparse
 
 
-def build_cross_optimizer(params, cfg: OptimConfig,
-                          batch_size: int) -> torch.optim.Optimizer | None:
-    """Plain SGD on the feature-cross cells (``FeatureCrosses`` says why not Adagrad or AdamW);
-    ``cfg.cross_lr`` is per row, the loss a mean over ``batch_size`` rows. None without cells."""
-    params = list(params)
-    return torch.optim.SGD(params, lr=cfg.cross_lr * batch_size) if params else None
-
-
 def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
     """Multiplier of the base learning rates at ``step`` (0-based)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:

@@ -110,7 +110,7 @@ from opengem.train.continual import (
 )
 from opengem.train.hooks import CheckpointEvery, EvalHook, Evaluator
 from opengem.train.observe import RunLog
-from opengem.train.optim import Schedule, build_cross_optimizer, build_optimizers
+from opengem.train.optim import Schedule, build_optimizers
 from opengem.train.resume import EXIT_PREEMPTED, Preempted, SigtermFlag, resume_run
 from opengem.train.state import TrainState
 from opengem.train.step import TrainingError, train_step
@@ -347,8 +347,7 @@ def _build(cfg: Config, schema: FeatureSchema, base_rates: list[float], info: Di
         model = materialize(build_gem(schema, cfg.model), "cpu", cfg.train.seed, base_rates)
         dense, sparse_opt = build_optimizers(model.dense_parameters(), model.sparse_parameters(),
                                              cfg.optim)
-        cross = build_cross_optimizer(model.cross_parameters(), cfg.optim, cfg.data.batch_size)
-        return model, [o for o in (dense, sparse_opt, cross) if o is not None], None
+        return model, [o for o in (dense, sparse_opt) if o is not None], None
     dims = ParallelDims.from_config(cfg.parallel, info.world_size)
     if info.is_main:
         log.info("%s", dims.describe())
@@ -357,10 +356,7 @@ def _build(cfg: Config, schema: FeatureSchema, base_rates: list[float], info: Di
                                        # logs the sparse plan on rank 0
                                        info.device, cfg.train.seed, base_rates)
     dense = build_optimizers(model.dense_parameters(), [], cfg.optim)[0]
-    # the loss is the global batch's mean: per-row rate × the rows of every rank
-    cross = build_cross_optimizer(model.cross_parameters(), cfg.optim,
-                                  cfg.data.batch_size * info.world_size)
-    return model, [o for o in (dense, sparse.optimizer, cross) if o is not None], sparse
+    return model, [dense, sparse.optimizer], sparse
 
 
 def _planned_steps(cfg: Config, loader: ShardLoader, distributed: bool) -> int:

@@ -518,39 +518,3 @@ def test_decay_pool_is_the_decayed_mean_of_each_rows_events_and_its_times_learn(
 def test_decay_pool_refuses_a_time_that_is_not_positive():
     with pytest.raises(ValueError, match="decay_pool_hours"):
         GEMConfig(decay_pool_hours=(24.0, 0.0)).validate()
-
-
-def test_feature_crosses_start_at_zero_and_sgd_moves_a_cell_by_its_rows_residuals():
-    """``cross_max_cells``: a cell per value pair of each single-valued user/context × ad field
-    pair under the cap (multi-hot fields never); at init the logits are the model's without
-    them; one plain-SGD step (``optim.cross_lr`` per row) moves a cell by cross_lr × the sum of
-    (label − p) over the batch's rows in it; the cells are neither dense nor table parameters."""
-    from opengem.config import OptimConfig
-    from opengem.model.foundation import cross_pairs
-    from opengem.train.optim import build_cross_optimizer
-
-    schema = tiny_schema()
-    assert cross_pairs(schema, 51 * 31) == [("user_id", "ad_id", 51, 31),
-                                            ("user_id", "category", 51, 6)]
-    assert cross_pairs(schema, 51 * 6) == [("user_id", "category", 51, 6)]
-    assert cross_pairs(schema, 0) == []
-    base = GEMConfig(embedding_dim=D, wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2),
-                     sequence=SequenceConfig(num_heads=2, recent_len=4, min_recent=2,
-                                             num_pooled=1))
-    model = _gem(replace(base, cross_max_cells=51 * 31), schema)
-    b = _batch(schema, n=64)
-    torch.testing.assert_close(model(b), _gem(base, schema)(b))
-    table = model.crosses.table
-    assert table.shape == (51 * 31 + 51 * 6, 2)
-    assert not {id(table)} & {id(p) for p in model.dense_parameters() + model.sparse_parameters()}
-
-    opt = build_cross_optimizer(model.cross_parameters(), OptimConfig(cross_lr=0.1), 64)
-    p = torch.sigmoid(model(b)[:, 0]).detach()
-    y = b.labels[:, 0]
-    torch.nn.functional.binary_cross_entropy_with_logits(model(b)[:, 0], y).backward()
-    opt.step()
-    ids = model.cross_ids(b)
-    cell = ids["user_id"] * 6 + ids["category"] + 51 * 31  # the second pair's cells
-    for c in cell.unique()[:5].tolist():
-        want = 0.1 * (y - p)[cell == c].sum()
-        torch.testing.assert_close(table[c, 0].detach(), want, rtol=1e-4, atol=1e-6)
