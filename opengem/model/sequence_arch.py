@@ -33,7 +33,6 @@ Choices where the public record is silent, all config options:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -59,9 +58,6 @@ class SequenceConfig:
     pffn: str = "paper"
     # learned: added position vectors | rope: rotary q/k (module docstring)
     position: str = "learned"
-    # > 0: TimeWindows, this many learned soft windows of each event's age added to its token
-    # beside the bucket embedding; 0 = off
-    time_windows: int = 0
 
     def validate(self, dim: int) -> None:
         if self.attention_impl not in IMPLS:
@@ -82,8 +78,6 @@ class SequenceConfig:
         if self.recent_len < 1 or self.num_pooled < 0 or self.min_recent < 1:
             raise ValueError("model.sequence.recent_len/min_recent must be >= 1 and num_pooled "
                              ">= 0")
-        if self.time_windows < 0:
-            raise ValueError(f"model.sequence.time_windows must be >= 0, got {self.time_windows}")
 
     def recent_at(self, layer: int) -> int:
         """K_l: recent tokens attended at ``layer`` (0-based)."""
@@ -96,45 +90,6 @@ def time_bucket(age_s: torch.Tensor, num_buckets: int) -> torch.Tensor:
     """Log-spaced buckets of an event's age: 4 per e-fold of minutes, clamped."""
     b = torch.log1p(age_s.clamp(min=0) / 60.0) * 4.0
     return b.long().clamp(0, num_buckets - 1)
-
-
-class TimeWindows(nn.Module):
-    """K learned soft windows of an event's age, as one more summand of its token:
-    w_k = σ(a_k · (e_k − t)), t = log1p(age / 1 min) (``time_bucket``'s scale), token += w · P
-    with P [K, D].
-
-    Why (a choice; the public record is silent): the bucket embedding puts an age edge wherever a
-    bucket boundary falls (4 per e-fold of minutes), so "in the last hour" or "within a week" is a
-    bucket's width (~28 %) blurred and learned one bucket at a time; a window with a learned edge
-    e_k and sharpness a_k can sit on the edge the logs have and grow as sharp as it is. The edges
-    start log-spaced from 1 hour to 30 days and the sharpness at 4 per e-fold (about a bucket's
-    width); P starts at zero, so at init the token is the one without windows.
-    """
-
-    FIRST_H, LAST_H, SHARP = 1.0, 720.0, 4.0
-
-    def __init__(self, k: int, dim: int):
-        super().__init__()
-        self.k = k
-        self.edge = nn.Parameter(torch.empty(k))
-        self.log_sharp = nn.Parameter(torch.empty(k))
-        self.proj = nn.Parameter(torch.empty(k, dim))
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        hours = torch.logspace(math.log10(self.FIRST_H), math.log10(self.LAST_H), self.k)
-        self.edge.copy_(torch.log1p(hours * 60.0))
-        self.log_sharp.fill_(math.log(self.SHARP))
-        nn.init.zeros_(self.proj)
-
-    def weights(self, ages_N: torch.Tensor) -> torch.Tensor:
-        """[N, K] each event's membership of each window."""
-        t = torch.log1p(ages_N.to(self.edge.dtype).clamp(min=0) / 60.0)
-        return torch.sigmoid(torch.exp(self.log_sharp) * (self.edge - t[:, None]))
-
-    def forward(self, ages_N: torch.Tensor) -> torch.Tensor:
-        return self.weights(ages_N) @ self.proj
 
 
 class PersonalizedFFN(nn.Module):
@@ -229,8 +184,6 @@ class SequenceTower(nn.Module):
             self.sink_logit = nn.Parameter(torch.zeros(M, cfg.num_heads))
             self.sink_value = nn.Parameter(torch.zeros(M, dim))
         self.layers = nn.ModuleList(SequenceLayer(n_sum, dim, cfg) for _ in range(num_layers))
-        # last, and only when on: off, the tower builds what it did before the option
-        self.windows = TimeWindows(cfg.time_windows, dim) if cfg.time_windows else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -241,10 +194,7 @@ class SequenceTower(nn.Module):
             nn.init.zeros_(self.sink_value)
 
     def embed(self, values_ND: torch.Tensor, ages_N: torch.Tensor) -> torch.Tensor:
-        x = values_ND + self.time_emb(time_bucket(ages_N, self.cfg.time_buckets))
-        if self.windows is not None:
-            x = x + self.windows(ages_N).to(x.dtype)
-        return self.in_norm(x)
+        return self.in_norm(values_ND + self.time_emb(time_bucket(ages_N, self.cfg.time_buckets)))
 
     def first_tokens(self, tok_ND: torch.Tensor, lengths: torch.Tensor,
                      x_sum_BCD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

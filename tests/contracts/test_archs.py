@@ -518,34 +518,3 @@ def test_decay_pool_is_the_decayed_mean_of_each_rows_events_and_its_times_learn(
 def test_decay_pool_refuses_a_time_that_is_not_positive():
     with pytest.raises(ValueError, match="decay_pool_hours"):
         GEMConfig(decay_pool_hours=(24.0, 0.0)).validate()
-
-
-def test_time_windows_are_learned_soft_windows_of_each_events_age():
-    """``sequence.time_windows``: w_k = σ(a_k (e_k − log1p(age / 60 s))), edges from 1 h to 30 d,
-    ~1 inside a window and ~0 past it; zero projection at init, so the logits equal the model's
-    without windows; the edges, sharpness and projection all learn."""
-    schema = tiny_schema()
-    seq = dict(num_heads=2, recent_len=4, min_recent=2, num_pooled=1)
-    base = GEMConfig(embedding_dim=D, wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2),
-                     sequence=SequenceConfig(**seq))
-    model = _gem(replace(base, sequence=SequenceConfig(**seq, time_windows=3)), schema)
-    b = _batch(schema, n=8)
-    torch.testing.assert_close(model(b), _gem(base, schema)(b))
-    win = model.interformer.towers[0].windows
-    torch.testing.assert_close(win.edge.detach(), torch.log1p(torch.tensor([1.0, 720**0.5, 720.0])
-                                                              * 3600 / 60))
-    ages = torch.tensor([60.0, 1800.0, 7200.0, 86400.0 * 60])
-    w = win.weights(ages).detach()
-    want = torch.sigmoid(4.0 * (win.edge.detach()[None, :]
-                                - torch.log1p(ages / 60.0)[:, None]))
-    torch.testing.assert_close(w, want)
-    assert w[1, 0] > 0.8 and w[2, 0] < 0.2 and w[3].max() < 0.1  # 30 min in, 2 h out, 60 d out
-    with torch.no_grad():
-        for t in model.interformer.towers:
-            t.windows.proj.normal_()
-    _check_all_params_learn(model, model(b).sum())
-
-
-def test_time_windows_refuse_a_negative_count():
-    with pytest.raises(ValueError, match="time_windows"):
-        SequenceConfig(time_windows=-1).validate(D)

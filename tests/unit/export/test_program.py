@@ -119,12 +119,10 @@ def test_serving_module_equals_gem(specs):
     {"input_norm": "rms_ids", "count_decay_hours": (1.0,), "count_recency": True,
      "shortcut_pairs": "unit"},
     {"decay_pool_hours": (0.5, 24.0), "input_norm": "rms"},
-    {"seq": {"time_windows": 4}},
 ])
 def test_serving_module_equals_gem_for_each_model_choice(kw):
     """RoPE, the PFFN orientation, the cross-layer span, the fitted dense normaliser, the X_0 RMS
-    norm, the field-vector shortcut, the decayed history means and the learned time windows serve
-    as they train."""
+    norm, the field-vector shortcut and the decayed history means serve as they train."""
     schema = tiny_schema()
     diff, _ = _compare(_model(schema, **kw), schema,
                        _requests(schema, [(3, -1), (2, 0), (4, 5)], seed=21))
