@@ -160,6 +160,11 @@ class InterFormer(nn.Module):
         self.stream_emb = (nn.Parameter(torch.zeros(num_streams, dim))
                            if cfg.cross_stream and num_streams > 1 else None)
 
+    def reset_parameters(self) -> None:
+        """The stream vectors only (its children reset their own): from zero, no random draw."""
+        if self.stream_emb is not None:
+            nn.init.zeros_(self.stream_emb)
+
     def forward(self, x_BND: torch.Tensor, seqs: list[tuple[torch.Tensor, torch.Tensor]]):
         x_sum = self.cross[0].summarize_x(x_BND)
         pool = self.merged(seqs) if self.stream_emb is not None else None

@@ -530,6 +530,7 @@ def test_cross_stream_pools_read_every_streams_events_of_the_row():
                                              num_pooled=1))
     model = _gem(replace(base, interformer=InterFormerConfig(cross_stream=True)), schema)
     inter = model.interformer
+    assert inter.stream_emb.abs().max() == 0  # materialised from meta: reset, not left as memory
     with torch.no_grad():
         inter.stream_emb.normal_()
     b = _batch(schema, n=4, lengths={"s0": np.array([2, 0, 3, 1]), "s1": np.array([1, 2, 0, 2])})
