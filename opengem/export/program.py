@@ -67,9 +67,6 @@ class ServingGEM(nn.Module):
         self.capped = bool(gem.cfg.sparse.max_rows_per_table)
         self.match_pairs = {k: v for k, v in getattr(gem, "match_pairs", {}).items() if v}
         self.groups = {f.name: f.group for f in self.schema.sparse}
-        if gem.interformer.stream_emb is not None:
-            raise NotImplementedError("model.interformer.cross_stream is not served yet: export "
-                                      "a model trained without it")
 
     def _ids(self, x: torch.Tensor, column: str) -> torch.Tensor:
         return x % self.rows[column] if self.capped else x  # SparseArch._hash, per feature

@@ -25,7 +25,6 @@ from torch import nn
 
 from opengem.model.interaction_arch import InteractionArch, TokenLinear, WukongConfig
 from opengem.model.sequence_arch import SequenceConfig, SequenceTower
-from opengem.ops.jagged import row_ids
 
 
 @dataclass
@@ -46,9 +45,6 @@ class InterFormerConfig:
     # (benchmarks/step_profile.py), so a pooled-only sequence side is the cheap form to weigh
     # against them at equal wall time (benchmarks/cheap_forms.py).
     tower_layers: bool = True
-    # True: each tower's pooled queries read every stream's events of the row (one merged
-    # timeline, a learned vector per stream added), its recent window its own stream's
-    cross_stream: bool = False
 
     def validate(self) -> None:
         if self.gate not in ("self", "sigmoid_of_product"):
@@ -156,35 +152,12 @@ class InterFormer(nn.Module):
         tokens = [n_x] + [wukong.num_out if cfg.wukong else n_x] * wukong.num_layers
         self.cross = nn.ModuleList(CrossArch(tokens[i], dim, num_streams, sequence.num_heads, cfg)
                                    for i in range(wukong.num_layers + 1))
-        # last, and only when on: off, the model builds what it did before the option
-        self.stream_emb = (nn.Parameter(torch.zeros(num_streams, dim))
-                           if cfg.cross_stream and num_streams > 1 else None)
-
-    def reset_parameters(self) -> None:
-        """The stream vectors only (its children reset their own): from zero, no random draw."""
-        if self.stream_emb is not None:
-            nn.init.zeros_(self.stream_emb)
 
     def forward(self, x_BND: torch.Tensor, seqs: list[tuple[torch.Tensor, torch.Tensor]]):
         x_sum = self.cross[0].summarize_x(x_BND)
-        pool = self.merged(seqs) if self.stream_emb is not None else None
-        states = [tw.first_tokens(tok, lengths, self.tower_context(x_sum), pool)
+        states = [tw.first_tokens(tok, lengths, self.tower_context(x_sum))
                   for tw, (tok, lengths) in zip(self.towers, seqs)]
         return self.run_layers(x_BND, states, x_sum)
-
-    def merged(self, seqs: list[tuple[torch.Tensor, torch.Tensor]]
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens [ΣN, D], lengths [B]): every stream's events of each row in one jagged
-        sequence (the streams in order within a row), each with its stream's learned vector.
-
-        Why (``model.interformer.cross_stream``, a candidate of issue 48; the public record is
-        silent): a tower's pooled attention reads its own stream only, so "a burst of activity
-        in any stream" or "engaged with this advertiser's ad after browsing its category" reach
-        it only through the summaries; pooling over the merged timeline lets one query read
-        both."""
-        toks = torch.cat([tok + self.stream_emb[i] for i, (tok, _) in enumerate(seqs)])
-        order = torch.sort(torch.cat([row_ids(n) for _, n in seqs]), stable=True).indices
-        return toks[order], sum(n for _, n in seqs)
 
     def tower_context(self, x_sum: torch.Tensor) -> torch.Tensor:
         """What the towers read as X_sum (CLS tokens, PFFN, pooling queries): zeros

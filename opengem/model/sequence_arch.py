@@ -197,19 +197,15 @@ class SequenceTower(nn.Module):
         return self.in_norm(values_ND + self.time_emb(time_bucket(ages_N, self.cfg.time_buckets)))
 
     def first_tokens(self, tok_ND: torch.Tensor, lengths: torch.Tensor,
-                     x_sum_BCD: torch.Tensor,
-                     pool: tuple[torch.Tensor, torch.Tensor] | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """S_1 = [CLS | pooled | recent] and its validity mask; ``pool``: the (tokens, lengths)
-        the pooled queries read instead of the stream's own (``InterFormer.merged``)."""
+                     x_sum_BCD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """S_1 = [CLS | pooled | recent] and its validity mask."""
         B = lengths.numel()
         parts, valid = [x_sum_BCD], [lengths.new_ones(B, self.n_sum, dtype=torch.bool)]
         if self.cfg.num_pooled:
             M, D = self.cfg.num_pooled, self.dim
             q = self.pool_q + self.pool_cond(x_sum_BCD.flatten(1)).view(B, M, D)
-            src, src_len = pool if pool is not None else (tok_ND, lengths)
-            k, v = self.pool_kv(src).chunk(2, dim=-1)
-            pooled = pool_attention(q, k, v, src_len, self.cfg.num_heads, self.sink_logit,
+            k, v = self.pool_kv(tok_ND).chunk(2, dim=-1)
+            pooled = pool_attention(q, k, v, lengths, self.cfg.num_heads, self.sink_logit,
                                     self.sink_value, impl=self.cfg.attention_impl)
             parts.append(self.pool_out(pooled))
             # the sink makes every row's pool defined

@@ -518,37 +518,3 @@ def test_decay_pool_is_the_decayed_mean_of_each_rows_events_and_its_times_learn(
 def test_decay_pool_refuses_a_time_that_is_not_positive():
     with pytest.raises(ValueError, match="decay_pool_hours"):
         GEMConfig(decay_pool_hours=(24.0, 0.0)).validate()
-
-
-def test_cross_stream_pools_read_every_streams_events_of_the_row():
-    """``interformer.cross_stream``: the merged timeline holds each row's events of every stream
-    (the streams in order within a row, each with its stream vector), and a tower's pooled tokens
-    then move when only the other stream's events change."""
-    schema = tiny_schema()
-    base = GEMConfig(embedding_dim=D, wukong=WukongConfig(num_layers=1, num_fm=2, num_lc=2),
-                     sequence=SequenceConfig(num_heads=2, recent_len=4, min_recent=2,
-                                             num_pooled=1))
-    model = _gem(replace(base, interformer=InterFormerConfig(cross_stream=True)), schema)
-    inter = model.interformer
-    assert inter.stream_emb.abs().max() == 0  # materialised from meta: reset, not left as memory
-    with torch.no_grad():
-        inter.stream_emb.normal_()
-    b = _batch(schema, n=4, lengths={"s0": np.array([2, 0, 3, 1]), "s1": np.array([1, 2, 0, 2])})
-    _, seqs = model.inputs(b)
-    tok, lengths = inter.merged(seqs)
-    assert lengths.tolist() == [3, 2, 3, 3]
-    (t0, n0), (t1, n1) = seqs
-    want, o0, o1 = [], 0, 0
-    for r in range(4):
-        want += [t0[o0:o0 + n0[r]] + inter.stream_emb[0], t1[o1:o1 + n1[r]] + inter.stream_emb[1]]
-        o0, o1 = o0 + int(n0[r]), o1 + int(n1[r])
-    torch.testing.assert_close(tok, torch.cat(want))
-
-    tower, x_sum = inter.towers[0], inter.cross[0].summarize_x(model.inputs(b)[0])
-    moved = (t0, n0), (t1 + 1.0, n1)
-    a = tower.first_tokens(t0, n0, x_sum, inter.merged(seqs))[0]
-    c = tower.first_tokens(t0, n0, x_sum, inter.merged(list(moved)))[0]
-    pooled = slice(InterFormerConfig().num_sum, InterFormerConfig().num_sum + 1)
-    assert (a[:, pooled] - c[:, pooled]).abs().amax(dim=(1, 2)).tolist()[2] == 0  # no s1 events
-    assert (a[[0, 1, 3], pooled] - c[[0, 1, 3], pooled]).abs().min() > 0
-    _check_all_params_learn(model, model(_batch(schema)).sum())
